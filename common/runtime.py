@@ -1,0 +1,107 @@
+"""Where and how a run computes: device, seeds, precision, and the distributed process group.
+
+One order for wrapping a model, used everywhere: move it to the device, wrap it in DDP, then compile
+(``prepare_model``). Compiling the DDP-wrapped module lets Dynamo split the graph at DDP's gradient buckets,
+so communication still overlaps the backward pass. ``unwrap`` undoes both wrappers for checkpoints.
+"""
+
+import os
+import random
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from common.cli import RecipeError
+
+AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def resolve_device(name: str) -> torch.device:
+    """``auto`` picks cuda, else mps, else cpu; asking for a device that is absent is a RecipeError."""
+    if name == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        if torch.backends.mps.is_available():
+            return torch.device("mps")
+        return torch.device("cpu")
+    device = torch.device(name)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise RecipeError(f"--device {name}: CUDA is not available on this machine; use --device cpu or auto")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise RecipeError(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise RecipeError(f"--device {name}: MPS is not available on this machine; use --device cpu or auto")
+    return device
+
+
+def seed_everything(seed: int) -> None:
+    """Seed python and torch (CPU and every CUDA device). Under DDP pass seed + rank."""
+    random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def autocast(device: torch.device, precision: str) -> torch.autocast:
+    """The autocast context for a precision; fp32 gives a disabled one, so callers need no branch."""
+    dtype = AUTOCAST_DTYPES.get(precision, torch.bfloat16)
+    return torch.autocast(device.type, dtype=dtype, enabled=precision != "fp32")
+
+
+def make_grad_scaler(device: torch.device, precision: str) -> torch.amp.GradScaler | None:
+    """fp16 needs loss scaling: its 5 exponent bits flush small gradients to zero. bf16 has fp32's 8
+    exponent bits (only the mantissa is shorter), so its gradients do not underflow and need no scaler."""
+    return torch.amp.GradScaler(device.type) if precision == "fp16" else None
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def setup_distributed(device_name: str, backend: str = "auto") -> tuple[DistInfo, torch.device]:
+    """Join the process group torchrun describes in the environment, or run alone without one.
+
+    Under torchrun each process takes ``cuda:LOCAL_RANK`` when CUDA is used; the backend ``auto`` is nccl
+    with CUDA and gloo otherwise.
+    """
+    if "RANK" not in os.environ:  # plain `python recipe.py`: no process group at all
+        return DistInfo(), resolve_device(device_name)
+    info = DistInfo(int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"]))
+    device = resolve_device(device_name)
+    if device.type == "cuda":
+        device = torch.device("cuda", info.local_rank)
+        torch.cuda.set_device(device)
+    if backend == "auto":
+        backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, device_id=device if device.type == "cuda" else None)
+    return info, device
+
+
+def prepare_model(model: nn.Module, device: torch.device, *, compile: bool = False, **compile_options) -> nn.Module:
+    """Move to device, wrap in DDP when a process group exists, then torch.compile (in that order)."""
+    model = model.to(device)
+    if dist.is_initialized():
+        model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    if compile:
+        model = torch.compile(model, **compile_options)
+    return model
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The plain module inside torch.compile's and DDP's wrappers (state_dict keys without prefixes)."""
+    while True:
+        if hasattr(model, "_orig_mod"):  # torch.compile's OptimizedModule
+            model = model._orig_mod
+        elif isinstance(model, DistributedDataParallel):
+            model = model.module
+        else:
+            return model

@@ -1,0 +1,217 @@
+"""MNIST digits with a small batch-norm CNN, SGD + Nesterov, and the one-cycle learning-rate policy.
+
+What it teaches: OneCycleLR stepped after every batch (warm up to --max-lr, then anneal to almost zero,
+for a fixed budget of steps); batch norm; label smoothing; channels_last memory format; an input pipeline
+that decodes and normalises the data set once instead of once per image per epoch; evaluation every epoch
+with the best checkpoint kept; misclassified test digits shown in TensorBoard.
+
+    python recipes/mnist_onecycle.py --epochs 3
+
+A good result: about 99.3% test accuracy after 3 epochs on the full data set. On 8,000 real digits it beats
+pytorch/examples' MNIST recipe in both accuracy and time (see the README's Performance table).
+"""
+
+import sys
+from pathlib import Path
+from typing import Annotated
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `python recipes/NAME.py` from a clone
+
+import torch
+import typer
+from torch import nn
+from torch.utils.data import TensorDataset
+from torchvision.utils import make_grid
+
+from common.checkpoint import load_checkpoint, restore_training_state, training_state
+from common.cli import (
+    BatchSize,
+    CheckpointEvery,
+    Compile,
+    DataDir,
+    Device,
+    Epochs,
+    MaxSteps,
+    NumWorkers,
+    Precision,
+    Progress,
+    RecipeError,
+    Resume,
+    RunDir,
+    Seed,
+    positive_float,
+    run_recipe,
+)
+from common.data import MNIST_MEAN, MNIST_STD, load_mnist, make_loader
+from common.loop import evaluate, train_step
+from common.runtime import make_grad_scaler, prepare_model, resolve_device, seed_everything
+from common.tracking import Run, plain_config, prepare_run_dir
+
+RECIPE = "mnist_onecycle"
+
+
+# ----------------------------------------------------------------------------------------------------
+# Model
+
+
+def conv_bn_relu(c_in: int, c_out: int) -> nn.Sequential:
+    # no conv bias: the batch norm right after it has its own shift
+    return nn.Sequential(nn.Conv2d(c_in, c_out, 3, padding=1, bias=False), nn.BatchNorm2d(c_out), nn.ReLU())
+
+
+class DigitNet(nn.Module):
+    """Five 3x3 conv-BN-ReLU layers, two 2x2 poolings (28 -> 14 -> 7), global average pooling, one linear
+    head. Pooling early keeps most of the work at low resolution, which is what makes it fast on a CPU."""
+
+    def __init__(self, width: int = 16):
+        super().__init__()
+        w = width
+        self.features = nn.Sequential(
+            conv_bn_relu(1, w), conv_bn_relu(w, 2 * w), nn.MaxPool2d(2),  # (B, 2w, 14, 14)
+            conv_bn_relu(2 * w, 2 * w), conv_bn_relu(2 * w, 4 * w), nn.MaxPool2d(2),  # (B, 4w, 7, 7)
+            conv_bn_relu(4 * w, 8 * w), nn.AdaptiveAvgPool2d(1), nn.Flatten(),  # (B, 8w)
+        )
+        self.head = nn.Linear(8 * w, 10)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        return self.head(self.features(images))
+
+
+# ----------------------------------------------------------------------------------------------------
+# Data
+
+
+def mnist_datasets(data_dir: Path) -> tuple[TensorDataset, TensorDataset]:
+    # Whole data set as two tensors: a batch is one indexing operation, no per-image decoding or PIL.
+    return TensorDataset(*load_mnist(data_dir, train=True)), TensorDataset(*load_mnist(data_dir, train=False))
+
+
+@torch.no_grad()
+def misclassified_grid(model: nn.Module, test_set: TensorDataset, device: torch.device, limit: int = 64):
+    """An image grid of up to ``limit`` test digits the model gets wrong, for TensorBoard."""
+    was_training = model.training
+    model.eval()
+    images, labels = test_set.tensors[0][:2000], test_set.tensors[1][:2000]
+    predictions = model(images.to(device).contiguous(memory_format=torch.channels_last)).argmax(1).cpu()
+    model.train(was_training)
+    wrong = images[predictions != labels][:limit]
+    if len(wrong) == 0:
+        return None
+    return make_grid(wrong * MNIST_STD + MNIST_MEAN, nrow=8, pad_value=1.0)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Training
+
+
+def main(
+    epochs: Epochs = 3,
+    max_steps: MaxSteps = None,
+    batch_size: BatchSize = 64,
+    max_lr: Annotated[float, typer.Option("--max-lr", "--lr", callback=positive_float,
+                                          help="Peak learning rate of the one-cycle schedule.")] = 0.1,
+    momentum: Annotated[float, typer.Option(min=0.0, max=0.999, help="SGD (Nesterov) momentum.")] = 0.9,
+    weight_decay: Annotated[float, typer.Option(min=0.0, help="L2 penalty on all weights.")] = 5e-4,
+    label_smoothing: Annotated[float, typer.Option(min=0.0, max=0.5, help="Cross-entropy label smoothing.")] = 0.1,
+    width: Annotated[int, typer.Option(min=1, help="Channels of the first conv layer (later ones 2x-8x).")] = 16,
+    seed: Seed = 0,
+    device: Device = "auto",
+    precision: Precision = "fp32",
+    compile: Compile = False,
+    num_workers: NumWorkers = 0,
+    data_dir: DataDir = Path("data"),
+    run_dir: RunDir = None,
+    resume: Resume = None,
+    checkpoint_every: CheckpointEvery = None,
+    progress: Progress = None,
+):
+    """Train a small CNN on MNIST with the one-cycle learning-rate schedule."""
+    config = plain_config(locals())
+    run_dir, resume_path = prepare_run_dir(RECIPE, run_dir, resume)
+    checkpoint = load_checkpoint(resume_path, RECIPE) if resume_path else None
+    seed_everything(seed)
+    device = resolve_device(device)
+
+    train_set, test_set = mnist_datasets(data_dir)
+    # In-memory tensors: worker processes would only add inter-process copies (hence 0 by default).
+    train_loader = make_loader(train_set, batch_size, train=True, seed=seed, num_workers=num_workers, device=device)
+    test_loader = make_loader(test_set, 1000, train=False, num_workers=num_workers, device=device)
+
+    # channels_last (NHWC) is the layout oneDNN and cuDNN convolutions run fastest in
+    model = DigitNet(width).to(memory_format=torch.channels_last)
+    optimizer = torch.optim.SGD(
+        model.parameters(), lr=max_lr, momentum=momentum, nesterov=True, weight_decay=weight_decay
+    )
+    steps_per_epoch = len(train_loader)
+    if steps_per_epoch == 0:
+        raise RecipeError(f"--batch-size {batch_size} is larger than the training set ({len(train_set)} images)")
+    # The schedule spans all epochs; --max-steps only stops early, so a run cut short and resumed follows
+    # the same learning-rate curve as one that never stopped.
+    schedule_steps = epochs * steps_per_epoch
+    scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=max_lr, total_steps=schedule_steps)
+    scaler = make_grad_scaler(device, precision)
+    loss_fn = nn.CrossEntropyLoss(label_smoothing=label_smoothing)
+    eval_loss_fn = nn.CrossEntropyLoss()  # report the plain loss, comparable across smoothing settings
+
+    step, best_acc = 0, 0.0
+    if checkpoint:
+        if checkpoint["scheduler"]["total_steps"] != schedule_steps:
+            raise RecipeError(
+                f"{resume_path} follows a one-cycle schedule of {checkpoint['scheduler']['total_steps']} steps; "
+                f"resume with the --epochs and --batch-size it was started with"
+            )
+        restore_training_state(
+            checkpoint, resume_path, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler,
+            loader_generator=train_loader.generator,
+        )
+        step, best_acc = checkpoint["step"], checkpoint["best_acc"]
+    model = prepare_model(model, device, compile=compile)
+
+    total_steps = min(schedule_steps, max_steps or schedule_steps)
+    run = Run(RECIPE, config, run_dir, total_steps=total_steps, start_step=step,
+              checkpoint_every=checkpoint_every, progress=progress)
+    run.print(f"run_dir {run_dir} | device {device} | {len(train_set)} train / {len(test_set)} test digits"
+              f"{f' | resumed at step {step}' if checkpoint else ''}")
+
+    def state() -> dict:
+        return training_state(
+            RECIPE, config, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler,
+            step=step, epoch=step // steps_per_epoch, loader_generator=train_loader.generator,
+            best_acc=best_acc, width=width,
+        )
+
+    metrics = {}
+    start_epoch, done_in_epoch = divmod(step, steps_per_epoch)
+    for epoch in range(start_epoch, epochs):
+        # A resumed run rebuilds this epoch's shuffle and skips the batches it already trained on.
+        skip = done_in_epoch * batch_size if epoch == start_epoch else 0
+        train_loader.sampler.set_epoch(epoch, skip=skip)
+        for images, labels in train_loader:
+            lr = scheduler.get_last_lr()[0]  # the rate this step uses; train_step advances the schedule
+            stats = train_step(model, optimizer, loss_fn, [(images, labels)], device=device,
+                               precision=precision, scaler=scaler, scheduler=scheduler)
+            step += 1
+            run.log_train(step, stats, lr=lr, items=len(labels))
+            if run.checkpoint_due(step):
+                run.save_checkpoint(state())
+            if step >= total_steps:
+                break
+
+        val = evaluate(model, test_loader, eval_loss_fn, device=device, precision=precision)
+        metrics = {"val_loss": val["loss"], "val_acc": val["acc"]}
+        run.log_eval(step, val, note=f"epoch {epoch + 1}/{epochs}  ")
+        grid = misclassified_grid(model, test_set, device)
+        if run.writer and grid is not None:
+            run.writer.add_image("val/misclassified", grid, step)
+        if val["acc"] > best_acc:
+            best_acc = val["acc"]
+            run.save_checkpoint(state(), "best.pt")
+        run.save_checkpoint(state())
+        if step >= total_steps:
+            break
+
+    run.finish(step, {**metrics, "best_val_acc": best_acc})
+
+
+if __name__ == "__main__":
+    run_recipe(main)

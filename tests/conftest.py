@@ -1,0 +1,144 @@
+"""Shared fixtures: small data sets in the real formats, and ways to run a recipe's CLI.
+
+Recipes run in-process where that is enough (fast: torch is imported once) and as real subprocesses
+where the process itself is under test (signals, exit codes seen by a shell, torchrun).
+"""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from scripts.mnist_files import write_mnist  # noqa: E402
+
+RECIPES = ["tabular_mlp", "mnist_onecycle"]
+
+
+@dataclass
+class Result:
+    code: int
+    stdout: str
+    stderr: str
+
+    @property
+    def done_line(self) -> str:
+        lines = self.stdout.strip().splitlines()
+        return lines[-1] if lines else ""
+
+
+def load_recipe(name: str):
+    """Import recipes/NAME.py as a module (recipes are scripts, not a package)."""
+    module_name = f"recipe_{name}"
+    if module_name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(module_name, ROOT / "recipes" / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[module_name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[module_name]
+
+
+@pytest.fixture
+def run_inprocess(capsys):
+    """Run a recipe's CLI in this process; returns its exit code and captured output."""
+    from common.cli import run_recipe
+
+    def run(name: str, *args) -> Result:
+        capsys.readouterr()
+        try:
+            run_recipe(load_recipe(name).main, [str(a) for a in args])
+            code = 0
+        except SystemExit as exit_:
+            code = exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
+        out = capsys.readouterr()
+        return Result(code, out.out, out.err)
+
+    return run
+
+
+def run_subprocess(args: list, timeout: float = 300, env: dict | None = None, cwd: Path = ROOT) -> Result:
+    """Run a command (e.g. ["recipes/x.py", ...] is run with this Python) as a separate process."""
+    command = [str(a) for a in args]
+    if command[0].endswith(".py"):
+        command = [sys.executable, *command]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=cwd,
+                          env={**os.environ, **(env or {})})
+    return Result(proc.returncode, proc.stdout, proc.stderr)
+
+
+def read_scalars(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
+    """Every scalar in a run directory's TensorBoard event files, as {tag: [(step, value), ...]}."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    accumulator = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
+    accumulator.Reload()
+    return {tag: [(e.step, e.value) for e in accumulator.Scalars(tag)] for tag in accumulator.Tags()["scalars"]}
+
+
+def read_metrics(run_dir: Path) -> dict:
+    return json.loads((run_dir / "metrics.json").read_text())
+
+
+def load_weights(path: Path) -> dict[str, torch.Tensor]:
+    return torch.load(path, weights_only=True)["model"]
+
+
+def assert_same_weights(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), f"{key} differs"
+
+
+# ------------------------------------------------------------------------------------------------------
+# Data in the real formats
+
+
+def synthetic_digits(n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Learnable fake digits: class k is a bright 8x8 square at a class-specific place, plus noise."""
+    rng = np.random.default_rng(seed)
+    labels = rng.integers(0, 10, n).astype(np.uint8)
+    images = rng.integers(0, 60, (n, 28, 28)).astype(np.uint8)
+    for i, k in enumerate(labels):
+        row, col = 2 + (k // 5) * 12, 2 + (k % 5) * 5
+        images[i, row : row + 8, col : col + 8] = 255
+    return images, labels
+
+
+@pytest.fixture(scope="session")
+def mnist_dir(tmp_path_factory) -> Path:
+    """A --data-dir holding a tiny MNIST (512 train, 200 test digits) as uncompressed IDX files."""
+    root = tmp_path_factory.mktemp("mnist")
+    write_mnist(root, synthetic_digits(512, seed=1), synthetic_digits(200, seed=2))
+    return root
+
+
+def write_table(path: Path, n: int = 300, seed: int = 0, *, target: bool = True) -> Path:
+    """A CSV with numeric, categorical and missing values; the label depends on both kinds of column."""
+    rng = np.random.default_rng(seed)
+    colours = ["red", "green", "blue", "black"]
+    lines = ["age,income,colour,city,label" if target else "age,income,colour,city"]
+    for i in range(n):
+        age = rng.integers(18, 80)
+        income = rng.normal(50, 15)
+        colour = colours[rng.integers(0, 4)]
+        city = ["Oslo", "Lima", "Pune"][rng.integers(0, 3)]
+        label = "yes" if (age > 45) ^ (colour in ("red", "blue")) else "no"
+        income_text = "" if i % 17 == 0 else f"{income:.2f}"  # missing numbers
+        city = "?" if i % 23 == 0 else city  # missing categories
+        lines.append(f"{age},{income_text},{colour},{city}" + (f",{label}" if target else ""))
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+@pytest.fixture
+def table_csv(tmp_path) -> Path:
+    return write_table(tmp_path / "table.csv")

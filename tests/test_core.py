@@ -1,0 +1,306 @@
+"""The shared core: precision, the training step, evaluation, checkpoints, loaders, run directories."""
+
+import math
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import assert_same_weights, read_scalars
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from common import checkpoint as ckpt
+from common.cli import RecipeError
+from common.data import make_loader
+from common.loop import evaluate, train_step
+from common.runtime import make_grad_scaler, resolve_device, unwrap
+from common.tracking import Run, prepare_run_dir
+
+CPU = torch.device("cpu")
+
+
+def tiny_model(dropout: float = 0.0) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(dropout), nn.Linear(16, 3))
+
+
+def tiny_data(n: int = 64) -> TensorDataset:
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(n, 8, generator=g)
+    return TensorDataset(x, (x[:, 0] > 0).long() + (x[:, 1] > 0).long())
+
+
+LOSS = nn.CrossEntropyLoss()
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_autocast_on_cpu_trains(precision):
+    model = tiny_model()
+    before = [p.detach().clone() for p in model.parameters()]
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = make_grad_scaler(CPU, precision)
+    assert (scaler is not None) == (precision == "fp16")
+    x, y = tiny_data().tensors
+    stats = train_step(model, optimizer, LOSS, [(x, y)], device=CPU, precision=precision, scaler=scaler)
+    assert math.isfinite(stats.loss.item())
+    assert all(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    if scaler:  # the step went through the scaler: it counted one good step and reported the norm
+        assert scaler.state_dict()["_growth_tracker"] == 1
+        assert not stats.skipped and math.isfinite(stats.grad_norm.item())
+
+
+def test_autocast_computes_in_low_precision():
+    from common.runtime import autocast
+
+    with autocast(CPU, "bf16"):
+        assert (torch.ones(2, 2) @ torch.ones(2, 2)).dtype == torch.bfloat16
+    with autocast(CPU, "fp32"):
+        assert (torch.ones(2, 2) @ torch.ones(2, 2)).dtype == torch.float32
+
+
+def test_fp16_overflow_is_skipped_and_the_scale_drops():
+    model = tiny_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**30)  # scaled fp16 gradients overflow for sure
+    x, y = tiny_data().tensors
+    before = [p.detach().clone() for p in model.parameters()]
+    stats = train_step(model, optimizer, LOSS, [(x, y)], device=CPU, precision="fp16", scaler=scaler)
+    assert bool(stats.skipped)
+    assert scaler.get_scale() == 2.0**29
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    for _ in range(40):  # training goes on: the scale keeps halving until steps succeed
+        stats = train_step(model, optimizer, LOSS, [(x, y)], device=CPU, precision="fp16", scaler=scaler)
+    assert not bool(stats.skipped)
+    assert not all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+
+
+def test_gradient_accumulation_equals_one_big_batch():
+    x, y = tiny_data().tensors
+    big, small = tiny_model(), tiny_model()
+    opt_big = torch.optim.SGD(big.parameters(), lr=0.1)
+    opt_small = torch.optim.SGD(small.parameters(), lr=0.1)
+    train_step(big, opt_big, LOSS, [(x, y)], device=CPU)
+    stats = train_step(small, opt_small, LOSS, [(x[:32], y[:32]), (x[32:], y[32:])], device=CPU)
+    for a, b in zip(big.parameters(), small.parameters(), strict=True):
+        torch.testing.assert_close(a, b)
+    assert stats.loss.item() == pytest.approx(LOSS(tiny_model()(x), y).item(), rel=1e-5)
+
+
+def test_clipping_bounds_the_update_and_reports_the_norm():
+    model = tiny_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    x, y = tiny_data().tensors
+    before = torch.cat([p.detach().flatten() for p in model.parameters()])
+    stats = train_step(model, optimizer, LOSS, [(x, y)], device=CPU, max_grad_norm=1e-3)
+    after = torch.cat([p.detach().flatten() for p in model.parameters()])
+    assert stats.grad_norm.item() > 1e-3  # the norm before clipping
+    assert (after - before).norm().item() == pytest.approx(1e-3, rel=1e-3)  # lr 1 x clipped norm
+
+
+def test_evaluate_uses_eval_mode_no_graph_and_restores_train_mode():
+    model = tiny_model(dropout=0.5)
+    model.train()
+    seen = []
+    model.register_forward_hook(lambda m, inputs, out: seen.append((m.training, out.requires_grad)))
+    loader = make_loader(tiny_data(50), 16, train=False)
+    metrics = evaluate(model, loader, LOSS, device=CPU)
+    assert seen and all(mode is False and grad is False for mode, grad in seen)
+    assert model.training
+    # every sample counted once, the short last batch weighted by its size
+    x, y = tiny_data(50).tensors
+    model.eval()
+    with torch.no_grad():
+        logits = model(x)
+    assert metrics["loss"] == pytest.approx(LOSS(logits, y).item(), rel=1e-5)
+    assert metrics["acc"] == pytest.approx((logits.argmax(1) == y).float().mean().item())
+
+
+def test_train_loader_shuffles_on_cpu_and_is_reproducible():
+    data = TensorDataset(torch.arange(100))
+
+    def order(seed, epoch):
+        loader = make_loader(data, 10, train=True, seed=seed)
+        loader.sampler.set_epoch(epoch)
+        return torch.cat([batch[0] for batch in loader]).tolist()
+
+    assert order(0, 0) != list(range(100))
+    assert order(0, 0) == order(0, 0)
+    assert order(0, 0) != order(0, 1)  # a new permutation every epoch
+    assert order(0, 0) != order(1, 0)
+    assert len(order(0, 0)) == 100 and len(set(order(0, 0))) == 100
+
+
+def test_resumed_epoch_skips_exactly_what_was_seen():
+    data = TensorDataset(torch.arange(100))
+    loader = make_loader(data, 10, train=True, seed=3)
+    loader.sampler.set_epoch(2)
+    full = [batch[0].tolist() for batch in loader]
+    loader.sampler.set_epoch(2, skip=4 * 10)
+    assert [batch[0].tolist() for batch in loader] == full[4:]
+
+
+def test_eval_loader_keeps_order_and_every_sample():
+    loader = make_loader(TensorDataset(torch.arange(25)), 10, train=False)
+    assert torch.cat([b[0] for b in loader]).tolist() == list(range(25))
+
+
+def training_setup(dropout=0.2):
+    model = tiny_model(dropout)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.05, total_steps=20)
+    scaler = torch.amp.GradScaler("cpu")
+    loader = make_loader(tiny_data(), 8, train=True, seed=0)
+    return model, optimizer, scheduler, scaler, loader
+
+
+def run_steps(setup, start, stop):
+    model, optimizer, scheduler, scaler, loader = setup
+    step = start
+    epoch, skip = divmod(start, len(loader))
+    while step < stop:
+        loader.sampler.set_epoch(epoch, skip=skip * 8)
+        for batch in loader:
+            train_step(model, optimizer, LOSS, [batch], device=CPU, precision="fp16", scaler=scaler,
+                       scheduler=scheduler)
+            step += 1
+            if step == stop:
+                return
+        epoch, skip = epoch + 1, 0
+
+
+def test_checkpoint_round_trip_continues_bit_identically(tmp_path):
+    torch.manual_seed(5)
+    setup = training_setup()
+    run_steps(setup, 0, 11)  # stops mid-epoch (8 steps per epoch)
+    model, optimizer, scheduler, scaler, loader = setup
+    path = tmp_path / "last.pt"
+    ckpt.save_checkpoint(path, ckpt.training_state("test", {"a": 1}, model=model, optimizer=optimizer,
+                                                   scheduler=scheduler, scaler=scaler, step=11, epoch=1,
+                                                   loader_generator=loader.generator))
+    run_steps(setup, 11, 17)
+    uninterrupted = {k: v.clone() for k, v in model.state_dict().items()}
+
+    torch.manual_seed(123)  # disturb the global RNG: the checkpoint must restore it
+    fresh = training_setup()
+    state = ckpt.load_checkpoint(path, "test")
+    ckpt.restore_training_state(state, path, model=fresh[0], optimizer=fresh[1], scheduler=fresh[2],
+                                scaler=fresh[3], loader_generator=fresh[4].generator)
+    assert state["step"] == 11 and state["config"] == {"a": 1}
+    run_steps(fresh, 11, 17)
+    assert_same_weights(uninterrupted, fresh[0].state_dict())
+    assert fresh[2].get_last_lr() == scheduler.get_last_lr()
+
+
+def test_failed_save_leaves_previous_checkpoint_intact(tmp_path, monkeypatch):
+    path = tmp_path / "checkpoints" / "last.pt"
+    ckpt.save_checkpoint(path, {"model": {"w": torch.ones(3)}, "recipe": "test"})
+    before = path.read_bytes()
+
+    def crash_halfway(obj, f, *args, **kwargs):
+        f.write(b"PK\x03\x04 half a zip file")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(torch, "save", crash_halfway)
+    with pytest.raises(OSError, match="disk full"):
+        ckpt.save_checkpoint(path, {"model": {"w": torch.zeros(3)}, "recipe": "test"})
+    assert path.read_bytes() == before
+    assert list(path.parent.iterdir()) == [path]  # no temporary file left behind
+    assert torch.equal(ckpt.load_checkpoint(path, "test")["model"]["w"], torch.ones(3))
+
+
+class Payload:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_pickle_payload_is_refused_and_never_runs(tmp_path):
+    marker = tmp_path / "payload-ran"
+    path = tmp_path / "evil.pt"
+    torch.save({"recipe": "test", "model": {}, "extra": Payload(marker)}, path)
+    with pytest.raises(RecipeError, match="refuses to run") as err:
+        ckpt.load_checkpoint(path, "test")
+    assert "\n" not in str(err.value)
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("content", [b"", os.urandom(4000), b"not a checkpoint"])
+def test_garbage_checkpoint_is_a_clear_error(tmp_path, content):
+    path = tmp_path / "bad.pt"
+    path.write_bytes(content)
+    with pytest.raises(RecipeError, match="corrupt, truncated, or not a PyTorch checkpoint"):
+        ckpt.load_checkpoint(path, "test")
+
+
+def test_checkpoint_of_another_model_lists_mismatched_keys(tmp_path):
+    path = tmp_path / "other.pt"
+    other = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 3), nn.Linear(3, 3))
+    with pytest.raises(RecipeError, match=r"unexpected: 2\.bias, 2\.weight; wrong shape: 0\.bias, 0\.weight, 3\.w"):
+        ckpt.load_model_state(tiny_model(), other.state_dict(), path)
+
+
+def test_checkpoint_of_another_recipe_is_refused(tmp_path):
+    path = tmp_path / "x.pt"
+    ckpt.save_checkpoint(path, {"recipe": "mnist_onecycle", "model": {}})
+    with pytest.raises(RecipeError, match="written by recipe 'mnist_onecycle', not 'tabular_mlp'"):
+        ckpt.load_checkpoint(path, "tabular_mlp")
+
+
+def test_saved_model_is_unwrapped(tmp_path):
+    compiled = torch.compile(tiny_model(), backend="eager")
+    assert unwrap(compiled) is compiled._orig_mod
+    state = ckpt.training_state("t", {}, model=compiled, optimizer=torch.optim.SGD(compiled.parameters(), lr=1),
+                                scheduler=None, scaler=None, step=0, epoch=0)
+    assert all(not k.startswith(("_orig_mod.", "module.")) for k in state["model"])
+
+
+def test_cuda_device_absent_is_a_recipe_error():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(RecipeError, match="CUDA is not available"):
+        resolve_device("cuda")
+    assert resolve_device("auto") in (torch.device("cpu"), torch.device("mps"))
+
+
+def test_run_dir_with_checkpoints_is_not_overwritten(tmp_path):
+    run_dir = tmp_path / "run"
+    ckpt.save_checkpoint(run_dir / "checkpoints" / "last.pt", {"model": {}, "recipe": "t"})
+    with pytest.raises(RecipeError, match="already holds checkpoints"):
+        prepare_run_dir("t", run_dir, None)
+    assert prepare_run_dir("t", run_dir, "auto") == (run_dir, run_dir / "checkpoints" / "last.pt")
+    assert prepare_run_dir("t", tmp_path / "new", "auto") == (tmp_path / "new", None)
+
+
+def test_run_logs_scalars_and_stops_on_a_non_finite_loss(tmp_path):
+    from common.loop import StepStats
+
+    run = Run("t", {"lr": 0.1}, tmp_path, total_steps=100, log_every=5)
+    for step in range(1, 8):
+        loss = torch.tensor(float("nan") if step == 7 else 1.0 / step)
+        if step < 7:
+            run.log_train(step, StepStats(loss, None, None), lr=0.1 * step, items=4)
+    run.log_eval(6, {"loss": 0.5, "acc": 0.75})
+    run.save_checkpoint({"model": {}, "recipe": "t", "step": 6})
+    run.log_train(7, StepStats(loss, None, None), lr=0.7, items=4)
+    with pytest.raises(RecipeError, match=r"loss is nan at step 7; the last good checkpoint is .*last\.pt"):
+        run.flush()
+    run.close()
+    scalars = read_scalars(tmp_path)
+    assert [s for s, _ in scalars["train/loss"]] == [1, 2, 3, 4, 5, 6]
+    assert scalars["train/lr"][2][1] == pytest.approx(0.3)
+    assert scalars["val/acc"] == [(6, 0.75)]
+
+
+def test_fp16_skipped_steps_are_counted_not_fatal(tmp_path):
+    from common.loop import StepStats
+
+    run = Run("t", {}, tmp_path, total_steps=2, progress=False)
+    run.log_train(1, StepStats(torch.tensor(float("inf")), torch.tensor(float("inf")), torch.tensor(True)),
+                  lr=0.1, items=1)
+    run.log_train(2, StepStats(torch.tensor(0.5), torch.tensor(1.0), torch.tensor(False)), lr=0.1, items=1)
+    summary = run.finish(2, {})
+    assert summary["skipped_steps"] == 1 and summary["train_loss"] == 0.5
+    assert Path(tmp_path / "metrics.json").is_file()

@@ -1,0 +1,87 @@
+"""recipes/mnist_onecycle.py on a tiny MNIST written in the real IDX format."""
+
+import json
+import math
+import urllib.error
+import urllib.request
+
+import pytest
+import torch
+from conftest import assert_same_weights, load_weights, read_metrics, read_scalars
+
+RECIPE = "mnist_onecycle"
+
+
+def test_smoke_writes_the_run_directory_of_the_conventions(run_inprocess, mnist_dir, tmp_path):
+    run_dir = tmp_path / "run"
+    result = run_inprocess(RECIPE, "--epochs", 1, "--max-steps", 6, "--batch-size", 32,
+                           "--data-dir", mnist_dir, "--run-dir", run_dir)
+    assert result.code == 0, result.stderr
+    assert result.done_line.startswith("done: ") and f"run_dir={run_dir}" in result.done_line
+
+    config = json.loads((run_dir / "config.json").read_text())
+    assert config["batch_size"] == 32 and config["max_steps"] == 6 and config["data_dir"] == str(mnist_dir)
+    metrics = read_metrics(run_dir)
+    assert {"recipe", "steps", "train_loss", "val_loss", "val_acc", "samples_per_s", "wall_s"} <= metrics.keys()
+    assert metrics["recipe"] == RECIPE and metrics["steps"] == 6
+    assert math.isfinite(metrics["train_loss"]) and 0 <= metrics["val_acc"] <= 1
+
+    scalars = read_scalars(run_dir)
+    assert {"train/loss", "train/lr", "val/loss", "val/acc", "perf/samples_per_s"} <= scalars.keys()
+    assert [step for step, _ in scalars["train/loss"]] == [1, 2, 3, 4, 5, 6]
+    assert all(math.isfinite(v) for _, v in scalars["train/loss"])
+    assert scalars["val/acc"][-1] == (6, pytest.approx(metrics["val_acc"]))
+
+    for name in ("last.pt", "best.pt"):
+        state = torch.load(run_dir / "checkpoints" / name, weights_only=True)
+        assert state["recipe"] == RECIPE and state["step"] == 6
+        assert {"model", "optimizer", "scheduler", "scaler", "epoch", "rng", "config"} <= state.keys()
+        assert not any(k.startswith(("module.", "_orig_mod.")) for k in state["model"])
+
+
+def test_learns_the_digits(run_inprocess, mnist_dir, tmp_path):
+    result = run_inprocess(RECIPE, "--epochs", 2, "--batch-size", 32, "--data-dir", mnist_dir,
+                           "--run-dir", tmp_path / "run")
+    assert result.code == 0, result.stderr
+    metrics = read_metrics(tmp_path / "run")
+    assert metrics["steps"] == 2 * (512 // 32)
+    assert metrics["val_acc"] > 0.9
+
+
+def test_one_cycle_rises_to_max_lr_then_anneals_to_zero(run_inprocess, mnist_dir, tmp_path):
+    result = run_inprocess(RECIPE, "--epochs", 2, "--batch-size", 32, "--max-lr", 0.2,
+                           "--data-dir", mnist_dir, "--run-dir", tmp_path / "run")
+    assert result.code == 0, result.stderr
+    lrs = [lr for _, lr in read_scalars(tmp_path / "run")["train/lr"]]
+    assert len(lrs) == 32
+    peak = max(range(len(lrs)), key=lrs.__getitem__)
+    assert abs(peak - 0.3 * 31) <= 1  # OneCycleLR's default pct_start is 0.3
+    assert lrs[peak] == pytest.approx(0.2, rel=1e-3)
+    assert lrs[0] == pytest.approx(0.2 / 25, rel=1e-3)  # starts at max_lr / div_factor
+    assert lrs[-1] < 0.2 * 1e-3  # anneals to almost zero
+    assert all(a <= b for a, b in zip(lrs[:peak], lrs[1 : peak + 1], strict=True))  # rises steadily
+
+
+def test_stopped_and_resumed_run_ends_with_the_same_weights(run_inprocess, mnist_dir, tmp_path):
+    common = ["--epochs", 2, "--batch-size", 32, "--data-dir", mnist_dir]
+    assert run_inprocess(RECIPE, *common, "--run-dir", tmp_path / "full").code == 0
+    stopped = run_inprocess(RECIPE, *common, "--max-steps", 11, "--run-dir", tmp_path / "cut")
+    assert stopped.code == 0 and read_metrics(tmp_path / "cut")["steps"] == 11
+    resumed = run_inprocess(RECIPE, *common, "--resume", "auto", "--run-dir", tmp_path / "cut")
+    assert resumed.code == 0, resumed.stderr
+    assert "resumed at step 11" in resumed.stdout
+    assert read_metrics(tmp_path / "cut")["steps"] == 32
+    assert_same_weights(load_weights(tmp_path / "full" / "checkpoints" / "last.pt"),
+                        load_weights(tmp_path / "cut" / "checkpoints" / "last.pt"))
+
+
+def test_offline_without_data_names_the_files_and_folder(run_inprocess, tmp_path, monkeypatch):
+    def offline(*args, **kwargs):
+        raise urllib.error.URLError("no network")
+
+    monkeypatch.setattr(urllib.request, "urlopen", offline)
+    result = run_inprocess(RECIPE, "--data-dir", tmp_path / "data", "--run-dir", tmp_path / "run")
+    assert result.code == 1
+    assert result.stderr.count("\n") == 1 and result.stderr.startswith("error: ")
+    assert "train-images-idx3-ubyte" in result.stderr and "t10k-labels-idx1-ubyte" in result.stderr
+    assert str(tmp_path / "data" / "MNIST" / "raw") in result.stderr

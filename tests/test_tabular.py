@@ -1,0 +1,183 @@
+"""recipes/tabular_mlp.py: the hand-written Linear, preprocessing, training, resume and prediction."""
+
+import csv
+import hashlib
+import math
+import urllib.error
+import urllib.request
+
+import pytest
+import torch
+from conftest import assert_same_weights, load_recipe, load_weights, read_metrics, read_scalars, write_table
+from torch import nn
+
+RECIPE = "tabular_mlp"
+tabular = load_recipe(RECIPE)
+
+
+def test_linear_matches_nn_linear_given_the_same_weights():
+    ours, theirs = tabular.Linear(7, 5), nn.Linear(7, 5)
+    theirs.load_state_dict(ours.state_dict())
+    x = torch.randn(4, 3, 7)
+    torch.testing.assert_close(ours(x), theirs(x), rtol=0, atol=1e-6)
+    assert ours.weight.shape == (5, 7)
+
+
+def test_linear_initialises_like_nn_linear():
+    torch.manual_seed(3)
+    ours = tabular.Linear(20, 10)
+    torch.manual_seed(3)
+    theirs = nn.Linear(20, 10)
+    assert torch.equal(ours.weight, theirs.weight) and torch.equal(ours.bias, theirs.bias)
+
+
+def test_linear_without_bias_registers_nothing_named_bias():
+    layer = tabular.Linear(3, 2, bias=False)
+    assert layer.bias is None
+    assert [name for name, _ in layer.named_parameters()] == ["weight"]
+    assert list(layer.state_dict()) == ["weight"]
+    torch.testing.assert_close(layer(torch.eye(3)), layer.weight.T)
+
+
+def test_preprocessing_uses_training_statistics_and_handles_missing_and_unseen():
+    header = ["x", "colour", "y"]
+    train = [["1", "red", "a"], ["3", "blue", "b"], ["?", "", "a"]]
+    spec = tabular.fit_features(header, train, "y", "auto")
+    assert spec["task"] == "classification" and spec["classes"] == ["a", "b"]
+    assert spec["numeric"] == {"x": (2.0, 1.0)}
+    assert spec["categorical"]["colour"] == ["<unseen>", "<missing>", "blue", "red"]
+    numeric, categorical, target = tabular.encode(spec, header, [["5", "green", "b"], ["NA", "?", "a"]])
+    assert numeric.tolist() == [[3.0], [0.0]]  # (5 - 2) / 1; missing -> the mean
+    assert categorical.tolist() == [[0], [1]]  # unseen -> 0, missing -> 1
+    assert target.tolist() == [1, 0]
+
+
+def test_task_auto_detection():
+    rows = [[str(i), str(i % 3)] for i in range(30)]
+    assert tabular.fit_features(["x", "y"], rows, "y", "auto")["task"] == "classification"
+    rows = [[str(i), f"{i * 0.37:.2f}"] for i in range(30)]
+    assert tabular.fit_features(["x", "y"], rows, "y", "auto")["task"] == "regression"
+
+
+def test_parameter_groups_exempt_biases_norms_and_embeddings():
+    model = tabular.TabularMLP(2, [5, 7], 3, hidden=8, depth=2)
+    decay, no_decay = tabular.parameter_groups(model, 0.1)
+    decayed = {id(p) for p in decay["params"]}
+    for name, p in model.named_parameters():
+        is_matrix = name.endswith("weight") and "embeddings" not in name and p.ndim == 2
+        assert (id(p) in decayed) == is_matrix, name
+    assert no_decay["weight_decay"] == 0.0 and decay["weight_decay"] == 0.1
+
+
+def test_smoke_and_run_directory(run_inprocess, table_csv, tmp_path):
+    run_dir = tmp_path / "run"
+    result = run_inprocess(RECIPE, "--csv", table_csv, "--target", "label", "--epochs", 3, "--batch-size", 32,
+                           "--run-dir", run_dir)
+    assert result.code == 0, result.stderr
+    assert result.done_line.startswith("done: ") and "val_acc=" in result.done_line
+    metrics = read_metrics(run_dir)
+    assert {"recipe", "steps", "train_loss", "val_loss", "val_acc", "samples_per_s", "wall_s"} <= metrics.keys()
+    assert metrics["steps"] == 3 * (240 // 32)
+    assert metrics["val_acc"] > 0.7  # the label is learnable from age and colour
+    scalars = read_scalars(run_dir)
+    assert {"train/loss", "train/lr", "val/loss", "val/acc", "perf/samples_per_s"} <= scalars.keys()
+    assert all(math.isfinite(v) for _, v in scalars["train/loss"])
+    state = torch.load(run_dir / "checkpoints" / "best.pt", weights_only=True)
+    assert state["features"]["categorical"]["colour"][2:] == ["black", "blue", "green", "red"]
+    assert set(state["features"]["numeric"]) == {"age", "income"}
+
+
+def test_per_epoch_schedule_steps_once_per_epoch(run_inprocess, table_csv, tmp_path):
+    result = run_inprocess(RECIPE, "--csv", table_csv, "--target", "label", "--epochs", 4, "--batch-size", 60,
+                           "--lr", 0.01, "--run-dir", tmp_path / "run")
+    assert result.code == 0, result.stderr
+    lrs = [round(lr, 8) for _, lr in read_scalars(tmp_path / "run")["train/lr"]]
+    assert lrs == [0.01] * 8 + [0.001] * 4 + [0.0001] * 4  # milestones at epochs 2 and 3, 4 steps per epoch
+
+
+def test_regression_reports_rmse(run_inprocess, tmp_path):
+    path = tmp_path / "reg.csv"
+    rows = ["x,z,colour,y"] + [f"{i % 10},{i % 7},{'ab'[i % 2]},{(i % 10) * 2.5 + (i % 2) + 0.1:.2f}"
+                               for i in range(200)]
+    path.write_text("\n".join(rows) + "\n")
+    result = run_inprocess(RECIPE, "--csv", path, "--target", "y", "--epochs", 3, "--batch-size", 32,
+                           "--run-dir", tmp_path / "run")
+    assert result.code == 0, result.stderr
+    metrics = read_metrics(tmp_path / "run")
+    assert "val_acc" not in metrics and metrics["val_rmse"] < 8.0  # y spans 0..23.6 (std about 7.2)
+
+
+def test_resumed_run_ends_with_the_same_weights(run_inprocess, table_csv, tmp_path):
+    common = ["--csv", table_csv, "--target", "label", "--epochs", 3, "--batch-size", 32]
+    assert run_inprocess(RECIPE, *common, "--run-dir", tmp_path / "full").code == 0
+    assert run_inprocess(RECIPE, *common, "--max-steps", 10, "--run-dir", tmp_path / "cut").code == 0
+    assert run_inprocess(RECIPE, *common, "--resume", "auto", "--run-dir", tmp_path / "cut").code == 0
+    assert_same_weights(load_weights(tmp_path / "full" / "checkpoints" / "last.pt"),
+                        load_weights(tmp_path / "cut" / "checkpoints" / "last.pt"))
+
+
+def test_predict_writes_one_prediction_per_row_with_unseen_categories(run_inprocess, table_csv, tmp_path):
+    run_dir = tmp_path / "run"
+    assert run_inprocess(RECIPE, "--csv", table_csv, "--target", "label", "--epochs", 2, "--run-dir", run_dir,
+                         "--batch-size", 32).code == 0
+    new = write_table(tmp_path / "new.csv", n=25, seed=9, target=False)
+    new.write_text(new.read_text().replace("red", "purple"))  # a colour never seen in training
+    result = run_inprocess(RECIPE, "--predict", new, "--resume", run_dir / "checkpoints" / "best.pt")
+    assert result.code == 0, result.stderr
+    with open(tmp_path / "new.predictions.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 25
+    assert {row["prediction"] for row in rows} <= {"yes", "no"}
+    assert all(0.5 <= float(row["probability"]) <= 1 for row in rows)
+    assert "purple" in {row["colour"] for row in rows}
+
+
+def test_adult_files_with_their_quirks(tmp_path, monkeypatch):
+    adult = tmp_path / "adult"
+    adult.mkdir()
+    line = ("39, State-gov, 77516, Bachelors, 13, Never-married, Adm-clerical, Not-in-family, White, Male, "
+            "2174, 0, 40, {}, {}")
+    (adult / "adult.data").write_text("\n".join(line.format("?", "<=50K") for _ in range(4)) + "\n\n")
+    (adult / "adult.test").write_text("|1x3 Cross validator\n" + line.format("Cuba", ">50K.") + "\n")
+    files = {name: (hashlib.md5((adult / name).read_bytes()).hexdigest(), rows)
+             for name, rows in [("adult.data", 4), ("adult.test", 1)]}
+    monkeypatch.setattr(tabular, "ADULT_FILES", files)
+    header, train, test = tabular.load_adult(tmp_path)
+    assert header[-1] == "income" and len(train) == 4 and len(test) == 1
+    assert train[0][1] == "State-gov" and train[0][13] == "?" and train[0][14] == "<=50K"
+    assert test[0][13] == "Cuba" and test[0][14] == ">50K"  # the trailing dot is gone
+
+
+def test_adult_offline_suggests_csv(run_inprocess, tmp_path, monkeypatch):
+    def offline(*args, **kwargs):
+        raise urllib.error.URLError("no network")
+
+    monkeypatch.setattr(urllib.request, "urlopen", offline)
+    result = run_inprocess(RECIPE, "--data-dir", tmp_path / "data", "--run-dir", tmp_path / "run")
+    assert result.code == 1 and result.stderr.count("\n") == 1
+    assert "adult.data" in result.stderr and "--csv FILE --target COLUMN" in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (None, "no such file"),
+        ("", "is empty"),
+        ("a,b,label\n", "has a header but no data rows"),
+        ("a,b,c\n1,2,3\n4,5,6\n", "target column 'label' is not in the table (columns: a, b, c)"),
+    ],
+)
+def test_bad_csv_is_a_one_line_error(run_inprocess, tmp_path, content, message):
+    path = tmp_path / "bad.csv"
+    if content is not None:
+        path.write_text(content)
+    result = run_inprocess(RECIPE, "--csv", path, "--target", "label", "--run-dir", tmp_path / "run")
+    assert result.code == 1
+    assert result.stderr.startswith("error: ") and result.stderr.count("\n") == 1
+    assert message in result.stderr
+
+
+def test_unknown_task_is_a_usage_error(run_inprocess, table_csv, tmp_path):
+    result = run_inprocess(RECIPE, "--csv", table_csv, "--target", "label", "--task", "clustering")
+    assert result.code == 2
+    assert "--task" in result.stderr and "'classification'" in result.stderr
