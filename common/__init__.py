@@ -1,0 +1,6 @@
+"""The shared core of torch-recipes: plain functions and small classes that every recipe calls.
+
+cli (options, errors) · runtime (device, seed, precision, distributed) · loop (train_step, evaluate) ·
+checkpoint (atomic save, safe load, RNG) · data (loaders, MNIST, downloads) · tracking (the run directory).
+Recipes import names directly (``from common.loop import train_step``); scripts/eject.py relies on that.
+"""
