@@ -44,7 +44,9 @@ MaxSteps = Annotated[
 ]
 BatchSize = Annotated[int, typer.Option(min=1, help="Samples per optimizer step (per process under DDP).")]
 LearningRate = Annotated[float, typer.Option(callback=positive_float, help="Peak learning rate.")]
-Seed = Annotated[int, typer.Option(help="Seed for python and torch: same seed, device and options, same numbers.")]
+Seed = Annotated[
+    int, typer.Option(min=0, max=2**31 - 1, help="Seed for python and torch: same seed, device, options: same numbers.")
+]
 Device = Annotated[
     str, typer.Option(callback=device_name, help="auto (cuda, else mps, else cpu), cpu, cuda, cuda:N or mps.")
 ]

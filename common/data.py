@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset
 
 from common.cli import RecipeError
 
@@ -59,7 +59,7 @@ def _ignore_sigint(worker_id: int) -> None:
 
 def make_loader(
     dataset: Dataset,
-    batch_size: int,
+    batch_size: int | None,
     *,
     train: bool,
     seed: int = 0,
@@ -70,7 +70,15 @@ def make_loader(
     sharded across ranks without padding so that every sample counts exactly once).
 
     Training loaders use a ``ResumableSampler``: call ``loader.sampler.set_epoch(epoch)`` every epoch.
+    An IterableDataset is expected to yield whole batches and to order (and shard) them itself.
     """
+    worker_init_fn = _ignore_sigint if num_workers > 0 else None
+    # Its own generator for worker seeds: every new iterator draws one, and drawing from the global RNG
+    # instead would shift the dropout masks of a resumed run.
+    generator = torch.Generator().manual_seed(seed)
+    if isinstance(dataset, IterableDataset):
+        return DataLoader(dataset, batch_size=None, num_workers=num_workers, pin_memory=device.type == "cuda",
+                          generator=generator, worker_init_fn=worker_init_fn)
     if train:
         sampler = ResumableSampler(dataset, seed=seed)
     else:
@@ -84,8 +92,8 @@ def make_loader(
         num_workers=num_workers,
         pin_memory=device.type == "cuda",  # page-locked host memory makes the copy to the GPU asynchronous
         persistent_workers=num_workers > 0,  # no worker start-up cost every epoch
-        generator=torch.Generator().manual_seed(seed),  # worker seeds: not drawn from the global RNG
-        worker_init_fn=_ignore_sigint if num_workers > 0 else None,
+        generator=generator,
+        worker_init_fn=worker_init_fn,
     )
 
 

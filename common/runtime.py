@@ -7,6 +7,7 @@ so communication still overlaps the backward pass. ``unwrap`` undoes both wrappe
 
 import os
 import random
+import time
 from dataclasses import dataclass
 
 import torch
@@ -105,3 +106,25 @@ def unwrap(model: nn.Module) -> nn.Module:
             model = model.module
         else:
             return model
+
+
+def measure_matmul_flops(device: torch.device, dtype: torch.dtype = torch.float32, size: int = 1024) -> float:
+    """Achievable matmul FLOP/s on ``device`` in ``dtype``: the peak to judge model FLOP utilisation by."""
+    a = torch.randn(size, size, device=device).to(dtype)
+    b = torch.randn(size, size, device=device).to(dtype)
+    a @ b  # warm-up: first-call allocations and kernel selection
+    synchronize(device)
+    runs, start = 0, time.perf_counter()
+    while runs < 2 or time.perf_counter() - start < 0.25:
+        a @ b
+        runs += 1
+        synchronize(device)
+    return 2 * size**3 * runs / (time.perf_counter() - start)
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for queued work on ``device`` (GPU kernels run asynchronously), so timings are honest."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "mps":
+        torch.mps.synchronize()

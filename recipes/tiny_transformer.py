@@ -1,0 +1,436 @@
+"""A tiny GPT: a decoder-only transformer trained from scratch as a byte- or character-level language model.
+
+What it teaches: causal self-attention whose mask is a registered buffer, with the scores written as an
+einsum (``bhid,bhjd->bhij``) or computed by ``F.scaled_dot_product_attention``; pre-norm blocks, tied
+input/output embeddings and GPT-2's scaled initialisation; AdamW with weight decay on matrices only; linear
+warmup then cosine decay (``SequentialLR`` of ``LinearLR`` and ``CosineAnnealingLR``) stepped every
+optimizer step; gradient clipping and accumulation; an ``IterableDataset`` of random windows that stays
+correct with worker processes; validation in bits per byte; sampling with temperature and top-k; tokens/s
+and model FLOP utilisation (MFU).
+
+    python recipes/tiny_transformer.py                       # corpus: this Python's standard library
+    python recipes/tiny_transformer.py --text input.txt --vocab chars
+    python recipes/tiny_transformer.py --sample-only --resume runs/tiny_transformer/.../checkpoints/last.pt
+
+A good result with the defaults (about 5 minutes on a 2-core CPU): validation near 2.0 bits per byte, and
+samples that look like Python (indentation, ``def``, ``self.``, plausible identifiers).
+"""
+
+import math
+import sys
+import sysconfig
+import zlib
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Annotated, Literal
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `python recipes/NAME.py` from a clone
+
+import torch
+import torch.nn.functional as F
+import typer
+from torch import nn
+from torch.utils.data import IterableDataset, get_worker_info
+
+from common.checkpoint import load_checkpoint, load_model_state, restore_training_state, training_state
+from common.cli import (
+    BatchSize,
+    CheckpointEvery,
+    Compile,
+    Device,
+    LearningRate,
+    MaxSteps,
+    NumWorkers,
+    Precision,
+    Progress,
+    RecipeError,
+    Resume,
+    RunDir,
+    Seed,
+    Steps,
+    run_recipe,
+)
+from common.data import make_loader
+from common.loop import evaluate, train_step
+from common.runtime import (
+    AUTOCAST_DTYPES,
+    make_grad_scaler,
+    measure_matmul_flops,
+    prepare_model,
+    resolve_device,
+    seed_everything,
+    unwrap,
+)
+from common.tracking import Run, plain_config, prepare_run_dir
+
+RECIPE = "tiny_transformer"
+
+# ----------------------------------------------------------------------------------------------------
+# Model
+
+
+@dataclass
+class GPTConfig:
+    vocab_size: int
+    block_size: int = 128  # longest context the model sees
+    n_layer: int = 4
+    n_head: int = 4
+    n_embd: int = 128
+    dropout: float = 0.0
+    attention: str = "sdpa"  # or "einsum": the same attention written out
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.n_head, self.attention, self.dropout = config.n_head, config.attention, config.dropout
+        self.qkv = nn.Linear(config.n_embd, 3 * config.n_embd, bias=False)  # query, key, value in one matmul
+        self.proj = nn.Linear(config.n_embd, config.n_embd, bias=False)
+        self.attn_dropout = nn.Dropout(config.dropout)
+        self.resid_dropout = nn.Dropout(config.dropout)
+        # The causal mask is a buffer: not learned, but it moves with .to(device) like the parameters.
+        # persistent=False keeps it out of the state_dict: it follows from block_size alone, so storing it
+        # would only add block_size^2 bytes to every checkpoint.
+        mask = torch.tril(torch.ones(config.block_size, config.block_size, dtype=torch.bool))
+        self.register_buffer("causal_mask", mask, persistent=False)  # True where position i may see j
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        q, k, v = self.qkv(x).split(C, dim=2)
+        # (B, T, C) -> (B, nh, T, hs): each head attends over its own slice of the channels
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        if self.attention == "einsum":
+            scores = torch.einsum("bhid,bhjd->bhij", q, k) / math.sqrt(q.size(-1))  # (B, nh, T, T)
+            scores = scores.masked_fill(~self.causal_mask[:T, :T], float("-inf"))  # no peeking ahead
+            weights = self.attn_dropout(scores.softmax(dim=-1))
+            y = torch.einsum("bhij,bhjd->bhid", weights, v)  # (B, nh, T, hs)
+        else:
+            # The same computation in one fused kernel. is_causal=True applies exactly causal_mask's
+            # pattern without materialising it, which lets GPUs use FlashAttention.
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0,
+                                               is_causal=True)
+        # (B, nh, T, hs) -> (B, T, C). transpose made y non-contiguous, so .view would fail; reshape copies.
+        y = y.transpose(1, 2).reshape(B, T, C)
+        return self.resid_dropout(self.proj(y))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=False)
+        self.proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=False)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.proj(F.gelu(self.fc(x))))
+
+
+class Block(nn.Module):
+    """Pre-norm: normalise the input of each branch, add its output to an untouched residual stream."""
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd, bias=False)
+        self.attn = CausalSelfAttention(config)
+        self.ln_2 = nn.LayerNorm(config.n_embd, bias=False)
+        self.mlp = MLP(config)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.config = config
+        self.wte = nn.Embedding(config.vocab_size, config.n_embd)  # token embeddings
+        self.wpe = nn.Embedding(config.block_size, config.n_embd)  # position embeddings
+        self.drop = nn.Dropout(config.dropout)
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        self.ln_f = nn.LayerNorm(config.n_embd, bias=False)
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        # Weight tying: reading a token in and writing it out share one matrix (fewer parameters, and
+        # it trains better at small scale).
+        self.lm_head.weight = self.wte.weight
+        self.apply(self._init_weights)
+        for name, p in self.named_parameters():
+            if name.endswith("proj.weight"):  # GPT-2: residual branches scaled by 1/sqrt(2 * n_layer)
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, nn.Linear | nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        """(B, T) token ids -> (B, T, vocab_size) logits for the next token at every position."""
+        T = idx.size(1)
+        x = self.drop(self.wte(idx) + self.wpe(torch.arange(T, device=idx.device)))  # (B, T, C)
+        for block in self.blocks:
+            x = block(x)
+        return self.lm_head(self.ln_f(x))
+
+    def flops_per_token(self) -> float:
+        """Training FLOPs per token: 6 per parameter (forward 2, backward 4) plus attention's matmuls,
+        as in the PaLM paper's appendix B. Position embeddings are a lookup, not a matmul."""
+        c = self.config
+        n_params = sum(p.numel() for p in self.parameters()) - self.wpe.weight.numel()
+        return 6 * n_params + 12 * c.n_layer * c.n_embd * c.block_size
+
+    @torch.no_grad()
+    def generate(self, idx: torch.Tensor, new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
+                 generator: torch.Generator | None = None) -> torch.Tensor:
+        for _ in range(new_tokens):
+            context = idx[:, -self.config.block_size :]  # the model never saw positions past block_size
+            logits = self(context)[:, -1, :] / temperature
+            if top_k is not None:
+                kth_best = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
+                logits = logits.masked_fill(logits < kth_best, float("-inf"))
+            next_token = torch.multinomial(logits.softmax(dim=-1), 1, generator=generator)
+            idx = torch.cat([idx, next_token], dim=1)
+        return idx
+
+
+# ----------------------------------------------------------------------------------------------------
+# Data
+
+
+def stdlib_corpus() -> bytes:
+    """The running Python's standard library, top-level modules in sorted order: always available
+    offline, and the same on every machine with the same Python version."""
+    files = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
+    return b"\n".join(f.read_bytes() for f in files)
+
+
+def read_text(path: Path) -> bytes:
+    if not path.is_file():
+        raise RecipeError(f"--text {path}: no such file")
+    data = path.read_bytes()
+    if not data.strip():
+        raise RecipeError(f"--text {path} is empty")
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise RecipeError(f"--text {path} is not UTF-8 text (byte {err.start}); re-save it as UTF-8") from None
+    return data
+
+
+def encode(data: bytes, vocab: str | None) -> torch.Tensor:
+    """Bytes -> token ids. ``vocab`` None means byte-level (ids 0-255); otherwise ids index its characters."""
+    if vocab is None:
+        return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    index = {ch: i for i, ch in enumerate(vocab)}
+    text = data.decode("utf-8")
+    unknown = sorted(set(text) - index.keys())
+    if unknown:
+        raise RecipeError(f"characters not in the model's vocabulary: {''.join(unknown[:20])!r}")
+    return torch.tensor([index[ch] for ch in text], dtype=torch.int16 if len(vocab) < 2**15 else torch.int32)
+
+
+def decode(tokens: list[int], vocab: str | None) -> str:
+    if vocab is None:
+        return bytes(tokens).decode("utf-8", errors="replace")
+    return "".join(vocab[t] for t in tokens)
+
+
+class RandomWindows(IterableDataset):
+    """An endless stream of (x, y) batches of random windows of ``tokens``; y is x shifted by one.
+
+    Batch i is drawn from a generator seeded with (seed, i). So the stream is the same whatever the number
+    of DataLoader workers (worker w of n yields batches w, w + n, ..., which the loader interleaves back
+    in order), no two workers ever yield the same batches, and a resumed run starts exactly at batch
+    ``start`` instead of replaying the stream.
+    """
+
+    def __init__(self, tokens: torch.Tensor, block_size: int, batch_size: int, seed: int, start: int = 0):
+        self.tokens, self.block_size, self.batch_size = tokens, block_size, batch_size
+        self.seed, self.start = seed, start
+
+    def batch(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        # crc32 mixes (seed, i) into the 32 bits that torch's CPU generator keeps of a seed
+        generator = torch.Generator().manual_seed(zlib.crc32(f"{self.seed}:{i}".encode()))
+        starts = torch.randint(len(self.tokens) - self.block_size, (self.batch_size,), generator=generator)
+        windows = self.tokens[starts[:, None] + torch.arange(self.block_size + 1)].long()  # (B, T + 1)
+        return windows[:, :-1], windows[:, 1:]
+
+    def __iter__(self):
+        worker = get_worker_info()
+        i, stride = (self.start + worker.id, worker.num_workers) if worker else (self.start, 1)
+        while True:
+            yield self.batch(i)
+            i += stride
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())  # (B*T, V) against (B*T,)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Training
+
+
+def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    # Decay matrices (linear weights, embeddings); never gains or biases: they set scales, not patterns.
+    params = [p for p in model.parameters() if p.requires_grad]
+    return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+
+
+def warmup_cosine(optimizer, warmup_steps: int, total_steps: int, min_lr_ratio: float):
+    """Linear warmup from ~0 to the peak rate, then cosine decay to ``min_lr_ratio`` x peak."""
+    peak_lr = optimizer.param_groups[0]["lr"]  # read before LinearLR scales it down for the first step
+    warmup = torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=1 / (warmup_steps + 1),
+                                               total_iters=warmup_steps)
+    cosine = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=max(1, total_steps - warmup_steps),
+                                                        eta_min=peak_lr * min_lr_ratio)
+    return torch.optim.lr_scheduler.SequentialLR(optimizer, [warmup, cosine], milestones=[warmup_steps])
+
+
+def sample_text(model: GPT, vocab: str | None, prompt: str, tokens: int, temperature: float, top_k: int | None,
+                seed: int, device: torch.device) -> str:
+    model = unwrap(model)  # generation changes the sequence length every token: no compiled graph for it
+    was_training = model.training
+    model.eval()
+    start = encode((prompt or "\n").encode("utf-8"), vocab).long()[None, -model.config.block_size :].to(device)
+    # A generator of its own: sampling never shifts the training run's random numbers.
+    generator = torch.Generator(device).manual_seed(seed)
+    out = model.generate(start, tokens, temperature, top_k, generator)
+    model.train(was_training)
+    return decode(out[0].tolist(), vocab)
+
+
+def main(
+    text: Annotated[Path | None, typer.Option(help="Train on this UTF-8 file [default: Python's stdlib].")] = None,
+    vocab_kind: Annotated[
+        Literal["bytes", "chars"], typer.Option("--vocab", help="Tokens: bytes (256) or the characters seen.")
+    ] = "bytes",
+    steps: Steps = 1200,
+    max_steps: MaxSteps = None,
+    batch_size: BatchSize = 32,
+    grad_accum: Annotated[int, typer.Option(min=1, help="Micro-batches accumulated per optimizer step.")] = 1,
+    lr: LearningRate = 2e-3,
+    min_lr_ratio: Annotated[float, typer.Option(min=0.0, max=1.0, help="Final rate as a share of --lr.")] = 0.1,
+    warmup_steps: Annotated[int, typer.Option(min=0, help="Steps of linear warmup.")] = 100,
+    weight_decay: Annotated[float, typer.Option(min=0.0, help="AdamW weight decay on matrices.")] = 0.1,
+    max_grad_norm: Annotated[float, typer.Option(min=0.0, help="Gradient clipping norm (0: off).")] = 1.0,
+    n_layer: Annotated[int, typer.Option(min=1, help="Transformer blocks.")] = 4,
+    n_head: Annotated[int, typer.Option(min=1, help="Attention heads (must divide --n-embd).")] = 4,
+    n_embd: Annotated[int, typer.Option(min=1, help="Width of the residual stream.")] = 128,
+    block_size: Annotated[int, typer.Option(min=2, help="Context length in tokens.")] = 128,
+    dropout: Annotated[float, typer.Option(min=0.0, max=0.9, help="Dropout (0 suits short runs).")] = 0.0,
+    attention: Annotated[
+        Literal["sdpa", "einsum"], typer.Option(help="sdpa: fused kernel; einsum: the same math written out.")
+    ] = "sdpa",
+    eval_every: Annotated[int, typer.Option(min=1, help="Evaluate and sample every N steps.")] = 200,
+    eval_batches: Annotated[int, typer.Option(min=1, help="Fixed validation batches per evaluation.")] = 20,
+    sample_tokens: Annotated[int, typer.Option(min=1, help="Tokens per text sample.")] = 300,
+    temperature: Annotated[float, typer.Option(min=0.01, help="Sampling temperature (<1: safer).")] = 0.8,
+    top_k: Annotated[int | None, typer.Option(min=1, help="Sample only from the k likeliest tokens.")] = 50,
+    prompt: Annotated[str, typer.Option(help="Text the samples continue.")] = "",
+    sample_only: Annotated[bool, typer.Option("--sample-only", help="Only generate, from --resume.")] = False,
+    peak_flops: Annotated[float | None, typer.Option(min=1.0, help="Peak FLOP/s for MFU [default: measured].")] = None,
+    seed: Seed = 0,
+    device: Device = "auto",
+    precision: Precision = "fp32",
+    compile: Compile = False,
+    num_workers: NumWorkers = 0,
+    run_dir: RunDir = None,
+    resume: Resume = None,
+    checkpoint_every: CheckpointEvery = None,
+    progress: Progress = None,
+):
+    """Train a tiny GPT on text (default: the Python standard library), or sample from a trained one."""
+    if n_embd % n_head:
+        raise typer.BadParameter(f"{n_embd} is not divisible by --n-head {n_head}", param_hint="--n-embd")
+    if sample_only:
+        if resume is None or resume == "auto":
+            raise typer.BadParameter("--sample-only needs a checkpoint file", param_hint="--resume")
+        checkpoint = load_checkpoint(Path(resume), RECIPE)
+        model = GPT(GPTConfig(**checkpoint["model_config"])).to(resolve_device(device))
+        load_model_state(model, checkpoint["model"], Path(resume))
+        print(sample_text(model, checkpoint["vocab"], prompt, sample_tokens, temperature, top_k, seed,
+                          next(model.parameters()).device))
+        return
+    config = plain_config(locals())
+    run_dir, resume_path = prepare_run_dir(RECIPE, run_dir, resume)
+    checkpoint = load_checkpoint(resume_path, RECIPE) if resume_path else None
+    seed_everything(seed)
+    device = resolve_device(device)
+
+    # Data: the last 10% of the corpus is the validation split
+    corpus = read_text(text) if text else stdlib_corpus()
+    if checkpoint:
+        vocab = checkpoint["vocab"]
+    else:
+        vocab = None if vocab_kind == "bytes" else "".join(sorted(set(corpus.decode("utf-8"))))
+    tokens = encode(corpus, vocab)
+    split = int(0.9 * len(tokens))
+    train_tokens, val_tokens = tokens[:split], tokens[split:]
+    if len(val_tokens) <= block_size:
+        raise RecipeError(f"the text has {len(tokens)} tokens: too short for --block-size {block_size} "
+                          f"(its last 10%, the validation split, needs more than one block)")
+    step = checkpoint["step"] if checkpoint else 0
+    train_stream = RandomWindows(train_tokens, block_size, batch_size, seed, start=step * grad_accum)
+    train_loader = make_loader(train_stream, None, train=True, seed=seed, num_workers=num_workers, device=device)
+    val_stream = RandomWindows(val_tokens, block_size, batch_size, seed + 1)
+    val_batches = [val_stream.batch(i) for i in range(eval_batches)]  # the same batches at every evaluation
+
+    model_config = GPTConfig(256 if vocab is None else len(vocab), block_size, n_layer, n_head, n_embd, dropout,
+                             attention)
+    model = GPT(model_config)
+    optimizer = torch.optim.AdamW(parameter_groups(model, weight_decay), lr=lr, betas=(0.9, 0.95))
+    scheduler = warmup_cosine(optimizer, warmup_steps, steps, min_lr_ratio)
+    scaler = make_grad_scaler(device, precision)
+    if checkpoint:
+        restore_training_state(checkpoint, resume_path, model=model, optimizer=optimizer, scheduler=scheduler,
+                               scaler=scaler)
+    flops_per_token = model.flops_per_token()
+    model = prepare_model(model, device, compile=compile)
+    peak_flops = peak_flops or measure_matmul_flops(device, AUTOCAST_DTYPES.get(precision, torch.float32))
+
+    total_steps = min(steps, max_steps or steps)
+    run = Run(RECIPE, config, run_dir, total_steps=total_steps, start_step=step, checkpoint_every=checkpoint_every,
+              progress=progress, throughput_unit="tokens")
+    unit = "byte" if vocab is None else "char"
+    run.print(f"run_dir {run_dir} | device {device} | {len(train_tokens):,} train / {len(val_tokens):,} val tokens "
+              f"| vocab {model_config.vocab_size} | {sum(p.numel() for p in model.parameters()):,} parameters | "
+              f"peak {peak_flops / 1e9:.0f} GFLOP/s{f' | resumed at step {step}' if checkpoint else ''}")
+
+    def state() -> dict:
+        return training_state(RECIPE, config, model=model, optimizer=optimizer, scheduler=scheduler,
+                              scaler=scaler, step=step, epoch=0, vocab=vocab, model_config=asdict(model_config))
+
+    def evaluate_and_sample() -> dict[str, float]:
+        val = evaluate(model, val_batches, lm_loss, device=device, precision=precision)
+        val[f"bits_per_{unit}"] = val["loss"] / math.log(2)
+        mfu = flops_per_token * run.throughput / peak_flops
+        run.log_eval(step, val, note=f"mfu {mfu:.1%}  ")
+        sample = sample_text(model, vocab, prompt, sample_tokens, temperature, top_k, seed, device)
+        run.print(f"--- sample at step {step} ---\n{sample}\n---")
+        if run.writer:
+            run.writer.add_scalar("perf/mfu", mfu, step)
+            run.writer.add_text("sample", "    " + sample.replace("\n", "\n    "), step)  # indented: verbatim
+        return {f"val_{k}": v for k, v in val.items()} | {"mfu": mfu}
+
+    batches = iter(train_loader)
+    metrics = {}
+    while step < total_steps:
+        lr_now = scheduler.get_last_lr()[0]
+        micro_batches = [next(batches) for _ in range(grad_accum)]
+        stats = train_step(model, optimizer, lm_loss, micro_batches, device=device, precision=precision,
+                           scaler=scaler, scheduler=scheduler, max_grad_norm=max_grad_norm or None)
+        step += 1
+        run.log_train(step, stats, lr=lr_now, items=grad_accum * batch_size * block_size)
+        if step % eval_every == 0 or step == total_steps:
+            metrics = evaluate_and_sample()
+        if run.checkpoint_due(step) or step % eval_every == 0 or step == total_steps:
+            run.save_checkpoint(state())
+
+    if not metrics:  # resumed a run that had already finished
+        metrics = evaluate_and_sample()
+    run.finish(step, metrics)
+
+
+if __name__ == "__main__":
+    run_recipe(main)

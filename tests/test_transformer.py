@@ -1,0 +1,214 @@
+"""recipes/tiny_transformer.py: attention, the data stream, checkpoints and the CLI."""
+
+import itertools
+import math
+
+import pytest
+import torch
+from conftest import assert_same_weights, load_recipe, load_weights, read_metrics, read_scalars
+
+from common.checkpoint import load_checkpoint, load_model_state, save_checkpoint
+from common.data import make_loader
+
+RECIPE = "tiny_transformer"
+tt = load_recipe(RECIPE)
+SMALL = ["--n-layer", 2, "--n-head", 2, "--n-embd", 32, "--block-size", 16, "--batch-size", 8,
+         "--eval-batches", 2, "--sample-tokens", 20]
+
+
+def tiny_gpt(attention: str = "sdpa", seed: int = 0) -> "tt.GPT":
+    torch.manual_seed(seed)
+    return tt.GPT(tt.GPTConfig(vocab_size=50, block_size=12, n_layer=2, n_head=2, n_embd=16, attention=attention))
+
+
+@pytest.fixture
+def text_file(tmp_path):
+    words = ["def ", "return ", "self", ".value", " = ", "(x)", ":\n    ", "\n", "import torch", "# note"]
+    rng = torch.Generator().manual_seed(0)
+    body = "".join(words[i] for i in torch.randint(len(words), (600,), generator=rng).tolist())
+    path = tmp_path / "corpus.txt"
+    path.write_text(body, encoding="utf-8")
+    return path
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "einsum"])
+def test_future_tokens_change_no_earlier_logits(attention):
+    model = tiny_gpt(attention).eval()
+    idx = torch.randint(50, (2, 12))
+    changed = idx.clone()
+    changed[:, 6:] = (changed[:, 6:] + 1) % 50
+    a, b = model(idx), model(changed)
+    torch.testing.assert_close(a[:, :6], b[:, :6], rtol=0, atol=1e-6)
+    assert not torch.allclose(a[:, 6:], b[:, 6:])
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "einsum"])
+def test_gradient_from_position_t_never_reaches_later_inputs(attention):
+    model = tiny_gpt(attention)
+    embedded = {}
+    model.wte.register_forward_hook(lambda module, inputs, out: embedded.setdefault("x", out))
+    logits = model(torch.randint(50, (2, 12)))
+    embedded["x"].retain_grad()
+    logits[:, 5].sum().backward()
+    grad = embedded["x"].grad.abs().sum(dim=(0, 2))  # per position
+    assert torch.all(grad[6:] == 0)
+    assert torch.all(grad[:6] > 0)
+
+
+def test_einsum_and_sdpa_paths_agree():
+    einsum_model, sdpa_model = tiny_gpt("einsum"), tiny_gpt("sdpa")
+    sdpa_model.load_state_dict(einsum_model.state_dict())
+    idx = torch.randint(50, (3, 12))
+    torch.testing.assert_close(einsum_model(idx), sdpa_model(idx), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(einsum_model(idx[:, :5]), sdpa_model(idx[:, :5]), rtol=1e-5, atol=1e-5)
+
+
+def test_mask_is_a_buffer_that_follows_to_but_stays_out_of_the_state_dict():
+    model = tiny_gpt()
+    attention = model.blocks[0].attn
+    assert "causal_mask" in dict(attention.named_buffers())
+    assert not any("causal_mask" in key for key in model.state_dict())
+    assert all(p is not attention.causal_mask for p in model.parameters())
+    assert torch.equal(attention.causal_mask, torch.tril(torch.ones(12, 12, dtype=torch.bool)))
+    model.to("meta")
+    assert attention.causal_mask.device.type == "meta"
+
+
+def test_weights_are_tied_and_residual_projections_scaled():
+    model = tiny_gpt()
+    assert model.lm_head.weight is model.wte.weight
+    assert model.blocks[0].attn.proj.weight.std().item() < 0.02 / math.sqrt(4) * 1.3
+
+
+def test_checkpoint_round_trip_restores_the_model_exactly(tmp_path):
+    model = tiny_gpt(seed=1)
+    path = tmp_path / "model.pt"
+    save_checkpoint(path, {"recipe": RECIPE, "model": model.state_dict()})
+    fresh = tiny_gpt(seed=2)
+    load_model_state(fresh, load_checkpoint(path, RECIPE)["model"], path)
+    assert_same_weights(model.state_dict(), fresh.state_dict())
+    idx = torch.randint(50, (2, 12))
+    assert torch.equal(model.eval()(idx), fresh.eval()(idx))
+
+
+def test_generation_crops_the_context_to_block_size():
+    model = tiny_gpt().eval()
+    seen = []
+    model.wpe.register_forward_hook(lambda module, inputs, out: seen.append(inputs[0].numel()))
+    out = model.generate(torch.zeros((1, 10), dtype=torch.long), 6, top_k=5,
+                         generator=torch.Generator().manual_seed(0))
+    assert out.shape == (1, 16)
+    assert max(seen) == 12  # never more positions than block_size
+
+
+def test_random_windows_targets_are_inputs_shifted_by_one():
+    tokens = torch.arange(100, dtype=torch.int16)
+    x, y = tt.RandomWindows(tokens, 8, 4, seed=0).batch(0)
+    assert x.shape == y.shape == (4, 8) and x.dtype == torch.long
+    assert torch.equal(y[:, :-1], x[:, 1:]) and torch.equal(y[:, -1], x[:, -1] + 1)
+
+
+def stream(num_workers: int, seed: int = 0, start: int = 0, n: int = 8):
+    dataset = tt.RandomWindows(torch.arange(1000, dtype=torch.int16), 8, 4, seed=seed, start=start)
+    loader = make_loader(dataset, None, train=True, num_workers=num_workers)
+    return [x for x, _ in itertools.islice(loader, n)]
+
+
+def test_stream_is_reproducible_and_the_same_with_workers():
+    single = stream(0)
+    assert all(torch.equal(a, b) for a, b in zip(single, stream(0), strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(single, stream(2), strict=True))  # workers: same stream
+    assert not torch.equal(single[0], stream(0, seed=1)[0])
+
+
+def test_workers_yield_disjoint_batches():
+    batches = stream(2, n=12)
+    assert len({tuple(b.flatten().tolist()) for b in batches}) == 12  # no batch yielded twice
+
+
+def test_stream_resumes_at_any_batch():
+    assert all(torch.equal(a, b) for a, b in zip(stream(0, n=10)[4:], stream(2, start=4, n=6), strict=True))
+
+
+def test_warmup_then_cosine_schedule():
+    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=1e-3)
+    scheduler = tt.warmup_cosine(optimizer, warmup_steps=10, total_steps=110, min_lr_ratio=0.1)
+    lrs = []
+    for _ in range(110):
+        lrs.append(scheduler.get_last_lr()[0])
+        optimizer.step()
+        scheduler.step()
+    assert lrs[0] == pytest.approx(1e-3 / 11)
+    assert all(a < b for a, b in zip(lrs[:10], lrs[1:11], strict=True))  # linear warmup
+    assert lrs[10] == pytest.approx(1e-3)  # peak right after warmup
+    assert lrs[60] == pytest.approx(1e-4 + (1e-3 - 1e-4) / 2)  # half-way down the cosine
+    assert all(a >= b for a, b in zip(lrs[10:], lrs[11:], strict=False))
+    assert scheduler.get_last_lr()[0] == pytest.approx(1e-4)  # ends at min_lr_ratio x peak
+
+
+def test_smoke_run_and_sampling_from_the_checkpoint(run_inprocess, text_file, tmp_path):
+    run_dir = tmp_path / "run"
+    result = run_inprocess(RECIPE, "--text", text_file, *SMALL, "--steps", 12, "--eval-every", 6,
+                           "--warmup-steps", 2, "--peak-flops", 1e11, "--run-dir", run_dir)
+    assert result.code == 0, result.stderr
+    assert result.done_line.startswith("done: ") and "val_bits_per_byte=" in result.done_line
+    metrics = read_metrics(run_dir)
+    assert {"recipe", "steps", "train_loss", "val_loss", "val_bits_per_byte", "tokens_per_s", "mfu",
+            "wall_s"} <= metrics.keys()
+    assert metrics["steps"] == 12 and metrics["val_bits_per_byte"] == pytest.approx(metrics["val_loss"] / math.log(2))
+    assert metrics["val_loss"] < math.log(256)  # better than uniform over bytes
+    scalars = read_scalars(run_dir)
+    assert {"train/loss", "train/lr", "val/loss", "perf/tokens_per_s", "perf/mfu"} <= scalars.keys()
+    assert [s for s, _ in scalars["val/loss"]] == [6, 12]
+    state = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)
+    assert state["vocab"] is None and state["model_config"]["n_embd"] == 32
+
+    sample = run_inprocess(RECIPE, "--sample-only", "--resume", run_dir / "checkpoints" / "last.pt",
+                           "--prompt", "def ", "--sample-tokens", 30)
+    assert sample.code == 0, sample.stderr
+    assert sample.stdout.startswith("def ") and len(sample.stdout.encode()) >= 30
+
+
+def test_character_vocabulary_is_stored_in_the_checkpoint(run_inprocess, text_file, tmp_path):
+    result = run_inprocess(RECIPE, "--text", text_file, "--vocab", "chars", *SMALL, "--steps", 3,
+                           "--peak-flops", 1e11, "--run-dir", tmp_path / "run")
+    assert result.code == 0, result.stderr
+    state = torch.load(tmp_path / "run" / "checkpoints" / "last.pt", weights_only=True)
+    assert state["vocab"] == "".join(sorted(set(text_file.read_text())))
+    assert "val_bits_per_char" in read_metrics(tmp_path / "run")
+
+
+def test_resumed_run_ends_with_the_same_weights(run_inprocess, text_file, tmp_path):
+    common = ["--text", text_file, *SMALL, "--steps", 10, "--eval-every", 5, "--dropout", 0.1,
+              "--grad-accum", 2, "--peak-flops", 1e11]
+    assert run_inprocess(RECIPE, *common, "--run-dir", tmp_path / "full").code == 0
+    assert run_inprocess(RECIPE, *common, "--max-steps", 3, "--run-dir", tmp_path / "cut").code == 0
+    resumed = run_inprocess(RECIPE, *common, "--resume", "auto", "--run-dir", tmp_path / "cut")
+    assert resumed.code == 0, resumed.stderr
+    assert "resumed at step 3" in resumed.stdout
+    assert_same_weights(load_weights(tmp_path / "full" / "checkpoints" / "last.pt"),
+                        load_weights(tmp_path / "cut" / "checkpoints" / "last.pt"))
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (None, "no such file"),
+        (b"", "is empty"),
+        (b"caf\xe9 au lait " * 40, "is not UTF-8 text"),
+        (b"short text", "too short for --block-size 16"),
+    ],
+)
+def test_bad_text_is_a_one_line_error(run_inprocess, tmp_path, content, message):
+    path = tmp_path / "bad.txt"
+    if content is not None:
+        path.write_bytes(content)
+    result = run_inprocess(RECIPE, "--text", path, *SMALL, "--run-dir", tmp_path / "run")
+    assert result.code == 1 and result.stderr.startswith("error: ") and result.stderr.count("\n") == 1
+    assert message in result.stderr
+
+
+def test_heads_must_divide_the_width(run_inprocess, tmp_path):
+    result = run_inprocess(RECIPE, "--n-embd", 30, "--n-head", 4)
+    assert result.code == 2
+    assert "--n-embd" in result.stderr and "not divisible by --n-head 4" in result.stderr
