@@ -1,0 +1,389 @@
+"""Eject a recipe: write it as one self-contained script, with the core code it uses copied in.
+
+    python scripts/eject.py mnist_onecycle my_train.py
+    python scripts/eject.py path/to/recipes/NAME.py OUTPUT.py
+
+Recipes import the shared core by name (``from common.loop import train_step``). To start a project of
+your own from a recipe without carrying ``common/`` along, eject writes OUTPUT: the recipe's docstring, one
+merged import block, the core's functions, classes and constants that the recipe needs (directly or through
+each other; nothing else), one section per core module, and then the recipe's own code. Definitions are
+copied as written, so their comments and docstrings stay.
+
+What to copy is decided on the syntax tree, never on text: a name counts as used where code reads it as a
+module-level name; annotations, decorators and default values count, a function's parameters and local
+variables do not. A core import whose name means something else in the merged file (tracking.py's rich
+``Progress`` next to cli.py's ``Progress`` option) is imported under an alias (``RichProgress``) and
+renamed where it is used. A core name that the recipe defines too is an error.
+
+Exit status 0 on success, 2 on a usage error (wrong arguments, unknown recipe), 1 on any other problem;
+every error is one line ``error: ...`` on stderr.
+"""
+
+import argparse
+import ast
+import itertools
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+CORE = "common"
+FUNCTIONS = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)
+COMPREHENSIONS = (ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)
+
+
+class EjectError(Exception):
+    """A recipe that cannot be ejected as it is: reported as one line, exit 1."""
+
+
+@dataclass(frozen=True)
+class Import:
+    """One imported name: ``from torch import nn`` is Import("torch", "nn"), ``import torch`` Import("torch")."""
+
+    module: str
+    name: str | None = None
+    alias: str | None = None
+
+    @property
+    def key(self) -> str:  # how code refers to it: "nn", "dist", or "urllib.error" for `import urllib.error`
+        return self.alias or self.name or self.module
+
+    @property
+    def binding(self) -> str:  # the module-level name it binds
+        return self.key.split(".")[0]
+
+    @property
+    def meaning(self) -> tuple:  # imports that bind one name must agree on this to share the name
+        return (self.module if self.name or self.alias else self.binding), self.name
+
+
+@dataclass(eq=False)
+class Definition:
+    """A top-level statement of a module that binds names: a function, a class, a constant."""
+
+    source: "Source"
+    node: ast.stmt
+    names: set[str]
+
+
+@dataclass(eq=False)
+class Source:
+    """A parsed file and what each of its module-level names refers to."""
+
+    label: str  # "common/cli.py"
+    lines: list[str]
+    tree: ast.Module
+    imports: dict[str, Import]  # by Import.key
+    core_imports: dict[str, tuple[str, str]]  # name -> (core module, name there)
+    definitions: dict[str, Definition]
+
+
+def dotted(node: ast.AST) -> tuple[ast.Name, str] | None:
+    """``torch.cuda.is_available`` -> (the Name ``torch``, "torch.cuda.is_available"); None if not a name."""
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    return (node, ".".join([node.id, *reversed(parts)])) if isinstance(node, ast.Name) else None
+
+
+def bound_names(statements: list[ast.AST]) -> set[str]:
+    """Names that statements bind in their own scope (not in the functions and classes they define)."""
+    names, declared_global, todo = set(), set(), list(statements)
+    while todo:
+        node = todo.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+            continue
+        if isinstance(node, (ast.Lambda, *COMPREHENSIONS)):  # their variables are their own
+            continue
+        if isinstance(node, ast.Name) and not isinstance(node.ctx, ast.Load):
+            names.add(node.id)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names.update((alias.asname or alias.name).split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ExceptHandler) and node.name:
+            names.add(node.name)
+        elif isinstance(node, (ast.Global, ast.Nonlocal)):
+            declared_global.update(node.names)
+        todo.extend(ast.iter_child_nodes(node))
+    return names - declared_global
+
+
+def function_parts(fn: ast.AST) -> tuple[frozenset[str], list[ast.AST], list[ast.AST]]:
+    """(parameter names, what is evaluated where ``fn`` is defined, its body)."""
+    args = fn.args
+    params = [*args.posonlyargs, *args.args, *args.kwonlyargs, *filter(None, [args.vararg, args.kwarg])]
+    outer = [*getattr(fn, "decorator_list", []), *args.defaults, *filter(None, args.kw_defaults),
+             *filter(None, [p.annotation for p in params] + [getattr(fn, "returns", None)])]
+    body = fn.body if isinstance(fn.body, list) else [fn.body]
+    return frozenset(p.arg for p in params), outer, body
+
+
+def global_refs(node: ast.AST, local: frozenset[str] = frozenset()) -> Iterator[tuple[ast.Name, str]]:
+    """Every read of a module-level name in ``node``, as (Name node, dotted path); reads of parameters and
+    local variables (``local``, and those of the functions inside ``node``) are left out."""
+    if found := dotted(node):
+        if isinstance(found[0].ctx, ast.Load) and found[0].id not in local:
+            yield found
+    elif isinstance(node, FUNCTIONS):
+        params, outer, body = function_parts(node)
+        for child in outer:
+            yield from global_refs(child, local)
+        inner = local | params | bound_names(body)
+        for child in body:
+            yield from global_refs(child, inner)
+    else:
+        if isinstance(node, COMPREHENSIONS):
+            local = local | {n.id for g in node.generators for n in ast.walk(g.target) if isinstance(n, ast.Name)}
+        for child in ast.iter_child_nodes(node):
+            yield from global_refs(child, local)
+
+
+def is_bootstrap(node: ast.stmt) -> bool:
+    """``sys.path.insert(0, ...)``: how a recipe finds common/ in a clone. An ejected file needs none."""
+    call = node.value if isinstance(node, ast.Expr) else None
+    return isinstance(call, ast.Call) and (dotted(call.func) or (None, ""))[1] in ("sys.path.insert", "sys.path.append")
+
+
+def parse(path: Path, label: str) -> Source:
+    text = path.read_text(encoding="utf-8")
+    try:
+        tree = ast.parse(text, filename=label)
+    except SyntaxError as err:
+        raise EjectError(f"{label}:{err.lineno}: {err.msg}") from None
+    source = Source(label, text.splitlines(), tree, {}, {}, {})
+    for node in tree.body:
+        if isinstance(node, ast.ImportFrom) and (node.level or node.names[0].name == "*"):
+            raise EjectError(f"{label}:{node.lineno}: relative and star imports cannot be merged")
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            for alias in node.names:
+                item = (Import(node.module, alias.name, alias.asname) if isinstance(node, ast.ImportFrom)
+                        else Import(alias.name, None, alias.asname))
+                if item.module.split(".")[0] != CORE:
+                    source.imports[item.key] = item
+                elif item.name is None or item.alias or item.module == CORE:
+                    raise EjectError(f"{label}:{node.lineno}: import core names as `from {CORE}.MODULE import NAME`")
+                else:
+                    source.core_imports[item.name] = (item.module.split(".", 1)[1], item.name)
+        elif names := bound_names([node]):
+            definition = Definition(source, node, names)
+            source.definitions.update(dict.fromkeys(names, definition))
+    return source
+
+
+def member_key(name: str) -> tuple:
+    """isort's order within ``from x import ...``: CONSTANTS, then Classes, then everything else."""
+    return (0 if len(name) > 1 and name.isupper() else 1 if name[:1].isupper() else 2), name.lower(), name
+
+
+def import_lines(imports: list[Import]) -> list[str]:
+    """One section of the import block, sorted and merged as isort (ruff's rule I001) wants it."""
+    straight = sorted((i for i in imports if i.name is None), key=lambda i: (i.module.lower(), i.module, i.key))
+    lines = [f"import {i.module}" + (f" as {i.alias}" if i.alias else "") for i in straight]
+    statements: dict[tuple, list[Import]] = {}  # one per module, plus one per aliased name
+    for i in imports:
+        if i.name is not None:
+            statements.setdefault((i.module, i.alias), []).append(i)
+    for names in statements.values():
+        names.sort(key=lambda i: member_key(i.name))
+    for names in sorted(statements.values(), key=lambda s: (s[0].module.lower(), s[0].module, member_key(s[0].name))):
+        shown = [f"{i.name} as {i.alias}" if i.alias else i.name for i in names]
+        line = f"from {names[0].module} import {', '.join(shown)}"
+        if len(line) > 120:  # isort's wrapping: one name per line
+            line = f"from {names[0].module} import (\n" + "".join(f"    {name},\n" for name in shown) + ")"
+        lines.append(line)
+    return lines
+
+
+def is_header(node: ast.stmt) -> bool:
+    """The docstring, the imports and the bootstrap at the top of a recipe: eject writes its own."""
+    if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant):
+        return isinstance(node.value.value, str)
+    return isinstance(node, (ast.Import, ast.ImportFrom)) or is_bootstrap(node)
+
+
+def first_line(definition: Definition) -> int:
+    """Where a definition's text starts: at its decorators, or at comment lines directly above it."""
+    node, lines = definition.node, definition.source.lines
+    first = min([node.lineno, *(d.lineno for d in getattr(node, "decorator_list", []))])
+    while first > 1 and lines[first - 2].startswith("#"):
+        first -= 1
+    return first
+
+
+def blank_lines(previous: Definition, definition: Definition) -> int:
+    """Two around functions and classes (PEP 8); between constants as many as the original had (at most 2)."""
+    if any(isinstance(d.node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) for d in (previous, definition)):
+        return 2
+    above = definition.source.lines[: first_line(definition) - 1]
+    return min(2, len(above) - len("\n".join(above).rstrip().splitlines()))
+
+
+class Ejection:
+    """One recipe and the core definitions it needs; ``text()`` is the self-contained script."""
+
+    def __init__(self, recipe: Path):
+        path = recipe.resolve()
+        self.label = path.relative_to(ROOT).as_posix() if path.is_relative_to(ROOT) else path.name
+        self.recipe = parse(path, self.label)
+        self.modules: dict[str, Source] = {}
+        header = list(itertools.takewhile(is_header, self.recipe.tree.body))
+        self.body = self.recipe.tree.body[len(header) :]
+        self.body_start = header[-1].end_lineno if header else 0  # the recipe's own code starts below this line
+        if late := next((n for n in self.body if isinstance(n, (ast.Import, ast.ImportFrom))), None):
+            raise EjectError(f"{self.label}:{late.lineno}: move this import to the top of the recipe")
+        # definition -> its reads of imports, in the order they were reached
+        self.taken: dict[Definition, list[tuple[ast.Name, Import]]] = {}
+        self.recipe_reads = self.take(self.recipe, self.body)
+        self.sections = self.order_sections()
+        self.renames = self.check_names()
+
+    def module(self, name: str) -> Source:
+        if name not in self.modules:
+            path = ROOT / CORE / f"{name.replace('.', '/')}.py"
+            if not path.is_file():
+                raise EjectError(f"{CORE}.{name} is imported, but {path} does not exist")
+            self.modules[name] = parse(path, path.relative_to(ROOT).as_posix())
+        return self.modules[name]
+
+    def resolve(self, source: Source, path: str) -> Definition | Import | None:
+        """What a read of ``path`` ("torch.cuda.is_available", "Run") in ``source`` refers to; None: a builtin."""
+        parts = path.split(".")
+        for n in range(len(parts), 0, -1):  # `import urllib.error` is known by its whole dotted name
+            if ".".join(parts[:n]) in source.imports:
+                return source.imports[".".join(parts[:n])]
+        if parts[0] in source.definitions:
+            return source.definitions[parts[0]]
+        if parts[0] not in source.core_imports:
+            return None
+        module, name = source.core_imports[parts[0]]
+        if (target := self.resolve(self.module(module), name)) is None:
+            raise EjectError(f"{source.label} imports {name} from {CORE}.{module}, which has no {name}")
+        return target
+
+    def take(self, source: Source, nodes: list[ast.AST]) -> list[tuple[ast.Name, Import]]:
+        """Take the core definitions that ``nodes`` read, and theirs in turn; return the reads of imports."""
+        import_reads = []
+        for node in nodes:
+            for name, path in global_refs(node):
+                target = self.resolve(source, path)
+                if isinstance(target, Import):
+                    import_reads.append((name, target))
+                elif isinstance(target, Definition) and target.source is not self.recipe and target not in self.taken:
+                    self.taken[target] = []  # first: a definition may read itself
+                    self.taken[target] = self.take(target.source, [target.node])
+        return import_reads
+
+    def order_sections(self) -> list[tuple[Source, list[Definition]]]:
+        """Core modules after those they import from, definitions in source order: whatever a definition reads
+        when it is defined (base classes, decorators, annotations, defaults) is defined above it."""
+        order: list[Source] = []
+
+        def visit(source: Source) -> None:
+            if source not in order:
+                for module in sorted({module for module, _ in source.core_imports.values()}):
+                    visit(self.module(module))
+                order.append(source)
+
+        for name in sorted(self.modules):
+            visit(self.modules[name])
+        return [(source, sorted((d for d in self.taken if d.source is source), key=lambda d: d.node.lineno))
+                for source in order if any(d.source is source for d in self.taken)]
+
+    def check_names(self) -> dict[Import, Import]:
+        """Make every module-level name of the merged file mean one thing: a core definition may not share a name
+        with the recipe's code; a core import that would is given an alias. Returns {import: aliased import}."""
+        owners = {name: (self.label, self.label) for name in bound_names(self.body)}  # name -> (meaning, where)
+        for _, item in self.recipe_reads:
+            owners.setdefault(item.binding, (item.meaning, f"an import in {self.label}"))
+        for source, definitions in self.sections:
+            for definition in definitions:
+                for name in sorted(definition.names):
+                    if name in owners:
+                        raise EjectError(f"the recipe needs {name!r} from {source.label}, but {owners[name][1]} "
+                                         f"defines {name!r} too; rename it there")
+                    owners[name] = (definition, source.label)
+        renames = {}
+        core_imports = {item for reads in self.taken.values() for _, item in reads}
+        for item in sorted(core_imports, key=lambda i: (i.module, i.name or "", i.alias or "")):
+            if owners.setdefault(item.binding, (item.meaning, item.module))[0] != item.meaning:
+                package = item.module.split(".")[0]  # rich.progress.Progress -> RichProgress
+                alias = f"{package}_{item.binding}" if item.binding.islower() else package.capitalize() + item.binding
+                if alias in owners or item.key != item.binding:
+                    raise EjectError(f"{item.binding!r} means two things in {self.label} and the core it uses")
+                renames[item] = replace(item, alias=alias)
+                owners[alias] = (item.meaning, item.module)
+        return renames
+
+    def definition_text(self, definition: Definition) -> str:
+        first = first_line(definition)
+        lines = definition.source.lines[first - 1 : definition.node.end_lineno]
+        for name, item in sorted(self.taken[definition], key=lambda r: (r[0].lineno, r[0].col_offset), reverse=True):
+            if item in self.renames:  # an import that got an alias: rename this read of it
+                row = lines[name.lineno - first].encode()  # AST column offsets count UTF-8 bytes
+                alias = self.renames[item].alias.encode()
+                lines[name.lineno - first] = (row[: name.col_offset] + alias + row[name.end_col_offset :]).decode()
+        return "\n".join(lines)
+
+    def import_block(self) -> str:
+        reads = [*self.recipe_reads, *(read for reads in self.taken.values() for read in reads)]
+        used = {self.renames.get(item, item) for _, item in reads}
+        stdlib = [item for item in used if item.module.split(".")[0] in sys.stdlib_module_names]
+        third_party = [item for item in used if item not in stdlib]
+        return "\n\n".join("\n".join(import_lines(group)) for group in (stdlib, third_party) if group)
+
+    def text(self) -> str:
+        lines, tree = self.recipe.lines, self.recipe.tree
+        docstring = ["\n".join(lines[: tree.body[0].end_lineno])] if ast.get_docstring(tree) else []
+        generated = (f"# Generated by scripts/eject.py from {self.label} and the torch-recipes core ({CORE}/): the\n"
+                     "# core code it uses is copied in below, so this file runs on its own. Edit it freely.")
+        head = "\n\n".join([*docstring, generated, self.import_block()]).rstrip("\n")
+        blocks = []
+        for source, definitions in self.sections:
+            text = self.definition_text(definitions[0])
+            for previous, definition in zip(definitions, definitions[1:], strict=False):
+                text += "\n" * (blank_lines(previous, definition) + 1) + self.definition_text(definition)
+            blocks.append(f"# ---- from {source.label} ----\n\n\n{text}")
+        body = "\n".join(lines[self.body_start :]).strip("\n")
+        blocks.append(f"# ---- from {self.label} ----\n\n\n{body}")
+        return head + "\n\n" + "\n\n\n".join(blocks) + "\n"  # isort wants one blank line after the imports
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line instead of argparse's usage block; exit 2 like every usage error
+        print(f"error: {message} (usage: python scripts/eject.py RECIPE OUTPUT)", file=sys.stderr)
+        sys.exit(2)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = Parser(prog="scripts/eject.py", description=__doc__.splitlines()[0])
+    parser.add_argument("recipe", help="a recipe's name (mnist_onecycle) or the path of a recipe file")
+    parser.add_argument("output", type=Path, help="the script to write, e.g. my_train.py")
+    args = parser.parse_args(argv)
+    recipe, output = Path(args.recipe), args.output
+    if not recipe.is_file():  # a name: mnist_onecycle
+        recipe = ROOT / "recipes" / f"{args.recipe.removesuffix('.py')}.py"
+    if not recipe.is_file():
+        known = ", ".join(sorted(path.stem for path in (ROOT / "recipes").glob("*.py")))
+        parser.error(f"no recipe {args.recipe!r}; give one of {known}, or the path of a recipe file")
+    try:
+        if not output.parent.is_dir():
+            raise EjectError(f"cannot write {output}: the folder {output.parent} does not exist")
+        if output.resolve() == recipe.resolve():
+            raise EjectError(f"{output} is the recipe itself; write the script somewhere else")
+        ejection = Ejection(recipe)
+        output.write_text(ejection.text(), encoding="utf-8", newline="\n")
+    except EjectError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    except OSError as err:
+        print(f"error: {err.filename or output}: {err.strerror or err}", file=sys.stderr)
+        return 1
+    modules = ", ".join(Path(source.label).stem for source, _ in ejection.sections)
+    print(f"wrote {output}: {ejection.label} with {len(ejection.taken)} definitions from {CORE}/ ({modules})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

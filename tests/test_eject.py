@@ -1,0 +1,157 @@
+"""scripts/eject.py: every recipe, ejected into one self-contained script, trains exactly like the recipe."""
+
+import ast
+import importlib.util
+import re
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import ROOT, assert_same_weights, load_weights, read_metrics, run_subprocess
+
+# A few steps of every recipe on small data; "{name}" is replaced by the path the fixture `name` gives.
+# A new recipe fails test_ejected_recipe_trains_exactly_like_the_recipe until it has an entry here.
+RECIPE_ARGS = {
+    "mnist_onecycle": ["--data-dir", "{mnist_dir}", "--max-steps", "4", "--batch-size", "32"],
+    "tabular_mlp": ["--csv", "{table_csv}", "--target", "label", "--epochs", "1", "--batch-size", "32"],
+    "tiny_transformer": ["--text", "{corpus_txt}", "--steps", "4", "--eval-every", "4", "--n-layer", "2",
+                         "--n-head", "2", "--n-embd", "32", "--block-size", "16", "--batch-size", "8",
+                         "--eval-batches", "2", "--sample-tokens", "20", "--peak-flops", "1e11"],
+    "mixed_precision": ["--epochs", "1", "--max-steps", "3", "--samples", "256", "--batch-size", "64",
+                        "--width", "32", "--precision", "bf16"],
+    "compiled_model": ["--epochs", "1", "--max-steps", "3", "--samples", "512", "--batch-size", "128",
+                       "--width", "16", "--depth", "2"],
+}
+RECIPES = sorted(path.stem for path in (ROOT / "recipes").glob("*.py"))
+BOTH_RUNS = ["--seed", "1", "--device", "cpu", "--no-progress"]
+# measured, so they differ between any two runs
+TIMING_KEYS = {"wall_s", "samples_per_s", "tokens_per_s", "mfu", "step_ms", "first_step_s", "compile_s"}
+
+
+@pytest.fixture
+def corpus_txt(tmp_path) -> Path:
+    path = tmp_path / "corpus.txt"
+    path.write_text("def forward(self, x):\n    return self.head(self.body(x))  # logits\n" * 40, encoding="utf-8")
+    return path
+
+
+@pytest.fixture(scope="module")
+def ejected(tmp_path_factory):
+    """Recipe name -> its script ejected through the command line, alone in a folder outside the repository."""
+    scripts = {}
+
+    def eject(name: str) -> Path:
+        if name not in scripts:
+            script = tmp_path_factory.mktemp(f"ejected_{name}") / "train.py"
+            assert not script.resolve().is_relative_to(ROOT)
+            result = run_subprocess(["scripts/eject.py", name, script])
+            assert result.code == 0, result.stderr
+            scripts[name] = script
+        return scripts[name]
+
+    return eject
+
+
+def small_run_args(name: str, request) -> list[str]:
+    if name not in RECIPE_ARGS:
+        pytest.fail(f"recipes/{name}.py has no entry in RECIPE_ARGS of tests/test_eject.py: add the arguments "
+                    "of a few-second run of it there")
+    fixture = re.compile(r"\{(\w+)\}")
+    return [str(request.getfixturevalue(m[1])) if (m := fixture.fullmatch(arg)) else arg for arg in RECIPE_ARGS[name]]
+
+
+def top_level_names(tree: ast.Module) -> set[str]:
+    """Functions, classes and constants defined at module level (imports left out: ruff checks those)."""
+    names = {node.name for node in tree.body if isinstance(node, (ast.FunctionDef, ast.ClassDef))}
+    targets = [t for node in tree.body if isinstance(node, ast.Assign) for t in node.targets]
+    targets += [node.target for node in tree.body if isinstance(node, ast.AnnAssign)]
+    return names | {n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)}
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_ejected_recipe_trains_exactly_like_the_recipe(name, ejected, request, tmp_path):
+    args = [*small_run_args(name, request), *BOTH_RUNS]
+    script = ejected(name)
+    # Outside the repository and with an empty PYTHONPATH, the script cannot reach common/ even if it tried.
+    no_repo = {"PYTHONPATH": ""}
+    probe = run_subprocess([sys.executable, "-c", "import importlib.util as u; print(u.find_spec('common'))"],
+                           cwd=script.parent, env=no_repo)
+    assert probe.stdout.strip() == "None", probe.stdout + probe.stderr
+    for label, command, cwd in [("recipe", ROOT / "recipes" / f"{name}.py", ROOT), ("ejected", script, script.parent)]:
+        result = run_subprocess([command, *args, "--run-dir", tmp_path / label], cwd=cwd, env=no_repo)
+        assert result.code == 0, f"{label}: {result.stderr}"
+
+    recipe, ejected_run = ({k: v for k, v in read_metrics(tmp_path / label).items() if k not in TIMING_KEYS}
+                           for label in ("recipe", "ejected"))
+    assert ejected_run == recipe
+    assert_same_weights(load_weights(tmp_path / "recipe" / "checkpoints" / "last.pt"),
+                        load_weights(tmp_path / "ejected" / "checkpoints" / "last.pt"))
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_ejected_script_is_self_contained_and_holds_nothing_unused(name, ejected):
+    text = ejected(name).read_text()
+    tree = ast.parse(text)
+    imported = [node.module if isinstance(node, ast.ImportFrom) else alias.name
+                for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom)) for alias in node.names]
+    assert not [module for module in imported if module.split(".")[0] == "common"]
+    assert "sys.path" not in text  # the recipe's bootstrap is gone
+
+    recipe_text = (ROOT / "recipes" / f"{name}.py").read_text()
+    for module in sorted(set(re.findall(r"^from common\.(\w+) import", recipe_text, flags=re.M))):
+        assert f"# ---- from common/{module}.py ----\n" in text
+    copied = top_level_names(tree) - top_level_names(ast.parse(recipe_text))
+    read = {node.id for node in ast.walk(tree) if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load)}
+    assert copied and not copied - read, f"copied from common/ but never used: {sorted(copied - read)}"
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_ejecting_twice_gives_the_same_bytes(name, ejected, tmp_path):
+    again = tmp_path / "train.py"
+    result = run_subprocess(["scripts/eject.py", name, again], env={"PYTHONHASHSEED": "12345"})  # other set orders
+    assert result.code == 0, result.stderr
+    assert again.read_bytes() == ejected(name).read_bytes()
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_ejected_script_passes_ruff(name, ejected):
+    if importlib.util.find_spec("ruff"):
+        ruff = [sys.executable, "-m", "ruff"]
+    elif shutil.which("ruff"):
+        ruff = [shutil.which("ruff")]
+    else:
+        pytest.skip("ruff is not installed here (CI installs it)")
+    # The repository's rules; its per-file E402 exception for recipes/ does not reach a file outside it.
+    result = run_subprocess([*ruff, "check", "--no-cache", "--config", ROOT / "pyproject.toml", ejected(name)])
+    assert result.code == 0, result.stdout + result.stderr
+
+
+CLASHING_RECIPE = '''"""A recipe that defines a function of its own under the name of a core function it needs."""
+
+from common.loop import evaluate
+
+
+def to_device(batch):  # common.loop.evaluate calls common.loop.to_device
+    return batch, evaluate
+'''
+
+
+@pytest.mark.parametrize(
+    ("args", "code", "message"),
+    [
+        ([], 2, "the following arguments are required"),
+        (["mnist_onecycle"], 2, "the following arguments are required: output"),
+        (["no_such_recipe", "{tmp}/out.py"], 2, "no recipe 'no_such_recipe'; give one of"),
+        (["{tmp}/missing.py", "{tmp}/out.py"], 2, "no recipe"),
+        (["mnist_onecycle", "{tmp}/no_folder/out.py"], 1, "does not exist"),
+        (["{tmp}/clash.py", "{tmp}/out.py"], 1, "needs 'to_device' from common/loop.py"),
+    ],
+)
+def test_bad_input_is_a_one_line_error(args, code, message, tmp_path):
+    (tmp_path / "clash.py").write_text(CLASHING_RECIPE)
+    result = run_subprocess(["scripts/eject.py", *(arg.format(tmp=tmp_path) for arg in args)])
+    assert result.code == code, result.stderr
+    assert result.stderr.startswith("error: ") and result.stderr.count("\n") == 1, result.stderr
+    assert message in result.stderr
+    assert not (tmp_path / "out.py").exists()
