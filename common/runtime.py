@@ -83,7 +83,13 @@ def setup_distributed(device_name: str, backend: str = "auto") -> tuple[DistInfo
         torch.cuda.set_device(device)
     if backend == "auto":
         backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, device_id=device if device.type == "cuda" else None)
+    # torchrun keeps one key-value store across restarts, and process groups of every attempt would use the
+    # same keys: a restarted group could read a dead worker's address and fail to connect
+    # (pytorch/pytorch#167288). A prefix per attempt gives each its own keys.
+    store, _, _ = next(dist.rendezvous("env://"))
+    store = dist.PrefixStore(f"attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+    dist.init_process_group(backend, store=store, rank=info.rank, world_size=info.world_size,
+                            device_id=device if device.type == "cuda" else None)
     return info, device
 
 

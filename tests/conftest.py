@@ -7,6 +7,7 @@ where the process itself is under test (signals, exit codes seen by a shell, tor
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -21,7 +22,34 @@ sys.path.insert(0, str(ROOT))
 
 from scripts.mnist_files import write_mnist  # noqa: E402
 
-RECIPES = ["tabular_mlp", "mnist_onecycle"]
+RECIPES = sorted(path.stem for path in (ROOT / "recipes").glob("*.py"))
+
+# A few-second run of each recipe on small data; "{name}" stands for the value of the fixture `name`.
+# Tests that run every recipe (README commands, eject, the bad-input matrix) take their arguments from here,
+# so a new recipe fails them until it has an entry.
+SMOKE_ARGS = {
+    "mnist_onecycle": ["--data-dir", "{mnist_dir}", "--max-steps", "4", "--batch-size", "32"],
+    "tabular_mlp": ["--csv", "{table_csv}", "--target", "label", "--epochs", "1", "--batch-size", "32"],
+    "tiny_transformer": ["--text", "{corpus_txt}", "--steps", "4", "--eval-every", "4", "--n-layer", "2",
+                         "--n-head", "2", "--n-embd", "32", "--block-size", "16", "--batch-size", "8",
+                         "--eval-batches", "2", "--sample-tokens", "20", "--peak-flops", "1e11"],
+    "mixed_precision": ["--epochs", "1", "--max-steps", "3", "--samples", "256", "--batch-size", "64",
+                        "--width", "32", "--depth", "2"],
+    "compiled_model": ["--epochs", "1", "--max-steps", "3", "--samples", "512", "--batch-size", "128",
+                       "--width", "16", "--depth", "2"],
+    "ddp_mlp": ["--data-dir", "{mnist_dir}", "--epochs", "1", "--max-steps", "3", "--batch-size", "32",
+                "--hidden", "64"],
+}
+
+
+def smoke_args(name: str, request) -> list[str]:
+    """SMOKE_ARGS[name] with its fixture placeholders filled in."""
+    if name not in SMOKE_ARGS:
+        pytest.fail(f"recipes/{name}.py has no entry in SMOKE_ARGS of tests/conftest.py: add the arguments of a "
+                    "few-second run of it there")
+    placeholder = re.compile(r"\{(\w+)\}")
+    return [str(request.getfixturevalue(m[1])) if (m := placeholder.fullmatch(arg)) else arg
+            for arg in SMOKE_ARGS[name]]
 
 
 @dataclass
@@ -142,3 +170,10 @@ def write_table(path: Path, n: int = 300, seed: int = 0, *, target: bool = True)
 @pytest.fixture
 def table_csv(tmp_path) -> Path:
     return write_table(tmp_path / "table.csv")
+
+
+@pytest.fixture
+def corpus_txt(tmp_path) -> Path:
+    path = tmp_path / "corpus.txt"
+    path.write_text("def forward(self, x):\n    return self.head(self.body(x))  # logits\n" * 40, encoding="utf-8")
+    return path

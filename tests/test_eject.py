@@ -8,32 +8,11 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, assert_same_weights, load_weights, read_metrics, run_subprocess
+from conftest import RECIPES, ROOT, assert_same_weights, load_weights, read_metrics, run_subprocess, smoke_args
 
-# A few steps of every recipe on small data; "{name}" is replaced by the path the fixture `name` gives.
-# A new recipe fails test_ejected_recipe_trains_exactly_like_the_recipe until it has an entry here.
-RECIPE_ARGS = {
-    "mnist_onecycle": ["--data-dir", "{mnist_dir}", "--max-steps", "4", "--batch-size", "32"],
-    "tabular_mlp": ["--csv", "{table_csv}", "--target", "label", "--epochs", "1", "--batch-size", "32"],
-    "tiny_transformer": ["--text", "{corpus_txt}", "--steps", "4", "--eval-every", "4", "--n-layer", "2",
-                         "--n-head", "2", "--n-embd", "32", "--block-size", "16", "--batch-size", "8",
-                         "--eval-batches", "2", "--sample-tokens", "20", "--peak-flops", "1e11"],
-    "mixed_precision": ["--epochs", "1", "--max-steps", "3", "--samples", "256", "--batch-size", "64",
-                        "--width", "32", "--precision", "bf16"],
-    "compiled_model": ["--epochs", "1", "--max-steps", "3", "--samples", "512", "--batch-size", "128",
-                       "--width", "16", "--depth", "2"],
-}
-RECIPES = sorted(path.stem for path in (ROOT / "recipes").glob("*.py"))
 BOTH_RUNS = ["--seed", "1", "--device", "cpu", "--no-progress"]
 # measured, so they differ between any two runs
 TIMING_KEYS = {"wall_s", "samples_per_s", "tokens_per_s", "mfu", "step_ms", "first_step_s", "compile_s"}
-
-
-@pytest.fixture
-def corpus_txt(tmp_path) -> Path:
-    path = tmp_path / "corpus.txt"
-    path.write_text("def forward(self, x):\n    return self.head(self.body(x))  # logits\n" * 40, encoding="utf-8")
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -53,14 +32,6 @@ def ejected(tmp_path_factory):
     return eject
 
 
-def small_run_args(name: str, request) -> list[str]:
-    if name not in RECIPE_ARGS:
-        pytest.fail(f"recipes/{name}.py has no entry in RECIPE_ARGS of tests/test_eject.py: add the arguments "
-                    "of a few-second run of it there")
-    fixture = re.compile(r"\{(\w+)\}")
-    return [str(request.getfixturevalue(m[1])) if (m := fixture.fullmatch(arg)) else arg for arg in RECIPE_ARGS[name]]
-
-
 def top_level_names(tree: ast.Module) -> set[str]:
     """Functions, classes and constants defined at module level (imports left out: ruff checks those)."""
     names = {node.name for node in tree.body if isinstance(node, (ast.FunctionDef, ast.ClassDef))}
@@ -71,7 +42,7 @@ def top_level_names(tree: ast.Module) -> set[str]:
 
 @pytest.mark.parametrize("name", RECIPES)
 def test_ejected_recipe_trains_exactly_like_the_recipe(name, ejected, request, tmp_path):
-    args = [*small_run_args(name, request), *BOTH_RUNS]
+    args = [*smoke_args(name, request), *BOTH_RUNS]
     script = ejected(name)
     # Outside the repository and with an empty PYTHONPATH, the script cannot reach common/ even if it tried.
     no_repo = {"PYTHONPATH": ""}

@@ -1,0 +1,121 @@
+"""recipes/ddp_mlp.py under torchrun on CPU with gloo: equivalence, multiple nodes, restarts, failures."""
+
+import os
+import re
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import ROOT, assert_same_weights, load_weights, read_metrics, run_subprocess
+
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
+SMALL = ["--hidden", 64, "--no-progress"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun(*args, timeout: float = 180):
+    return run_subprocess([*TORCHRUN, *args], timeout=timeout)
+
+
+def test_plain_python_needs_no_process_group(run_inprocess, mnist_dir, tmp_path):
+    result = run_inprocess("ddp_mlp", "--data-dir", mnist_dir, "--run-dir", tmp_path / "run", "--epochs", 3,
+                           "--batch-size", 32, *SMALL)
+    assert result.code == 0, result.stderr
+    assert "1 process(es)" in result.stdout and "global batch 32 (1 x 32)" in result.stdout
+    metrics = read_metrics(tmp_path / "run")
+    assert metrics["world_size"] == 1 and metrics["steps"] == 3 * 16
+    assert metrics["val_acc"] > 0.5
+
+
+def test_two_processes_equal_one_process_with_twice_the_batch(run_inprocess, mnist_dir, tmp_path):
+    common = ["--data-dir", mnist_dir, "--epochs", 2, *SMALL]
+    two = torchrun("--nproc_per_node=2", "recipes/ddp_mlp.py", *common, "--batch-size", 16,
+                   "--run-dir", tmp_path / "two")
+    assert two.code == 0, two.stderr
+    assert "global batch 32 (2 x 16)" in two.stdout
+    one = run_inprocess("ddp_mlp", *common, "--batch-size", 32, "--run-dir", tmp_path / "one")
+    assert one.code == 0, one.stderr
+    assert read_metrics(tmp_path / "two")["steps"] == read_metrics(tmp_path / "one")["steps"] == 32
+    a = load_weights(tmp_path / "two" / "checkpoints" / "last.pt")
+    b = load_weights(tmp_path / "one" / "checkpoints" / "last.pt")
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=1e-5, atol=1e-6)
+    # evaluation is split across ranks and all-reduced: the same numbers as one process evaluating all
+    assert read_metrics(tmp_path / "two")["val_acc"] == read_metrics(tmp_path / "one")["val_acc"]
+
+
+def test_the_readme_two_node_commands_train_together(mnist_dir, tmp_path):
+    """The README's commands for two hosts, run as two launches on this machine (HOST0 = 127.0.0.1)."""
+    readme = (ROOT / "README.md").read_text()
+    commands = [line.strip() for line in readme.splitlines() if line.startswith("torchrun --nnodes=2")]
+    assert [re.search(r"--node-rank=(\d)", c)[1] for c in commands] == ["0", "1"]
+    assert all("--rdzv-backend=c10d" in c for c in commands)
+    port = free_port()
+    nodes = []
+    for command in commands:
+        words = shlex.split(command.replace("HOST0:29500", f"127.0.0.1:{port}")
+                            .replace("/shared/runs/ddp", str(tmp_path / "run")))
+        extra = ["--data-dir", mnist_dir, "--epochs", 1, "--batch-size", 16, *SMALL]
+        nodes.append(subprocess.Popen([str(w) for w in [*TORCHRUN, *words[1:], *extra]], cwd=ROOT,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    outputs = [node.communicate(timeout=180)[0] for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], outputs
+    done = [line for output in outputs for line in output.splitlines() if line.startswith("done: ")]
+    assert len(done) == 1 and "world_size=2" in done[0]  # one rank 0 in the whole group
+    assert read_metrics(tmp_path / "run")["world_size"] == 2
+
+
+def worker_pids(parent: int) -> list[int]:
+    pids = []
+    for status in Path("/proc").glob("[0-9]*/status"):
+        try:
+            if f"PPid:\t{parent}\n" in status.read_text():
+                pids.append(int(status.parent.name))
+        except OSError:
+            pass
+    return pids
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds the workers through /proc")
+def test_killed_worker_is_restarted_and_resumes_to_the_same_weights(mnist_dir, tmp_path):
+    common = ["--nproc_per_node=2", "--max-restarts=1", "recipes/ddp_mlp.py", "--data-dir", mnist_dir,
+              "--epochs", 40, "--batch-size", 16, "--checkpoint-every", 100, "--resume", "auto", *SMALL]
+    reference = torchrun(*common, "--run-dir", tmp_path / "reference")
+    assert reference.code == 0, reference.stderr
+
+    run_dir = tmp_path / "killed"
+    launcher = subprocess.Popen([str(c) for c in [*TORCHRUN, *common, "--run-dir", run_dir]], cwd=ROOT,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 120
+    while not (run_dir / "checkpoints" / "last.pt").exists() and time.time() < deadline:
+        time.sleep(0.05)
+    workers = worker_pids(launcher.pid)
+    assert launcher.poll() is None and workers, "the run ended before a worker could be killed"
+    os.kill(workers[-1], signal.SIGKILL)
+    output = launcher.communicate(timeout=180)[0]
+    assert launcher.returncode == 0, output
+    assert "resumed at step" in output  # the restarted group found the checkpoint
+    assert read_metrics(run_dir)["steps"] == 40 * 16
+    assert_same_weights(load_weights(tmp_path / "reference" / "checkpoints" / "last.pt"),
+                        load_weights(run_dir / "checkpoints" / "last.pt"))
+
+
+def test_a_failure_on_the_ranks_ends_them_all_with_the_one_line_error(mnist_dir, tmp_path):
+    started = time.time()
+    result = torchrun("--nproc_per_node=2", "recipes/ddp_mlp.py", "--data-dir", mnist_dir,
+                      "--resume", tmp_path / "missing.pt", "--run-dir", tmp_path / "run", *SMALL, timeout=120)
+    assert result.code != 0
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert errors and all("missing.pt does not exist" in line for line in errors)
+    assert time.time() - started < 60  # no rank was left waiting for the other

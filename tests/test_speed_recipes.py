@@ -1,0 +1,122 @@
+"""recipes/mixed_precision.py and recipes/compiled_model.py: correctness of what they measure.
+
+Their speed targets are measured by scripts/benchmark.py, never asserted here.
+"""
+
+import json
+import math
+import re
+
+import pytest
+import torch
+from conftest import assert_same_weights, load_recipe, load_weights, read_metrics, read_scalars
+
+MP_SMALL = ["--samples", 256, "--batch-size", 64, "--width", 32, "--depth", 2]
+CM_SMALL = ["--samples", 512, "--batch-size", 128, "--width", 16, "--depth", 2]
+
+
+def parse_table(stdout: str) -> dict[str, list[str]]:
+    """Markdown table rows of stdout, keyed by their first cell."""
+    rows = [[cell.strip() for cell in line.strip("|").split("|")] for line in stdout.splitlines()
+            if line.startswith("| ") and not line.startswith("|---")]
+    return {row[0]: row[1:] for row in rows}
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+def test_mixed_precision_trains_in_each_precision(run_inprocess, tmp_path, precision):
+    run_dir = tmp_path / precision
+    result = run_inprocess("mixed_precision", *MP_SMALL, "--epochs", 2, "--precision", precision,
+                           "--run-dir", run_dir)
+    assert result.code == 0, result.stderr
+    metrics = read_metrics(run_dir)
+    assert metrics["steps"] == 8 and math.isfinite(metrics["train_loss"])
+    assert {"train/loss", "val/loss", "val/acc", "perf/samples_per_s"} <= read_scalars(run_dir).keys()
+    state = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)
+    assert (state["scaler"] is not None) == (precision == "fp16")
+    losses = [v for _, v in read_scalars(run_dir)["train/loss"]]
+    assert losses[-1] < losses[0]
+
+
+def test_fp16_resume_restores_the_scaler(run_inprocess, tmp_path):
+    common = [*MP_SMALL, "--epochs", 2, "--precision", "fp16"]
+    assert run_inprocess("mixed_precision", *common, "--run-dir", tmp_path / "full").code == 0
+    assert run_inprocess("mixed_precision", *common, "--max-steps", 3, "--run-dir", tmp_path / "cut").code == 0
+    cut = torch.load(tmp_path / "cut" / "checkpoints" / "last.pt", weights_only=True)
+    assert cut["scaler"]["scale"] == 65536.0 and cut["scaler"]["_growth_tracker"] == 3
+    assert run_inprocess("mixed_precision", *common, "--resume", "auto", "--run-dir", tmp_path / "cut").code == 0
+    assert_same_weights(load_weights(tmp_path / "full" / "checkpoints" / "last.pt"),
+                        load_weights(tmp_path / "cut" / "checkpoints" / "last.pt"))
+    full = torch.load(tmp_path / "full" / "checkpoints" / "last.pt", weights_only=True)["scaler"]
+    resumed = torch.load(tmp_path / "cut" / "checkpoints" / "last.pt", weights_only=True)["scaler"]
+    assert full == resumed  # scale and growth tracker continued, not restarted
+
+
+def test_mixed_precision_compare_table(run_inprocess, tmp_path):
+    result = run_inprocess("mixed_precision", "--compare", *MP_SMALL, "--epochs", 1, "--max-slowdown", 1e6,
+                           "--run-dir", tmp_path / "cmp")
+    assert result.code == 0, result.stderr
+    table = parse_table(result.stdout)
+    assert {"fp32", "bf16", "fp16"} <= table.keys()
+    rows = json.loads((tmp_path / "cmp" / "metrics.json").read_text())["compare"]
+    for precision in ("fp32", "bf16", "fp16"):
+        throughput, speedup, final_loss = table[precision][:3]
+        row = rows[precision]
+        assert float(speedup.rstrip("x")) == pytest.approx(row["samples_per_s"] / rows["fp32"]["samples_per_s"],
+                                                           abs=0.01)
+        assert float(throughput.replace(",", "")) == pytest.approx(row["samples_per_s"], abs=1)
+        assert float(final_loss) == pytest.approx(row["train_loss"], abs=1e-4)
+        assert math.isfinite(row["max_loss_diff"])
+    assert rows["fp32"]["max_loss_diff"] == 0
+    assert rows["bf16"]["max_loss_diff"] < 0.1  # same seed, same steps: bf16 tracks fp32 closely
+    for precision in ("fp32", "bf16", "fp16"):
+        assert (tmp_path / "cmp" / precision / "checkpoints" / "last.pt").is_file()
+
+
+def test_compare_says_when_a_precision_is_too_slow(run_inprocess, tmp_path):
+    result = run_inprocess("mixed_precision", "--compare", *MP_SMALL, "--epochs", 1, "--max-slowdown", 1.0,
+                           "--run-dir", tmp_path / "cmp")
+    assert result.code == 0, result.stderr
+    rows = json.loads((tmp_path / "cmp" / "metrics.json").read_text())["compare"]
+    slow = [p for p in ("bf16", "fp16") if "note" in rows[p]]
+    for precision in slow:  # a 16-bit precision no faster than fp32 is reported, not trained
+        assert "slower than fp32 here: not trained" in rows[precision]["note"]
+        assert rows[precision]["note"] in result.stdout
+        assert not (tmp_path / "cmp" / precision).exists()
+
+
+def test_compiled_model_matches_eager_and_its_checkpoint_loads_into_a_plain_model(run_inprocess, tmp_path):
+    result = run_inprocess("compiled_model", "--compare", *CM_SMALL, "--epochs", 2, "--run-dir", tmp_path / "cmp")
+    assert result.code == 0, result.stderr
+    summary = json.loads((tmp_path / "cmp" / "metrics.json").read_text())
+    assert summary["loss_diff"] < 1e-4
+    assert summary["eager"]["steps"] == summary["compiled"]["steps"] == 8
+    assert summary["speedup"] == pytest.approx(summary["eager"]["step_ms"] / summary["compiled"]["step_ms"])
+    assert summary["compiled"]["compile_s"] > 0
+    table = parse_table(result.stdout)
+    assert float(table["compiled"][1].rstrip("x")) == pytest.approx(summary["speedup"], abs=0.01)
+
+    state = torch.load(tmp_path / "cmp" / "compiled" / "checkpoints" / "last.pt", weights_only=True)
+    assert not any(key.startswith("_orig_mod.") for key in state["model"])
+    plain = load_recipe("compiled_model").GatedMLP(16, 2)
+    plain.load_state_dict(state["model"])  # strict: every key matches an uncompiled model
+    x = torch.randn(4, 32)
+    eager_state = torch.load(tmp_path / "cmp" / "eager" / "checkpoints" / "last.pt", weights_only=True)
+    eager = load_recipe("compiled_model").GatedMLP(16, 2)
+    eager.load_state_dict(eager_state["model"])
+    torch.testing.assert_close(plain(x), eager(x), rtol=1e-4, atol=1e-5)
+
+
+def test_traps_count_recompilations_and_graph_breaks(run_inprocess):
+    result = run_inprocess("compiled_model", "--traps", "--backend", "eager")
+    assert result.code == 0, result.stderr
+    table = parse_table(result.stdout)
+    graphs = {dynamic: int(table[dynamic][0]) for dynamic in ("False", "None", "True")}
+    assert graphs == {"False": 4, "None": 2, "True": 1}  # four batch sizes: 4, 1 + 1 recompile, 1
+    assert (int(table["traced"][0]), int(table["traced"][1])) == (3, 2)
+    assert (int(table["fenced"][0]), int(table["fenced"][1])) == (2, 1)
+
+
+def test_unknown_backend_is_a_usage_error(run_inprocess):
+    result = run_inprocess("compiled_model", "--backend", "turbo")
+    assert result.code == 2
+    assert re.search(r"'turbo' is not one of .*inductor", result.stderr)
