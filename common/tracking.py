@@ -146,9 +146,7 @@ class Run:
             if not math.isfinite(loss) and not skip:
                 kept = (f"the last good checkpoint is {self.last_checkpoint}" if self.last_checkpoint
                         else "no checkpoint was written yet")
-                raise RecipeError(
-                    f"training diverged: the loss is {loss} at step {step}; {kept}. Lower --lr or use fp32"
-                )
+                raise RecipeError(f"training diverged: the loss is {loss} at step {step}; {kept}. Try a lower --lr")
         seconds = max(self.last_step_time - self.window_start, 1e-9)
         items = sum(n for *_, n in self.pending)
         self.items, self.train_seconds = self.items + items, self.train_seconds + seconds

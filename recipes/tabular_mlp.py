@@ -434,8 +434,9 @@ def main(
     run = Run(RECIPE, config, run_dir, total_steps=total_steps, start_step=step,
               checkpoint_every=checkpoint_every, progress=progress)
     kind = f"{len(spec['classes'])} classes" if classification else "regression"
+    resumed = f" | resumed at step {step}" if checkpoint else ""
     run.print(f"run_dir {run_dir} | device {device} | {len(train_set)} train / {len(val_set)} val rows | "
-              f"{len(spec['numeric'])} numeric + {len(spec['categorical'])} categorical columns | {kind}")
+              f"{len(spec['numeric'])} numeric + {len(spec['categorical'])} categorical columns | {kind}{resumed}")
 
     def state() -> dict:
         return training_state(

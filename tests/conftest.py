@@ -167,13 +167,13 @@ def write_table(path: Path, n: int = 300, seed: int = 0, *, target: bool = True)
     return path
 
 
-@pytest.fixture
-def table_csv(tmp_path) -> Path:
-    return write_table(tmp_path / "table.csv")
+@pytest.fixture(scope="session")
+def table_csv(tmp_path_factory) -> Path:
+    return write_table(tmp_path_factory.mktemp("table") / "table.csv")
 
 
-@pytest.fixture
-def corpus_txt(tmp_path) -> Path:
-    path = tmp_path / "corpus.txt"
+@pytest.fixture(scope="session")
+def corpus_txt(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("corpus") / "corpus.txt"
     path.write_text("def forward(self, x):\n    return self.head(self.body(x))  # logits\n" * 40, encoding="utf-8")
     return path

@@ -1,0 +1,306 @@
+"""Runs survive crashes and mistakes: SIGKILL at any moment, Ctrl-C, divergence, and bad input of every kind.
+
+What a user can rely on is in the README's "Resuming and failures" section; each promise there is a test here.
+"""
+
+import os
+import random
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import (
+    RECIPES,
+    ROOT,
+    assert_same_weights,
+    load_weights,
+    read_metrics,
+    run_subprocess,
+    smoke_args,
+    synthetic_digits,
+    write_table,
+)
+
+from scripts.mnist_files import write_mnist
+
+# Long enough (about a second of training) to be killed part-way, checkpointing at every step so that many
+# kills land in the middle of writing one.
+CRASH_RUNS = {
+    "tabular_mlp": ["--csv", "{table_csv}", "--target", "label", "--epochs", "4", "--batch-size", "8",
+                    "--dropout", "0.2"],
+    "mnist_onecycle": ["--data-dir", "{mnist_dir}", "--epochs", "2", "--batch-size", "16", "--width", "4"],
+    "tiny_transformer": ["--text", "{corpus_txt}", "--steps", "120", "--eval-every", "40", "--n-layer", "1",
+                         "--n-head", "2", "--n-embd", "16", "--block-size", "16", "--batch-size", "4",
+                         "--dropout", "0.1", "--eval-batches", "1", "--sample-tokens", "5", "--peak-flops", "1e11"],
+}
+
+
+def fill(args: list[str], request) -> list[str]:
+    return [str(request.getfixturevalue(a[1:-1])) if a.startswith("{") else a for a in args]
+
+
+def start(recipe: str, args: list[str]) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, f"recipes/{recipe}.py", *args], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+@pytest.mark.parametrize("recipe", sorted(CRASH_RUNS))
+def test_sigkill_at_random_moments_then_resume_auto_gives_the_same_weights(recipe, request, tmp_path):
+    args = [*fill(CRASH_RUNS[recipe], request), "--checkpoint-every", "1", "--resume", "auto", "--no-progress"]
+    reference = run_subprocess([f"recipes/{recipe}.py", *args, "--run-dir", tmp_path / "reference"])
+    assert reference.code == 0, reference.stderr
+
+    run_dir, rng, kills = tmp_path / "killed", random.Random(recipe), 0
+    checkpoint = run_dir / "checkpoints" / "last.pt"
+    for _ in range(3):  # the same command for the first launch and every restart
+        process = start(recipe, [*args, "--run-dir", run_dir])
+        first = checkpoint.stat().st_mtime_ns if checkpoint.exists() else None
+        deadline = time.time() + 60
+        while process.poll() is None and time.time() < deadline:  # wait until this launch is training
+            if checkpoint.exists() and checkpoint.stat().st_mtime_ns != first:
+                break
+            time.sleep(0.01)
+        time.sleep(rng.uniform(0.0, 0.4))
+        if process.poll() is None:
+            process.send_signal(signal.SIGKILL)
+            kills += 1
+        process.communicate()
+    assert kills >= 2, "the runs finished before they could be killed: make CRASH_RUNS longer"
+    final = run_subprocess([f"recipes/{recipe}.py", *args, "--run-dir", run_dir])
+    assert final.code == 0, final.stderr
+    assert "resumed at step" in final.stdout
+    assert read_metrics(run_dir)["steps"] == read_metrics(tmp_path / "reference")["steps"]
+    assert_same_weights(load_weights(tmp_path / "reference" / "checkpoints" / "last.pt"), load_weights(checkpoint))
+
+
+def test_a_save_torn_by_a_crash_is_ignored(run_inprocess, table_csv, tmp_path):
+    """A kill in the middle of a save leaves a temporary file beside last.pt: resume uses last.pt, and the
+    next save clears the leftover."""
+    common = ["--csv", table_csv, "--target", "label", "--epochs", 2, "--batch-size", 32]
+    assert run_inprocess("tabular_mlp", *common, "--run-dir", tmp_path / "full").code == 0
+    assert run_inprocess("tabular_mlp", *common, "--max-steps", 5, "--run-dir", tmp_path / "cut").code == 0
+    torn = tmp_path / "cut" / "checkpoints" / ".last.pt.99999.tmp"
+    torn.write_bytes((tmp_path / "cut" / "checkpoints" / "last.pt").read_bytes()[:1000])
+    assert run_inprocess("tabular_mlp", *common, "--resume", "auto", "--run-dir", tmp_path / "cut").code == 0
+    assert not torn.exists()
+    assert_same_weights(load_weights(tmp_path / "full" / "checkpoints" / "last.pt"),
+                        load_weights(tmp_path / "cut" / "checkpoints" / "last.pt"))
+
+
+@pytest.mark.parametrize("recipe", ["mnist_onecycle", "tiny_transformer"])
+def test_ctrl_c_saves_prints_how_to_resume_and_exits_130(recipe, request, tmp_path):
+    args = [*fill(CRASH_RUNS[recipe], request), "--checkpoint-every", "5", "--no-progress"]
+    reference = run_subprocess([f"recipes/{recipe}.py", *args, "--run-dir", tmp_path / "reference"])
+    assert reference.code == 0, reference.stderr
+
+    run_dir = tmp_path / "interrupted"
+    process = start(recipe, [*args, "--run-dir", run_dir])
+    deadline = time.time() + 60
+    while not (run_dir / "checkpoints" / "last.pt").exists() and time.time() < deadline:
+        time.sleep(0.01)
+    process.send_signal(signal.SIGINT)
+    stdout, stderr = process.communicate(timeout=60)
+    assert process.returncode == 130, stderr
+    assert "Traceback" not in stdout + stderr
+    lines = stdout.strip().splitlines()
+    assert len(lines) >= 2, stdout + stderr
+    assert lines[-2].startswith("interrupted at step ") and lines[-2].endswith("; checkpoint saved. Resume with:")
+    stopped_at = int(lines[-2].split("interrupted at step ")[1].split(";")[0])
+    state = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)
+    assert state["step"] == stopped_at  # saved at the step it stopped, not at the last --checkpoint-every
+
+    command = shlex.split(lines[-1])
+    assert command[:2] == ["python", f"recipes/{recipe}.py"] and command[-4:] == ["--resume", "auto", "--run-dir",
+                                                                                 str(run_dir)]
+    resumed = run_subprocess([sys.executable, *command[1:]])
+    assert resumed.code == 0, resumed.stderr
+    assert f"resumed at step {stopped_at}" in resumed.stdout
+    assert_same_weights(load_weights(tmp_path / "reference" / "checkpoints" / "last.pt"),
+                        load_weights(run_dir / "checkpoints" / "last.pt"))
+
+
+def test_divergence_stops_with_the_step_and_keeps_the_last_good_checkpoint(run_inprocess, table_csv, tmp_path):
+    result = run_inprocess("tabular_mlp", "--csv", table_csv, "--target", "label", "--optimizer", "sgd",
+                           "--lr", 1e30, "--checkpoint-every", 1, "--batch-size", 16, "--run-dir", tmp_path)
+    assert result.code == 1
+    assert result.stderr.count("\n") == 1
+    assert "training diverged: the loss is nan at step 2" in result.stderr
+    assert f"the last good checkpoint is {tmp_path / 'checkpoints' / 'last.pt'}" in result.stderr
+    state = torch.load(tmp_path / "checkpoints" / "last.pt", weights_only=True)
+    assert state["step"] == 1
+    assert all(torch.isfinite(t).all() for t in state["model"].values())
+
+
+def test_fp16_overflows_are_counted_not_fatal(run_inprocess, tmp_path):
+    # an overflowing first step: the default initial scale times this model's large first losses
+    result = run_inprocess("mixed_precision", "--precision", "fp16", "--samples", 256, "--batch-size", 64,
+                           "--width", 32, "--depth", 2, "--lr", 1.0, "--epochs", 2, "--run-dir", tmp_path)
+    assert result.code == 0, result.stderr
+
+
+# ------------------------------------------------------------------------------------------------------
+# The bad-input matrix: every recipe, every kind of mistake
+
+OTHER_ENUM = {"tabular_mlp": ["--task", "clustering"], "tiny_transformer": ["--attention", "flash"],
+              "compiled_model": ["--mode", "fastest"], "ddp_mlp": ["--backend", "mpi"],
+              "mixed_precision": ["--precision", "int8"], "mnist_onecycle": ["--device", "gpu"]}
+LENGTH_OPTION = {"tiny_transformer": "--steps"}
+NEIGHBOUR = {name: RECIPES[(i + 1) % len(RECIPES)] for i, name in enumerate(RECIPES)}
+
+USAGE_CASES = {  # exit 2: (extra arguments, text the error line must hold)
+    "precision": (["--precision", "fp8"], "'--precision'"),
+    "device": (["--device", "tpu"], "'--device'"),
+    "other enum": (None, "Invalid value for"),
+    "zero length": (None, "x>=1"),
+    "negative length": (None, "x>=1"),
+    "zero batch size": (["--batch-size", "0"], "'--batch-size'"),
+    "negative batch size": (["--batch-size", "-4"], "'--batch-size'"),
+    "zero lr": (["--lr", "0"], "must be > 0"),
+    "negative lr": (["--lr", "-0.1"], "must be > 0"),
+}
+RUNTIME_CASES = [  # exit 1
+    "missing checkpoint", "random bytes", "truncated checkpoint", "other recipe's checkpoint", "pickle payload",
+    "cuda absent", "unwritable run dir",
+]
+INPUT_CASES = {  # recipe inputs, exit 1
+    "tabular_mlp": ["missing csv", "empty csv", "header-only csv", "no such target"],
+    "tiny_transformer": ["non-utf8 text", "too-short text"],
+    "mnist_onecycle": ["corrupt idx"],
+    "ddp_mlp": ["corrupt idx"],
+}
+CASES = ([(r, c) for r in RECIPES for c in USAGE_CASES] + [(r, c) for r in RECIPES for c in RUNTIME_CASES]
+         + [(r, c) for r, cases in INPUT_CASES.items() for c in cases])
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, request):
+    """recipe -> a run directory that holds a real checkpoint of it (trained once per module)."""
+    from conftest import load_recipe
+
+    from common.cli import run_recipe
+
+    runs = {}
+
+    def get(recipe: str) -> Path:
+        if recipe not in runs:
+            run_dir = tmp_path_factory.mktemp(f"trained_{recipe}")
+            try:
+                run_recipe(load_recipe(recipe).main, [*smoke_args(recipe, request), "--run-dir", str(run_dir),
+                                                      "--no-progress"])
+            except SystemExit as exit_:
+                assert exit_.code in (0, None)
+            runs[recipe] = run_dir
+        return runs[recipe]
+
+    return get
+
+
+class Payload:
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def bad_arguments(recipe: str, case: str, request, tmp_path: Path, trained) -> tuple[list, int, str]:
+    """The arguments that make ``case`` happen, the exit code expected, and text the error must hold."""
+    length = LENGTH_OPTION.get(recipe, "--epochs")
+    if case in USAGE_CASES:
+        extra, text = USAGE_CASES[case]
+        if case == "other enum":
+            extra = OTHER_ENUM[recipe]
+            text = f"'{extra[0]}'"
+        elif case.endswith("length"):
+            extra, text = [length, "0" if case.startswith("zero") else "-3"], f"'{length}'"
+        return extra, 2, text
+    resume = ["--resume", "auto"]
+    checkpoint = tmp_path / "bad.pt"
+    good = trained(recipe) / "checkpoints" / "last.pt"
+    if case == "missing checkpoint":
+        return ["--resume", tmp_path / "nope.pt"], 1, "nope.pt does not exist"
+    if case == "random bytes":
+        checkpoint.write_bytes(random.Random(0).randbytes(3000))
+        return ["--resume", checkpoint], 1, "corrupt, truncated, or not a PyTorch checkpoint"
+    if case == "truncated checkpoint":
+        checkpoint.write_bytes(good.read_bytes()[: good.stat().st_size // 2])
+        return ["--resume", checkpoint], 1, "corrupt, truncated, or not a PyTorch checkpoint"
+    if case == "other recipe's checkpoint":
+        return ["--resume", trained(NEIGHBOUR[recipe]) / "checkpoints" / "last.pt"], 1, \
+            f"written by recipe '{NEIGHBOUR[recipe]}', not '{recipe}'"
+    if case == "pickle payload":
+        state = torch.load(good, weights_only=True)
+        state["extra"] = Payload(tmp_path / "payload-ran")
+        torch.save(state, checkpoint)
+        return ["--resume", checkpoint], 1, "refuses to run"
+    if case == "cuda absent":
+        return [*resume, "--device", "cuda"], 1, "CUDA is not available"
+    if case == "unwritable run dir":
+        (tmp_path / "a-file").write_text("not a folder")
+        return ["--run-dir", tmp_path / "a-file" / "run"], 1, "cannot write to --run-dir"
+    if case == "missing csv":
+        return [*resume, "--csv", tmp_path / "nope.csv"], 1, "nope.csv: no such file"
+    if case == "empty csv":
+        (tmp_path / "e.csv").write_text("")
+        return [*resume, "--csv", tmp_path / "e.csv"], 1, "is empty"
+    if case == "header-only csv":
+        (tmp_path / "h.csv").write_text("age,income,colour,city,label\n")
+        return [*resume, "--csv", tmp_path / "h.csv"], 1, "has a header but no data rows"
+    if case == "no such target":
+        return [*resume, "--target", "price"], 1, "target column 'price' is not in the table"
+    if case == "non-utf8 text":
+        (tmp_path / "latin1.txt").write_bytes("caf\u00e9 na\u00efve ".encode("latin-1") * 50)
+        return [*resume, "--text", tmp_path / "latin1.txt"], 1, "is not UTF-8 text"
+    if case == "too-short text":
+        (tmp_path / "short.txt").write_text("tiny")
+        return [*resume, "--text", tmp_path / "short.txt"], 1, "too short for --block-size"
+    if case == "corrupt idx":
+        corrupt = tmp_path / "mnist"
+        write_mnist(corrupt, synthetic_digits(64, 0), synthetic_digits(32, 1))
+        images = corrupt / "MNIST" / "raw" / "train-images-idx3-ubyte"
+        images.write_bytes(images.read_bytes()[:5000])  # truncated: fewer pixels than the header promises
+        return [*resume, "--data-dir", corrupt], 1, "MNIST files in"
+    raise AssertionError(case)
+
+
+@pytest.mark.parametrize(("recipe", "case"), CASES)
+def test_bad_input_is_one_clear_line_and_loses_nothing(recipe, case, run_inprocess, request, trained, tmp_path):
+    run_dir = tmp_path / "existing-run"
+    # an existing run directory with a real checkpoint, which the failed command must leave untouched
+    source = trained(recipe)
+    (run_dir / "checkpoints").mkdir(parents=True)
+    for name in ("last.pt", "config.json"):
+        sub = "checkpoints/" if name.endswith(".pt") else ""
+        (run_dir / f"{sub}{name}").write_bytes((source / f"{sub}{name}").read_bytes())
+    before = (run_dir / "checkpoints" / "last.pt").read_bytes()
+
+    extra, code, text = bad_arguments(recipe, case, request, tmp_path, trained)
+    args = [*smoke_args(recipe, request), "--run-dir", run_dir, *extra]  # later options win
+    result = run_inprocess(recipe, *args)
+
+    output = result.stdout + result.stderr
+    assert result.code == code, output
+    assert "Traceback" not in output
+    errors = [line for line in result.stderr.splitlines() if line.lower().startswith("error")]
+    assert len(errors) == 1 and text in errors[0], result.stderr
+    if code == 1:
+        assert result.stderr.strip() == errors[0]  # the whole of stderr is that one line
+    assert (run_dir / "checkpoints" / "last.pt").read_bytes() == before
+    assert not (tmp_path / "payload-ran").exists()
+
+
+def test_checkpoint_every_writes_at_that_step(run_inprocess, tmp_path):
+    path = write_table(tmp_path / "t.csv")
+    result = run_inprocess("tabular_mlp", "--csv", path, "--target", "label", "--batch-size", 16,
+                           "--checkpoint-every", 7, "--max-steps", 10, "--epochs", 3, "--run-dir", tmp_path / "run")
+    assert result.code == 0, result.stderr
+    # max-steps 10 stops mid-epoch; the epoch-end save then holds step 10, but step 7 was saved before it
+    assert torch.load(tmp_path / "run" / "checkpoints" / "last.pt", weights_only=True)["step"] == 10
+    result = run_inprocess("tabular_mlp", "--csv", path, "--target", "label", "--batch-size", 16,
+                           "--checkpoint-every", 7, "--max-steps", 7, "--epochs", 3, "--run-dir", tmp_path / "r7")
+    assert torch.load(tmp_path / "r7" / "checkpoints" / "last.pt", weights_only=True)["step"] == 7
