@@ -24,6 +24,7 @@ from torch.utils.tensorboard import SummaryWriter
 from common.checkpoint import latest_checkpoint, save_checkpoint
 from common.cli import RecipeError
 from common.loop import StepStats
+from common.resources import format_account, memory_account, peak_rss_bytes
 from common.runtime import DistInfo
 
 
@@ -92,6 +93,8 @@ class Run:
         throughput_unit: str = "samples",
         log_every: int = 10,
         dist_info: DistInfo = DistInfo(),
+        model: torch.nn.Module | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
     ):
         self.recipe, self.config, self.run_dir = recipe, config, run_dir
         self.total_steps, self.checkpoint_every, self.log_every = total_steps, checkpoint_every, log_every
@@ -105,6 +108,8 @@ class Run:
         self.started = time.perf_counter()
         self.last_checkpoint: Path | None = None
         self.interrupted = False
+        self.model, self.optimizer = model, optimizer  # for the memory account after the first step
+        self.memory: dict[str, int] = {}
         self.writer = None
         if self.is_main:
             write_json(run_dir / "config.json", config)
@@ -133,8 +138,20 @@ class Run:
         """Record one optimizer step; ``items`` is samples (or tokens) in it, across all ranks."""
         self.pending.append((step, stats, lr, items))
         self.last_step_time = time.perf_counter()
+        if not self.memory and self.model is not None:
+            self.account_memory(stats.loss.device)
         if step % self.log_every == 0 or step >= self.total_steps:
             self.flush()
+
+    def account_memory(self, device: torch.device) -> None:
+        """Measure what the model state holds now that gradients and optimizer state exist; print it,
+        add it to config.json and TensorBoard."""
+        self.memory = memory_account(self.model, self.optimizer, device)
+        table = format_account(self.memory, type(self.optimizer).__name__)
+        self.print(table)
+        if self.writer:
+            write_json(self.run_dir / "config.json", {**self.config, "memory": self.memory})
+            self.writer.add_text("memory", "    " + table.replace("\n", "\n    "))
 
     def flush(self) -> None:
         """Read pending losses back from the device, check them, and log them."""
@@ -243,13 +260,18 @@ class Run:
         }
         if self.skipped_steps:
             summary["skipped_steps"] = self.skipped_steps
+        if self.memory:
+            summary["memory"] = self.memory
+            summary["memory"]["peak_rss_bytes"] = peak_rss_bytes()
+            if torch.cuda.is_available() and torch.cuda.is_initialized():
+                summary["memory"]["peak_allocated_bytes"] = torch.cuda.max_memory_allocated()
         if self.is_main:
             write_json(self.run_dir / "metrics.json", summary)
             hparams = {k: v if isinstance(v, int | float | str | bool) else str(v) for k, v in self.config.items()}
             finals = {f"hparam/{k}": v for k, v in summary.items() if isinstance(v, int | float)}
             self.writer.add_hparams(hparams, finals, run_name=".")
         self.close()
-        shown = " ".join(f"{k}={format_number(v)}" for k, v in summary.items() if k != "recipe")
+        shown = " ".join(f"{k}={format_number(v)}" for k, v in summary.items() if k != "recipe" and k != "memory")
         self.print(f"done: {shown} run_dir={self.run_dir}")
         return summary
 

@@ -131,7 +131,7 @@ def train(options: dict, compiled: bool, run_dir: Path, resume_path: Path | None
 
     total_steps = min(schedule_steps, o["max_steps"] or schedule_steps)
     run = Run(RECIPE, config, run_dir, total_steps=total_steps, start_step=step,
-              checkpoint_every=o["checkpoint_every"], progress=o["progress"])
+              checkpoint_every=o["checkpoint_every"], progress=o["progress"], model=model, optimizer=optimizer)
     run.print(f"{'compiled' if compiled else 'eager'}: run_dir {run_dir} | device {device}"
               f"{f' | resumed at step {step}' if checkpoint else ''}")
 

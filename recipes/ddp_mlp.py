@@ -128,7 +128,7 @@ def main(
 
     total_steps = min(schedule_steps, max_steps or schedule_steps)
     run = Run(RECIPE, config, run_dir, total_steps=total_steps, start_step=step, checkpoint_every=checkpoint_every,
-              progress=progress, dist_info=dist_info)
+              progress=progress, model=model, optimizer=optimizer, dist_info=dist_info)
     global_batch = batch_size * dist_info.world_size
     resumed = f" | resumed at step {step}" if checkpoint else ""
     run.print(f"run_dir {run_dir} | {dist_info.world_size} process(es) on {device.type} | global batch "

@@ -102,7 +102,7 @@ def train(options: dict, precision: str, run_dir: Path, resume_path: Path | None
 
     total_steps = min(schedule_steps, o["max_steps"] or schedule_steps)
     run = Run(RECIPE, config, run_dir, total_steps=total_steps, start_step=step,
-              checkpoint_every=o["checkpoint_every"], progress=o["progress"])
+              checkpoint_every=o["checkpoint_every"], progress=o["progress"], model=model, optimizer=optimizer)
     run.print(f"{precision}: run_dir {run_dir} | device {device}{f' | resumed at step {step}' if checkpoint else ''}")
 
     def state() -> dict:

@@ -169,7 +169,7 @@ def main(
 
     total_steps = min(schedule_steps, max_steps or schedule_steps)
     run = Run(RECIPE, config, run_dir, total_steps=total_steps, start_step=step,
-              checkpoint_every=checkpoint_every, progress=progress)
+              checkpoint_every=checkpoint_every, progress=progress, model=model, optimizer=optimizer)
     run.print(f"run_dir {run_dir} | device {device} | {len(train_set)} train / {len(test_set)} test digits"
               f"{f' | resumed at step {step}' if checkpoint else ''}")
 

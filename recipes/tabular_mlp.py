@@ -432,7 +432,7 @@ def main(
 
     total_steps = min(epochs * steps_per_epoch, max_steps or epochs * steps_per_epoch)
     run = Run(RECIPE, config, run_dir, total_steps=total_steps, start_step=step,
-              checkpoint_every=checkpoint_every, progress=progress)
+              checkpoint_every=checkpoint_every, progress=progress, model=model, optimizer=optimizer)
     kind = f"{len(spec['classes'])} classes" if classification else "regression"
     resumed = f" | resumed at step {step}" if checkpoint else ""
     run.print(f"run_dir {run_dir} | device {device} | {len(train_set)} train / {len(val_set)} val rows | "

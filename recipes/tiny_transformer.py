@@ -391,7 +391,7 @@ def main(
 
     total_steps = min(steps, max_steps or steps)
     run = Run(RECIPE, config, run_dir, total_steps=total_steps, start_step=step, checkpoint_every=checkpoint_every,
-              progress=progress, throughput_unit="tokens")
+              progress=progress, model=model, optimizer=optimizer, throughput_unit="tokens")
     unit = "byte" if vocab is None else "char"
     run.print(f"run_dir {run_dir} | device {device} | {len(train_tokens):,} train / {len(val_tokens):,} val tokens "
               f"| vocab {model_config.vocab_size} | {sum(p.numel() for p in model.parameters()):,} parameters | "

@@ -1,0 +1,98 @@
+"""The memory account every run prints: exact bytes for known optimizers, dtypes, frozen and tied weights."""
+
+import json
+
+import pytest
+import torch
+from conftest import read_metrics
+from torch import nn
+
+from common.loop import train_step
+from common.resources import format_account, memory_account
+
+CPU = torch.device("cpu")
+
+
+def model_after_one_step(optimizer_factory, dtype=torch.float32, freeze_first=False):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(10, 20), nn.ReLU(), nn.Linear(20, 5)).to(dtype)
+    if freeze_first:
+        model[0].requires_grad_(False)
+    optimizer = optimizer_factory([p for p in model.parameters() if p.requires_grad])
+    x, y = torch.randn(8, 10, dtype=dtype), torch.randint(0, 5, (8,))
+    train_step(model, optimizer, nn.CrossEntropyLoss(), [(x, y)], device=CPU)
+    return model, optimizer
+
+
+N_PARAMS = 10 * 20 + 20 + 20 * 5 + 5  # 325
+
+
+@pytest.mark.parametrize(
+    ("factory", "state_bytes_per_param", "total_per_param"),
+    [
+        (lambda p: torch.optim.AdamW(p, lr=1e-3), 8, 16),  # exp_avg + exp_avg_sq
+        (lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), 4, 12),  # momentum_buffer
+        (lambda p: torch.optim.SGD(p, lr=0.1), 0, 8),  # no state at all
+    ],
+)
+def test_fp32_byte_counts_per_parameter(factory, state_bytes_per_param, total_per_param):
+    model, optimizer = model_after_one_step(factory)
+    account = memory_account(model, optimizer, CPU)
+    assert account["parameters"] == account["trainable_parameters"] == N_PARAMS
+    assert account["weight_bytes"] == account["gradient_bytes"] == 4 * N_PARAMS
+    assert account["optimizer_state_bytes"] == state_bytes_per_param * N_PARAMS
+    assert account["model_state_bytes"] == total_per_param * N_PARAMS
+
+
+def test_adam_step_counters_are_bookkeeping_not_per_parameter_state():
+    model, optimizer = model_after_one_step(lambda p: torch.optim.AdamW(p, lr=1e-3))
+    assert memory_account(model, optimizer, CPU)["optimizer_bookkeeping_bytes"] == 4 * 4  # one step per tensor
+
+
+def test_frozen_parameters_hold_no_gradient_and_no_state():
+    model, optimizer = model_after_one_step(lambda p: torch.optim.AdamW(p, lr=1e-3), freeze_first=True)
+    account = memory_account(model, optimizer, CPU)
+    trainable = 20 * 5 + 5
+    assert account["parameters"] == N_PARAMS and account["trainable_parameters"] == trainable
+    assert account["weight_bytes"] == 4 * N_PARAMS
+    assert account["gradient_bytes"] == 4 * trainable
+    assert account["optimizer_state_bytes"] == 8 * trainable
+
+
+def test_bf16_weights_halve_every_part():
+    model, optimizer = model_after_one_step(lambda p: torch.optim.AdamW(p, lr=1e-3), dtype=torch.bfloat16)
+    account = memory_account(model, optimizer, CPU)
+    assert account["model_state_bytes"] == 8 * N_PARAMS  # 2 + 2 + (2 + 2)
+
+
+def test_tied_weights_are_counted_once():
+    embedding = nn.Embedding(7, 3)
+    head = nn.Linear(3, 7, bias=False)
+    head.weight = embedding.weight
+    model = nn.ModuleDict({"embedding": embedding, "head": head})
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    assert memory_account(model, optimizer, CPU)["weight_bytes"] == 7 * 3 * 4
+
+
+def test_table_shows_bytes_per_parameter():
+    model, optimizer = model_after_one_step(lambda p: torch.optim.AdamW(p, lr=1e-3))
+    table = format_account(memory_account(model, optimizer, CPU), "AdamW")
+    assert "325 parameters (325 trainable)" in table
+    assert "optimizer state (AdamW)" in table and "16.00 B" in table and "peak process memory" in table
+
+
+def test_every_run_reports_its_account(run_inprocess, table_csv, tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    result = run_inprocess("tabular_mlp", "--csv", table_csv, "--target", "label", "--epochs", 1,
+                           "--batch-size", 32, "--run-dir", tmp_path)
+    assert result.code == 0, result.stderr
+    assert "memory after the first step" in result.stdout and "16.00 B" in result.stdout
+    config_memory = json.loads((tmp_path / "config.json").read_text())["memory"]
+    metrics_memory = read_metrics(tmp_path)["memory"]
+    assert config_memory["model_state_bytes"] == metrics_memory["model_state_bytes"]
+    assert metrics_memory["model_state_bytes"] == 16 * metrics_memory["parameters"]
+    assert metrics_memory["peak_rss_bytes"] > 0
+    accumulator = EventAccumulator(str(tmp_path), size_guidance={"tensors": 0})
+    accumulator.Reload()
+    assert "memory/text_summary" in accumulator.Tags()["tensors"]
