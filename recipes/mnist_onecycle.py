@@ -23,7 +23,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 from torchvision.utils import make_grid
 
-from common.checkpoint import load_checkpoint, restore_training_state, training_state
+from common.checkpoint import load_checkpoint, load_model_state, restore_training_state, training_state
 from common.cli import (
     BatchSize,
     CheckpointEvery,
@@ -77,6 +77,14 @@ class DigitNet(nn.Module):
         return self.head(self.features(images))
 
 
+def load_backbone(model: DigitNet, path: Path) -> None:
+    """Fine-tuning: copy a trained model's convolutional layers into ``model``; its head stays freshly
+    initialised (for a new task it would have a different number of classes)."""
+    state = load_checkpoint(path, RECIPE)["model"]
+    backbone = {key.removeprefix("features."): value for key, value in state.items() if key.startswith("features.")}
+    load_model_state(model.features, backbone, path)
+
+
 # ----------------------------------------------------------------------------------------------------
 # Data
 
@@ -114,6 +122,12 @@ def main(
     weight_decay: Annotated[float, typer.Option(min=0.0, help="L2 penalty on all weights.")] = 5e-4,
     label_smoothing: Annotated[float, typer.Option(min=0.0, max=0.5, help="Cross-entropy label smoothing.")] = 0.1,
     width: Annotated[int, typer.Option(min=1, help="Channels of the first conv layer (later ones 2x-8x).")] = 16,
+    finetune: Annotated[
+        Path | None, typer.Option(help="Start from this checkpoint's conv layers, with a fresh linear head.")
+    ] = None,
+    backbone_lr_scale: Annotated[
+        float, typer.Option(min=0.0, max=1.0, help="With --finetune: the conv layers' rate as a share of --max-lr.")
+    ] = 0.1,
     seed: Seed = 0,
     device: Device = "auto",
     precision: Precision = "fp32",
@@ -139,8 +153,12 @@ def main(
 
     # channels_last (NHWC) is the layout oneDNN and cuDNN convolutions run fastest in
     model = DigitNet(width).to(memory_format=torch.channels_last)
+    # Two parameter groups, so that fine-tuning can move the pretrained backbone gently (a small rate) while
+    # the new head learns fast. Trained from scratch, both get --max-lr.
+    backbone_lr = max_lr * backbone_lr_scale if finetune else max_lr
     optimizer = torch.optim.SGD(
-        model.parameters(), lr=max_lr, momentum=momentum, nesterov=True, weight_decay=weight_decay
+        [{"params": model.features.parameters()}, {"params": model.head.parameters()}],
+        lr=max_lr, momentum=momentum, nesterov=True, weight_decay=weight_decay,
     )
     steps_per_epoch = len(train_loader)
     if steps_per_epoch == 0:
@@ -148,7 +166,7 @@ def main(
     # The schedule spans all epochs; --max-steps only stops early, so a run cut short and resumed follows
     # the same learning-rate curve as one that never stopped.
     schedule_steps = epochs * steps_per_epoch
-    scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=max_lr, total_steps=schedule_steps)
+    scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=[backbone_lr, max_lr], total_steps=schedule_steps)
     scaler = make_grad_scaler(device, precision)
     loss_fn = nn.CrossEntropyLoss(label_smoothing=label_smoothing)
     eval_loss_fn = nn.CrossEntropyLoss()  # report the plain loss, comparable across smoothing settings
@@ -165,6 +183,8 @@ def main(
             loader_generator=train_loader.generator,
         )
         step, best_acc = checkpoint["step"], checkpoint["best_acc"]
+    elif finetune:
+        load_backbone(model, finetune)
     model = prepare_model(model, device, compile=compile)
 
     total_steps = min(schedule_steps, max_steps or schedule_steps)
@@ -172,6 +192,8 @@ def main(
               checkpoint_every=checkpoint_every, progress=progress, model=model, optimizer=optimizer)
     run.print(f"run_dir {run_dir} | device {device} | {len(train_set)} train / {len(test_set)} test digits"
               f"{f' | resumed at step {step}' if checkpoint else ''}")
+    if finetune:
+        run.print(f"fine-tuning from {finetune}: backbone peak lr {backbone_lr:g}, head peak lr {max_lr:g}")
 
     def state() -> dict:
         return training_state(
@@ -187,7 +209,7 @@ def main(
         skip = done_in_epoch * batch_size if epoch == start_epoch else 0
         train_loader.sampler.set_epoch(epoch, skip=skip)
         for images, labels in train_loader:
-            lr = scheduler.get_last_lr()[0]  # the rate this step uses; train_step advances the schedule
+            lr = scheduler.get_last_lr()[-1]  # the head's rate for this step (train_step then advances it)
             stats = train_step(model, optimizer, loss_fn, [(images, labels)], device=device,
                                precision=precision, scaler=scaler, scheduler=scheduler)
             step += 1

@@ -408,7 +408,7 @@ def main(
             raise typer.BadParameter("lbfgs trains on the whole table at once; leave --batch-size out",
                                      param_hint="--batch-size")
         batch_size = len(train_set)
-    batch_size = batch_size or 256
+    batch_size = batch_size or min(256, len(train_set))  # a small table still gets full batches
     train_loader = make_loader(train_set, batch_size, train=True, seed=seed, num_workers=num_workers, device=device)
     val_loader = make_loader(val_set, 1024, train=False, num_workers=num_workers, device=device)
     steps_per_epoch = len(train_loader)

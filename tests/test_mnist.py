@@ -7,7 +7,7 @@ import urllib.request
 
 import pytest
 import torch
-from conftest import assert_same_weights, load_weights, read_metrics, read_scalars
+from conftest import assert_same_weights, load_recipe, load_weights, read_metrics, read_scalars
 
 RECIPE = "mnist_onecycle"
 
@@ -85,3 +85,38 @@ def test_offline_without_data_names_the_files_and_folder(run_inprocess, tmp_path
     assert result.stderr.count("\n") == 1 and result.stderr.startswith("error: ")
     assert "train-images-idx3-ubyte" in result.stderr and "t10k-labels-idx1-ubyte" in result.stderr
     assert str(tmp_path / "data" / "MNIST" / "raw") in result.stderr
+
+
+def test_finetune_starts_from_the_backbone_with_its_own_learning_rate(run_inprocess, mnist_dir, tmp_path):
+    mnist = load_recipe(RECIPE)
+    assert run_inprocess(RECIPE, "--epochs", 1, "--batch-size", 32, "--data-dir", mnist_dir,
+                         "--run-dir", tmp_path / "pretrained").code == 0
+    pretrained = torch.load(tmp_path / "pretrained" / "checkpoints" / "last.pt", weights_only=True)["model"]
+
+    torch.manual_seed(123)
+    model = mnist.DigitNet()
+    mnist.load_backbone(model, tmp_path / "pretrained" / "checkpoints" / "last.pt")
+    for key, value in model.features.state_dict().items():
+        assert torch.equal(value, pretrained[f"features.{key}"]), key
+    assert not torch.equal(model.head.weight, pretrained["head.weight"])  # a fresh head
+
+    result = run_inprocess(RECIPE, "--finetune", tmp_path / "pretrained" / "checkpoints" / "last.pt",
+                           "--max-lr", 0.05, "--backbone-lr-scale", 0.1, "--epochs", 1, "--max-steps", 2,
+                           "--batch-size", 32, "--data-dir", mnist_dir, "--run-dir", tmp_path / "tuned")
+    assert result.code == 0, result.stderr
+    assert "backbone peak lr 0.005, head peak lr 0.05" in result.stdout
+    state = torch.load(tmp_path / "tuned" / "checkpoints" / "last.pt", weights_only=True)
+    backbone_group, head_group = state["optimizer"]["param_groups"]
+    assert backbone_group["max_lr"] == pytest.approx(0.005) and head_group["max_lr"] == pytest.approx(0.05)
+    assert len(backbone_group["params"]) == len(list(model.features.parameters()))
+    # two small steps from the pretrained backbone stay close to it
+    torch.testing.assert_close(state["model"]["features.0.0.weight"], pretrained["features.0.0.weight"],
+                               atol=0.05, rtol=0)
+
+
+def test_finetune_from_another_recipe_is_refused(run_inprocess, mnist_dir, table_csv, tmp_path):
+    assert run_inprocess("tabular_mlp", "--csv", table_csv, "--target", "label", "--epochs", 1,
+                         "--run-dir", tmp_path / "tab").code == 0
+    result = run_inprocess(RECIPE, "--finetune", tmp_path / "tab" / "checkpoints" / "last.pt",
+                           "--data-dir", mnist_dir, "--run-dir", tmp_path / "run")
+    assert result.code == 1 and "written by recipe 'tabular_mlp', not 'mnist_onecycle'" in result.stderr

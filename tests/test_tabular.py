@@ -181,3 +181,23 @@ def test_unknown_task_is_a_usage_error(run_inprocess, table_csv, tmp_path):
     result = run_inprocess(RECIPE, "--csv", table_csv, "--target", "label", "--task", "clustering")
     assert result.code == 2
     assert "--task" in result.stderr and "'classification'" in result.stderr
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam", "adamw", "lbfgs"])
+def test_each_optimizer_lowers_the_loss(run_inprocess, table_csv, tmp_path, optimizer):
+    batch = [] if optimizer == "lbfgs" else ["--batch-size", 32]
+    result = run_inprocess(RECIPE, "--csv", table_csv, "--target", "label", "--optimizer", optimizer,
+                           "--epochs", 4, *batch, "--run-dir", tmp_path)
+    assert result.code == 0, result.stderr
+    losses = [loss for _, loss in read_scalars(tmp_path)["train/loss"]]
+    assert len(losses) == (4 if optimizer == "lbfgs" else 4 * (240 // 32))  # LBFGS: one full batch per epoch
+    assert losses[-1] < 0.8 * losses[0]
+
+
+@pytest.mark.parametrize(("extra", "message"), [
+    (["--batch-size", "32"], "lbfgs trains on the whole table at once"),
+    (["--precision", "bf16"], "lbfgs needs fp32"),
+])
+def test_lbfgs_is_refused_where_it_does_not_fit(run_inprocess, table_csv, extra, message):
+    result = run_inprocess(RECIPE, "--csv", table_csv, "--target", "label", "--optimizer", "lbfgs", *extra)
+    assert result.code == 2 and message in result.stderr
