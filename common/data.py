@@ -118,6 +118,7 @@ def load_mnist(data_dir: Path, *, train: bool) -> tuple[torch.Tensor, torch.Tens
     except Exception as err:  # torchvision signals malformed IDX files with assorted exception types
         raise RecipeError(f"MNIST files in {raw} are corrupt ({type(err).__name__}: {err}); delete them to "
                           "download again") from None
+    # uint8 (N, 28, 28) -> float32 (N, 1, 28, 28): a channel axis for the convolutions, values standardised
     images = (dataset.data.unsqueeze(1).float() / 255 - MNIST_MEAN) / MNIST_STD
     return images, dataset.targets
 

@@ -69,6 +69,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # broadcasting: (B, C) * (B, 1) * (C,) -> (B, C); keepdim=True keeps the 1 that makes it line up
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
 
 

@@ -217,7 +217,7 @@ class Linear(nn.Module):
             bound = 1 / math.sqrt(self.in_features)
             nn.init.uniform_(self.bias, -bound, bound)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # forward, never __call__: __call__ runs the hooks
         out = x @ self.weight.T
         return out + self.bias if self.bias is not None else out
 

@@ -219,7 +219,7 @@ def read_text(path: Path) -> bytes:
 def encode(data: bytes, vocab: str | None) -> torch.Tensor:
     """Bytes -> token ids. ``vocab`` None means byte-level (ids 0-255); otherwise ids index its characters."""
     if vocab is None:
-        return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        return torch.frombuffer(bytearray(data), dtype=torch.uint8)  # 1 byte per token: 8x less than int64
     index = {ch: i for i, ch in enumerate(vocab)}
     text = data.decode("utf-8")
     unknown = sorted(set(text) - index.keys())
@@ -251,7 +251,8 @@ class RandomWindows(IterableDataset):
         # crc32 mixes (seed, i) into the 32 bits that torch's CPU generator keeps of a seed
         generator = torch.Generator().manual_seed(zlib.crc32(f"{self.seed}:{i}".encode()))
         starts = torch.randint(len(self.tokens) - self.block_size, (self.batch_size,), generator=generator)
-        windows = self.tokens[starts[:, None] + torch.arange(self.block_size + 1)].long()  # (B, T + 1)
+        # broadcasting: (B, 1) + (T + 1,) -> (B, T + 1) positions; .long(): embeddings index with int64
+        windows = self.tokens[starts[:, None] + torch.arange(self.block_size + 1)].long()
         return windows[:, :-1], windows[:, 1:]
 
     def __iter__(self):
