@@ -154,35 +154,39 @@ class Run:
             self.writer.add_text("memory", "    " + table.replace("\n", "\n    "))
 
     def flush(self) -> None:
-        """Read pending losses back from the device, check them, and log them."""
+        """Read pending losses back from the device (one transfer for the whole window), check them, log them."""
         if not self.pending:
             return
-        losses = torch.stack([stats.loss for _, stats, _, _ in self.pending]).tolist()
-        skipped = [bool(s.skipped) if s.skipped is not None else False for _, s, _, _ in self.pending]
-        for (step, _, _, _), loss, skip in zip(self.pending, losses, skipped, strict=True):
-            if not math.isfinite(loss) and not skip:
+        device = self.pending[0][1].loss.device
+        missing = torch.tensor(math.nan, device=device)
+        rows = torch.stack([torch.stack([stats.loss.float(),
+                                         missing if stats.grad_norm is None else stats.grad_norm.float(),
+                                         missing if stats.skipped is None else stats.skipped.float()])
+                            for _, stats, _, _ in self.pending]).tolist()
+        for (step, *_), (loss, _, skipped) in zip(self.pending, rows, strict=True):
+            if not math.isfinite(loss) and skipped != 1.0:
                 kept = (f"the last good checkpoint is {self.last_checkpoint}" if self.last_checkpoint
                         else "no checkpoint was written yet")
                 raise RecipeError(f"training diverged: the loss is {loss} at step {step}; {kept}. Try a lower --lr")
         seconds = max(self.last_step_time - self.window_start, 1e-9)
         items = sum(n for *_, n in self.pending)
         self.items, self.train_seconds = self.items + items, self.train_seconds + seconds
-        self.skipped_steps += sum(skipped)
-        good = [loss for loss, skip in zip(losses, skipped, strict=True) if not skip]
+        good = [loss for loss, _, skipped in rows if skipped != 1.0]  # fp16 steps the scaler skipped: no loss
+        self.skipped_steps += len(rows) - len(good)
         self.interval_losses += good
         if good:
             self.train_loss = good[-1]
-        step, stats, lr, _ = self.pending[-1]
         if self.writer:
-            for (s, _, step_lr, _), loss, skip in zip(self.pending, losses, skipped, strict=True):
-                if not skip:
-                    self.writer.add_scalar("train/loss", loss, s)
-                self.writer.add_scalar("train/lr", step_lr, s)
-            if stats.grad_norm is not None:
-                self.writer.add_scalar("train/grad_norm", stats.grad_norm.item(), step)
-            self.writer.add_scalar(f"perf/{self.unit}_per_s", items / seconds, step)
-        status = f"loss {self.train_loss:.4f}  lr {lr:.2e}  {items / seconds:,.0f} {self.unit}/s"
-        self.progress.update(self.task, completed=step, status=status)
+            for (step, _, lr, _), (loss, grad_norm, skipped) in zip(self.pending, rows, strict=True):
+                if skipped != 1.0:
+                    self.writer.add_scalar("train/loss", loss, step)
+                if math.isfinite(grad_norm):
+                    self.writer.add_scalar("train/grad_norm", grad_norm, step)
+                self.writer.add_scalar("train/lr", lr, step)
+            self.writer.add_scalar(f"perf/{self.unit}_per_s", items / seconds, self.pending[-1][0])
+        last_step, _, last_lr, _ = self.pending[-1]
+        status = f"loss {self.train_loss:.4f}  lr {last_lr:.2e}  {items / seconds:,.0f} {self.unit}/s"
+        self.progress.update(self.task, completed=last_step, status=status)
         self.pending.clear()
         self.window_start = time.perf_counter()
 

@@ -1,0 +1,455 @@
+"""What each recipe and the core cost, measured side by side in one run.
+
+    python scripts/benchmark.py --out benchmark.json      # about 6-8 minutes on a 2-core CPU
+    python scripts/benchmark.py --quick --out quick.json  # every item, tiny sizes: checks the script runs
+
+Prints a markdown table and writes the same figures as JSON. This machine (like most) is shared and noisy:
+every speed figure is a ratio of two things measured in the same run, interleaved, repeated, and reported as
+the median with the min-max range. Real data is used when present (the official MNIST test set, the Adult
+census table); otherwise those items are skipped with a note. Nothing here is a test: tests never time.
+"""
+
+import argparse
+import json
+import os
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # common/ and scripts/ from a clone, without installing
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from common.data import make_loader, synthetic_classification
+from common.loop import train_step
+from common.runtime import measure_matmul_flops
+from common.tracking import Run
+from scripts.mnist_files import read_idx, split_test_set, write_mnist
+
+CPU = torch.device("cpu")
+
+
+def load_recipe(name: str):
+    """A recipe's module (recipes are scripts; the benchmark measures their models and commands)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"recipe_{name}", ROOT / "recipes" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def summarise(values: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def interleaved(repeats: int, **measure: Callable[[], float]) -> dict[str, list[float]]:
+    """Run each measurement ``repeats`` times in turn (A B A B ...), so drifting machine load hits all alike."""
+    results = {name: [] for name in measure}
+    for _ in range(repeats):
+        for name, fn in measure.items():
+            results[name].append(fn())
+    return results
+
+
+def run_command(args: list, env: dict | None = None, cwd: Path = ROOT) -> tuple[float, str]:
+    started = time.perf_counter()
+    proc = subprocess.run([str(a) for a in args], cwd=cwd, capture_output=True, text=True,
+                          env={**os.environ, **(env or {})})
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(map(str, args[:3]))} failed: {proc.stderr.strip().splitlines()[-1:]}")
+    return time.perf_counter() - started, proc.stdout
+
+
+# ------------------------------------------------------------------------------------------------------
+# 1. Core overhead: train_step + the run logger against the four-line loop
+
+
+def core_overhead(quick: bool) -> dict:
+    mnist = load_recipe("mnist_onecycle")
+    steps, repeats = (10, 2) if quick else (60, 5)
+    data = synthetic_classification(64 * steps, 784, 10, seed=0)
+    batches = [(x.view(-1, 1, 28, 28), y) for x, y in zip(data.tensors[0].split(64), data.tensors[1].split(64),
+                                                           strict=True)]
+    loss_fn = nn.CrossEntropyLoss()
+
+    def setup():
+        torch.manual_seed(0)
+        model = mnist.DigitNet()
+        return model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+    def hand_written() -> tuple[float, nn.Module]:
+        model, optimizer = setup()
+        started = time.perf_counter()
+        for x, y in batches:
+            optimizer.zero_grad(set_to_none=True)
+            loss = loss_fn(model(x), y)
+            loss.backward()
+            optimizer.step()
+        return time.perf_counter() - started, model
+
+    def shared() -> tuple[float, nn.Module]:
+        model, optimizer = setup()
+        with tempfile.TemporaryDirectory() as run_dir:
+            run = Run("bench", {}, Path(run_dir), total_steps=steps, progress=False)
+            started = time.perf_counter()
+            for step, batch in enumerate(batches, 1):
+                stats = train_step(model, optimizer, loss_fn, [batch], device=CPU)
+                run.log_train(step, stats, lr=0.05, items=64)
+            run.flush()
+            seconds = time.perf_counter() - started
+            run.close()
+        return seconds, model
+
+    models = {}
+
+    def timed(name, fn):
+        def measure():
+            seconds, models[name] = fn()
+            return seconds
+        return measure
+
+    hand_written()  # warm-up: first-call allocations
+    times = interleaved(repeats, hand=timed("hand", hand_written), core=timed("core", shared))
+    ratios = [c / h for c, h in zip(times["core"], times["hand"], strict=True)]
+    same = all(torch.equal(a, b) for a, b in zip(models["hand"].state_dict().values(),
+                                                  models["core"].state_dict().values(), strict=True))
+    overhead = summarise([100 * (r - 1) for r in ratios])
+    return {"item": "Core overhead: train_step + Run logging vs a hand-written loop (MNIST CNN, batch 64)",
+            "result": f"{overhead['median']:+.1f}% ({overhead['min']:+.1f} to {overhead['max']:+.1f}); "
+                      f"equal weights: {'yes' if same else 'NO'}",
+            "target": "<= +3%, equal weights", "met": overhead["median"] <= 3 and same,
+            "overhead_percent": overhead, "equal_weights": same}
+
+
+# ------------------------------------------------------------------------------------------------------
+# 2. Input pipeline: time the MNIST loop waits for data with its default loader
+
+
+def input_pipeline(quick: bool, mnist_dir: Path | None) -> dict:
+    mnist = load_recipe("mnist_onecycle")
+    if mnist_dir:
+        images, labels = (torch.from_numpy(read_idx(mnist_dir / f"t10k-{k}-ubyte.gz").copy())
+                          for k in ("images-idx3", "labels-idx1"))
+        dataset = TensorDataset((images.unsqueeze(1).float() / 255 - 0.1307) / 0.3081, labels.long())
+    else:
+        data = synthetic_classification(4096, 784, 10, seed=0)
+        dataset = TensorDataset(data.tensors[0].view(-1, 1, 28, 28), data.tensors[1])
+    loader = make_loader(dataset, 64, train=True, seed=0)  # the recipe's defaults: 0 workers
+    torch.manual_seed(0)
+    model = mnist.DigitNet().to(memory_format=torch.channels_last)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    steps = 15 if quick else 150
+    waited = total = 0.0
+    loader.sampler.set_epoch(0)
+    batches = iter(loader)
+    for step in range(steps):
+        started = time.perf_counter()
+        batch = next(batches)
+        fetched = time.perf_counter()
+        train_step(model, optimizer, nn.CrossEntropyLoss(), [batch], device=CPU)
+        if step >= 3:  # past the warm-up
+            waited += fetched - started
+            total += time.perf_counter() - started
+    share = 100 * waited / total
+    return {"item": "Input pipeline: share of MNIST step time spent waiting for data (default loader)",
+            "result": f"{share:.2f}% ({1000 * waited / (steps - 3):.2f} ms of {1000 * total / (steps - 3):.1f} ms)",
+            "target": "< 5%", "met": share < 5, "wait_percent": share}
+
+
+# ------------------------------------------------------------------------------------------------------
+# 3. MNIST against pytorch/examples' recipe, on 8,000 / 2,000 real digits
+
+
+class ExamplesNet(nn.Module):
+    """pytorch/examples' mnist Net: two convolutions at full resolution, dropout, a 9216 -> 128 layer."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1, self.conv2 = nn.Conv2d(1, 32, 3, 1), nn.Conv2d(32, 64, 3, 1)
+        self.dropout1, self.dropout2 = nn.Dropout(0.25), nn.Dropout(0.5)
+        self.fc1, self.fc2 = nn.Linear(9216, 128), nn.Linear(128, 10)
+
+    def forward(self, x):
+        x = F.max_pool2d(F.relu(self.conv2(F.relu(self.conv1(x)))), 2)
+        x = self.dropout2(F.relu(self.fc1(torch.flatten(self.dropout1(x), 1))))
+        return F.log_softmax(self.fc2(x), dim=1)
+
+
+def examples_recipe(data_dir: Path, epochs: int) -> tuple[float, float]:
+    """pytorch/examples' mnist/main.py as it runs on a CPU: per-image ToTensor + Normalize transforms,
+    batch 64 without shuffling (it only shuffles with an accelerator), Adadelta lr 1.0, StepLR gamma 0.7,
+    test batch 1000. Returns (seconds, test accuracy)."""
+    from torchvision import datasets, transforms
+
+    started = time.perf_counter()
+    torch.manual_seed(1)
+    transform = transforms.Compose([transforms.ToTensor(), transforms.Normalize((0.1307,), (0.3081,))])
+    train = datasets.MNIST(str(data_dir), train=True, download=False, transform=transform)
+    test = datasets.MNIST(str(data_dir), train=False, download=False, transform=transform)
+    train_loader = torch.utils.data.DataLoader(train, batch_size=64)
+    test_loader = torch.utils.data.DataLoader(test, batch_size=1000)
+    model = ExamplesNet()
+    optimizer = torch.optim.Adadelta(model.parameters(), lr=1.0)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.7)
+    for _ in range(epochs):
+        model.train()
+        for data, target in train_loader:
+            optimizer.zero_grad()
+            F.nll_loss(model(data), target).backward()
+            optimizer.step()
+        model.eval()
+        correct = 0
+        with torch.no_grad():
+            for data, target in test_loader:
+                correct += (model(data).argmax(1) == target).sum().item()
+        scheduler.step()
+    return time.perf_counter() - started, correct / len(test)
+
+
+def mnist_vs_examples(quick: bool, mnist_dir: Path | None, work: Path) -> dict:
+    item = "MNIST: our recipe vs pytorch/examples' (3 epochs, 8,000 train / 2,000 test real digits)"
+    if mnist_dir is None:
+        return {"item": item, "result": "skipped: the MNIST test files are not here (--mnist-dir)",
+                "target": "higher accuracy, less time", "met": None}
+    n_train = 1000 if quick else 8000
+    split = work / "mnist_split"
+    split_test_set(mnist_dir, split, n_train)
+    epochs = 1 if quick else 3
+    ours_seconds, out = run_command([sys.executable, "recipes/mnist_onecycle.py", "--epochs", epochs,
+                                     "--data-dir", split, "--run-dir", work / "mnist_run", "--no-progress"])
+    ours_acc = float(re.search(r"val_acc=([\d.]+)", out)[1])
+    theirs_seconds, theirs_acc = examples_recipe(split, epochs)
+    met = ours_acc > theirs_acc and ours_seconds < theirs_seconds
+    return {"item": item, "result": f"ours {ours_acc:.2%} in {ours_seconds:.0f} s; pytorch/examples "
+                                    f"{theirs_acc:.2%} in {theirs_seconds:.0f} s",
+            "target": "higher accuracy and less time than pytorch/examples", "met": met,
+            "ours": {"acc": ours_acc, "seconds": ours_seconds},
+            "examples": {"acc": theirs_acc, "seconds": theirs_seconds}}
+
+
+# ------------------------------------------------------------------------------------------------------
+# 4. Tiny transformer: tokens/s and MFU, ours against nanoGPT's model, fp32/bf16, eager/compiled
+
+
+class NanoGPTBlock(nn.Module):
+    """nanoGPT's model.py block, rebuilt for the comparison (nanoGPT is not a package): fused qkv Linear
+    with bias, SDPA with is_causal, LayerNorm with bias, GELU MLP, dropout 0."""
+
+    def __init__(self, n_embd: int, n_head: int):
+        super().__init__()
+        self.n_head = n_head
+        self.ln_1, self.ln_2 = nn.LayerNorm(n_embd), nn.LayerNorm(n_embd)
+        self.c_attn, self.attn_proj = nn.Linear(n_embd, 3 * n_embd), nn.Linear(n_embd, n_embd)
+        self.c_fc, self.mlp_proj = nn.Linear(n_embd, 4 * n_embd), nn.Linear(4 * n_embd, n_embd)
+
+    def forward(self, x):
+        B, T, C = x.shape
+        q, k, v = self.c_attn(self.ln_1(x)).split(C, dim=2)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).contiguous().view(B, T, C)
+        x = x + self.attn_proj(y)
+        return x + self.mlp_proj(F.gelu(self.c_fc(self.ln_2(x))))
+
+
+class NanoGPT(nn.Module):
+    def __init__(self, vocab: int, block_size: int, n_layer: int, n_head: int, n_embd: int):
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(vocab, n_embd), nn.Embedding(block_size, n_embd)
+        self.h = nn.ModuleList(NanoGPTBlock(n_embd, n_head) for _ in range(n_layer))
+        self.ln_f = nn.LayerNorm(n_embd)
+        self.lm_head = nn.Linear(n_embd, vocab, bias=False)
+        self.lm_head.weight = self.wte.weight
+
+    def forward(self, idx):
+        x = self.wte(idx) + self.wpe(torch.arange(idx.size(1)))
+        for block in self.h:
+            x = block(x)
+        return self.lm_head(self.ln_f(x))
+
+
+def tokens_per_second(model: nn.Module, precision: str, steps: int, batch: int = 32, block: int = 128) -> float:
+    """Training throughput with the recipe's step (AdamW, clipping 1.0) on random tokens."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    tt = load_recipe("tiny_transformer")
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randint(256, (batch, block), generator=g), torch.randint(256, (batch, block), generator=g)
+    for _ in range(2):  # warm-up (and compilation, when compiled)
+        train_step(model, optimizer, tt.lm_loss, [(x, y)], device=CPU, precision=precision, max_grad_norm=1.0)
+    started = time.perf_counter()
+    for _ in range(steps):
+        stats = train_step(model, optimizer, tt.lm_loss, [(x, y)], device=CPU, precision=precision,
+                           max_grad_norm=1.0)
+    stats.loss.item()
+    return steps * batch * block / (time.perf_counter() - started)
+
+
+def transformer(quick: bool) -> dict:
+    tt = load_recipe("tiny_transformer")
+    shape = {"block_size": 128, "n_layer": 4, "n_head": 4, "n_embd": 128}
+
+    def ours():
+        torch.manual_seed(0)
+        return tt.GPT(tt.GPTConfig(vocab_size=256, **shape))
+
+    def nanogpt():
+        torch.manual_seed(0)
+        return NanoGPT(256, **shape)
+
+    steps, repeats = (2, 1) if quick else (15, 3)
+    side_by_side = interleaved(repeats, ours=lambda: tokens_per_second(ours(), "fp32", steps),
+                               nanogpt=lambda: tokens_per_second(nanogpt(), "fp32", steps))
+    ratio = summarise([a / b for a, b in zip(side_by_side["ours"], side_by_side["nanogpt"], strict=True)])
+    flops_per_token = ours().flops_per_token()
+    peaks = {"fp32": measure_matmul_flops(CPU, torch.float32), "bf16": measure_matmul_flops(CPU, torch.bfloat16)}
+    variants = {"fp32 eager": statistics.median(side_by_side["ours"])}
+    bf16_steps = 1 if peaks["bf16"] < 0.2 * peaks["fp32"] else steps  # emulated bf16 is very slow: one step
+    variants["bf16 eager"] = tokens_per_second(ours(), "bf16", bf16_steps)
+    # quick mode only checks the path: Dynamo without Inductor's (slow) code generation
+    variants["fp32 compiled"] = tokens_per_second(torch.compile(ours(), backend="eager" if quick else "inductor"),
+                                                  "fp32", steps)
+    # MFU against the fastest matmul this device has: emulated bf16 (no native bf16 units) is slower than fp32
+    peak = max(peaks.values())
+    mfu = {name: flops_per_token * tps / peak for name, tps in variants.items()}
+    shown = ", ".join(f"{name} {tps:,.0f} tok/s (MFU {mfu[name]:.0%})" for name, tps in variants.items())
+    return {"item": "Tiny transformer (4x128, block 128, batch 32): ours vs nanoGPT's model, fp32 eager",
+            "result": f"{ratio['median']:.2f}x nanoGPT ({ratio['min']:.2f}-{ratio['max']:.2f}; nanoGPT "
+                      f"{statistics.median(side_by_side['nanogpt']):,.0f} tok/s); {shown}",
+            "target": ">= 1.00x nanoGPT", "met": ratio["median"] >= 1.0, "ratio_vs_nanogpt": ratio,
+            "tokens_per_s": variants, "mfu": mfu, "peak_flops": peaks}
+
+
+# ------------------------------------------------------------------------------------------------------
+# 5. Mixed precision, 6. torch.compile: the recipes' own models
+
+
+def mixed_precision(quick: bool) -> dict:
+    mp = load_recipe("mixed_precision")
+    options = {"device": "cpu", "width": 128 if quick else 1024, "depth": 3, "batch_size": 64 if quick else 512}
+    fp32 = []
+    rows = {}
+    for precision in ("fp32", "bf16", "fp16"):
+        repeats = 3 if precision == "fp32" and not quick else 1
+        seconds = [mp.seconds_per_step(options, precision, steps=2 if precision != "fp32" else 5)[0]
+                   for _ in range(repeats)]
+        if precision == "fp32":
+            fp32 = seconds
+        rows[precision] = statistics.median(fp32) / statistics.median(seconds)
+    return {"item": "Mixed precision: speed-up over fp32, the recipe's MLP (784-1024x3-10, batch 512)",
+            "result": f"bf16 {rows['bf16']:.2f}x, fp16 {rows['fp16']:.2f}x",
+            "target": "bf16 >= 1.5x (needs native bf16 matmul: AVX-512 BF16/AMX or a GPU)",
+            "met": rows["bf16"] >= 1.5, "speedup": rows}
+
+
+def compiled(quick: bool, work: Path) -> dict:
+    quick_args = ["--epochs", 1, "--samples", 4096, "--batch-size", 1024, "--width", 32, "--backend", "eager"]
+    args = quick_args if quick else ["--epochs", 5]
+    _, out = run_command([sys.executable, "recipes/compiled_model.py", "--compare", *args,
+                          "--run-dir", work / "compile_run", "--no-progress"])
+    summary = json.loads((work / "compile_run" / "metrics.json").read_text())
+    return {"item": "torch.compile: the recipe's gated MLP (64 wide, 8 blocks, batch 8192), steady state",
+            "result": f"{summary['speedup']:.2f}x eager after {summary['compile_s']:.1f} s of compiling; "
+                      f"loss difference {summary['loss_diff']:.1e}",
+            "target": ">= 1.2x", "met": summary["speedup"] >= 1.2, "speedup": summary["speedup"],
+            "compile_s": summary["compile_s"]}
+
+
+# ------------------------------------------------------------------------------------------------------
+# 7. DDP: two processes against one, one thread each
+
+
+def ddp(quick: bool, work: Path) -> dict:
+    root = work / "ddp_mnist"
+    n = 2048 if quick else 16384
+    data = synthetic_classification(n + 512, 784, 10, seed=0)
+    images = (data.tensors[0].view(-1, 28, 28).clamp(-2, 2) * 60 + 128).to(torch.uint8).numpy()
+    labels = data.tensors[1].to(torch.uint8).numpy()
+    write_mnist(root, (images[:n], labels[:n]), (images[n:], labels[n:]))
+    batch = 256 if quick else 2048
+    common = ["recipes/ddp_mlp.py", "--data-dir", root, "--epochs", 2 if quick else 4, "--batch-size", batch,
+              "--no-progress"]
+    one_thread = {"OMP_NUM_THREADS": "1"}
+
+    def throughput(world: int, tag: str) -> float:
+        launcher = [sys.executable] if world == 1 else [sys.executable, "-m", "torch.distributed.run",
+                                                        f"--nproc_per_node={world}"]
+        _, out = run_command([*launcher, *common, "--run-dir", work / f"ddp_{tag}"], env=one_thread)
+        return float(re.search(r"samples_per_s=([\d.]+)", out)[1])
+
+    runs = {"one": [], "two": []}
+    for i in range(1 if quick else 2):
+        runs["one"].append(throughput(1, f"one{i}"))
+        runs["two"].append(throughput(2, f"two{i}"))
+    ratio = summarise([b / a for a, b in zip(runs["one"], runs["two"], strict=True)])
+    return {"item": f"DDP: 2 processes over 1 (one thread each, gloo, MLP 784-512-512-10, {batch} per process)",
+            "result": f"{ratio['median']:.2f}x ({ratio['min']:.2f}-{ratio['max']:.2f})",
+            "target": ">= 1.6x", "met": ratio["median"] >= 1.6, "scaling": ratio,
+            "samples_per_s": {k: statistics.median(v) for k, v in runs.items()}}
+
+
+# ------------------------------------------------------------------------------------------------------
+# 8. Tabular: the Adult census table
+
+
+def tabular(quick: bool, adult_csv: Path | None, work: Path) -> dict:
+    item = "Tabular MLP: validation accuracy on Adult (--target income, default options)"
+    if adult_csv is None:
+        return {"item": item, "result": "skipped: the Adult CSV is not here (--adult-csv)", "target": ">= 0.85",
+                "met": None}
+    extra = ["--epochs", 1] if quick else []
+    _, out = run_command([sys.executable, "recipes/tabular_mlp.py", "--csv", adult_csv, "--target", "income",
+                          *extra, "--run-dir", work / "adult_run", "--no-progress"])
+    acc = float(re.search(r"val_acc=([\d.]+)", out)[1])
+    return {"item": item, "result": f"{acc:.4f}", "target": ">= 0.85", "met": acc >= 0.85, "val_acc": acc}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, help="write the figures as JSON here")
+    parser.add_argument("--quick", action="store_true", help="tiny sizes: checks that every item runs")
+    parser.add_argument("--mnist-dir", type=Path, default=ROOT.parent / "shared" / "data" / "mnist")
+    parser.add_argument("--adult-csv", type=Path, default=ROOT.parent / "shared" / "data" / "adult" / "adult.csv")
+    parser.add_argument("--only", help="comma-separated item numbers, e.g. 1,4")
+    args = parser.parse_args()
+    mnist_dir = args.mnist_dir if (args.mnist_dir / "t10k-images-idx3-ubyte.gz").is_file() else None
+    adult_csv = args.adult_csv if args.adult_csv.is_file() else None
+    torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        items = {1: lambda: core_overhead(args.quick), 2: lambda: input_pipeline(args.quick, mnist_dir),
+                 3: lambda: mnist_vs_examples(args.quick, mnist_dir, work), 4: lambda: transformer(args.quick),
+                 5: lambda: mixed_precision(args.quick), 6: lambda: compiled(args.quick, work),
+                 7: lambda: ddp(args.quick, work), 8: lambda: tabular(args.quick, adult_csv, work)}
+        chosen = [int(i) for i in args.only.split(",")] if args.only else list(items)
+        results = {}
+        for number in chosen:
+            started = time.perf_counter()
+            results[number] = items[number]() | {"seconds": time.perf_counter() - started}
+            print(f"[{number}] {results[number]['result']}  ({results[number]['seconds']:.0f} s)", file=sys.stderr)
+
+    machine = (f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
+               f"cpu capability {torch.backends.cpu.get_cpu_capability()}")
+    lines = [f"Measured on: {machine}{' (quick mode)' if args.quick else ''}", "",
+             "| # | item | result | target | met |", "|---|---|---|---|---|"]
+    for number, r in results.items():
+        met = {True: "yes", False: "no", None: "n/a"}[r["met"]]
+        lines.append(f"| {number} | {r['item']} | {r['result']} | {r['target']} | {met} |")
+    print("\n".join(lines))
+    if args.out:
+        args.out.write_text(json.dumps({"machine": machine, "quick": args.quick,
+                                        "items": {str(k): v for k, v in results.items()}}, indent=2, default=str))
+
+
+if __name__ == "__main__":
+    main()
