@@ -52,7 +52,7 @@ from common.cli import (
 )
 from common.data import make_loader, synthetic_classification
 from common.loop import evaluate, train_step
-from common.runtime import prepare_model, resolve_device, seed_everything, synchronize
+from common.runtime import make_grad_scaler, prepare_model, resolve_device, seed_everything, synchronize
 from common.tracking import Run, plain_config, prepare_run_dir, write_json
 
 RECIPE = "compiled_model"
@@ -121,11 +121,12 @@ def train(options: dict, compiled: bool, run_dir: Path, resume_path: Path | None
     optimizer = torch.optim.AdamW(model.parameters(), lr=o["lr"], weight_decay=0.01)
     schedule_steps = o["epochs"] * steps_per_epoch
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=schedule_steps)
+    scaler = make_grad_scaler(device, o["precision"])  # fp16 only
     loss_fn = nn.CrossEntropyLoss()
     step = 0
     if checkpoint:
         restore_training_state(checkpoint, resume_path, model=model, optimizer=optimizer, scheduler=scheduler,
-                               scaler=None, loader_generator=train_loader.generator)
+                               scaler=scaler, loader_generator=train_loader.generator)
         step = checkpoint["step"]
     model = prepare_model(model, device, compile=compiled, mode=o["mode"], dynamic=o["dynamic"],
                           backend=o["backend"])
@@ -139,7 +140,7 @@ def train(options: dict, compiled: bool, run_dir: Path, resume_path: Path | None
     def state() -> dict:
         # training_state unwraps the compiled module: no "_orig_mod." prefixes in the checkpoint
         return training_state(RECIPE, config, model=model, optimizer=optimizer, scheduler=scheduler,
-                              scaler=None, step=step, epoch=step // steps_per_epoch,
+                              scaler=scaler, step=step, epoch=step // steps_per_epoch,
                               loader_generator=train_loader.generator)
 
     step_seconds, metrics = [], {}
@@ -150,7 +151,7 @@ def train(options: dict, compiled: bool, run_dir: Path, resume_path: Path | None
             lr = scheduler.get_last_lr()[0]
             started = time.perf_counter()
             stats = train_step(model, optimizer, loss_fn, [batch], device=device, precision=o["precision"],
-                               scheduler=scheduler)
+                               scaler=scaler, scheduler=scheduler)
             synchronize(device)  # GPU work is asynchronous: wait for it, or the timing means nothing
             step_seconds.append(time.perf_counter() - started)
             step += 1

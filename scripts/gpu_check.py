@@ -1,7 +1,7 @@
 """The Python half of scripts/gpu_check.sh: it makes the check's data and turns its runs into one table.
 
     python scripts/gpu_check.py data DIR [--digits 20000 2000] [--rows 20000]
-    python scripts/gpu_check.py table OUT [--environment TEXT] [--elapsed SECONDS]
+    python scripts/gpu_check.py table OUT [--environment TEXT] [--elapsed SECONDS] [--smoke 0|1]
 
 ``data`` writes synthetic MNIST-format digits (DIR/MNIST/raw, what torchvision.datasets.MNIST reads) and a
 CSV table (DIR/table.csv, target column ``label``): the GPU machine has no network, so nothing is downloaded.
@@ -167,12 +167,12 @@ def main(argv: list[str] | None = None) -> int:
     table.add_argument("out", type=Path)
     table.add_argument("--environment", default="")
     table.add_argument("--elapsed", type=float, default=None)
-    table.add_argument("--smoke", action="store_true")
+    table.add_argument("--smoke", type=int, choices=[0, 1], default=0, help="1: a CPU smoke run")
     args = parser.parse_args(argv)
     if args.command == "data":
         make_data(args.directory, *args.digits, args.rows)
         return 0
-    return 1 if make_table(args.out, args.environment, args.elapsed, args.smoke) else 0
+    return 1 if make_table(args.out, args.environment, args.elapsed, bool(args.smoke)) else 0
 
 
 if __name__ == "__main__":

@@ -11,7 +11,8 @@
 # failed or hung run is recorded in the table instead of stopping the rest.
 #
 # Environment: PYTHON (default: python on PATH), GPU_CHECK_STEPS (optimizer steps per run, default 300),
-# GPU_CHECK_TIMEOUT (seconds before a run is killed, default 180).
+# GPU_CHECK_TIMEOUT (seconds before a run is killed, default 180), GPU_CHECK_KEEP_CHECKPOINTS=1 (keep each
+# run's checkpoints/, deleted by default once the run is recorded).
 # Exit status: 0 when every run is ok, 1 when any failed (the table says which), 2 on a usage error.
 
 set -euo pipefail
@@ -23,7 +24,7 @@ OUT=""
 for arg in "$@"; do
     case "$arg" in
         --smoke) SMOKE=1 ;;
-        -h|--help) sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        -h|--help) awk 'NR > 1 && !/^#/ { exit } NR > 1 { sub(/^# ?/, ""); print }' "$0"; exit 0 ;;
         -*) usage ;;
         *) [[ -z "$OUT" ]] || usage; OUT=$arg ;;
     esac
@@ -112,6 +113,7 @@ else
 fi
 RECIPES=(mnist_onecycle tabular_mlp tiny_transformer mixed_precision compiled_model ddp_mlp)
 TIMEOUT=${GPU_CHECK_TIMEOUT:-180}
+KEEP_CHECKPOINTS=${GPU_CHECK_KEEP_CHECKPOINTS:-0}
 
 variant_flags() {
     case "$1" in
@@ -141,6 +143,9 @@ run_one() {
     wall=$(since "$started")
     printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "$recipe" "$variant" "$rc" "$wall" "$run_dir" "$log.err" \
         "$(printf '%q ' "${command[@]}")" >>"$OUT/runs.tsv"
+    # The table needs metrics.json, not the weights: 19 runs' checkpoints (~200 MB) would only make the
+    # output folder slow to fetch from a lent machine.
+    [[ $KEEP_CHECKPOINTS == 1 ]] || rm -rf "$run_dir/checkpoints"
     local status="ok"
     if [[ $rc != 0 || ! -f "$run_dir/metrics.json" ]]; then status="FAILED (exit $rc, see $log.err)"; fi
     printf '%6.1f s  %s  [%s s in all]\n' "$wall" "$status" "$(since "$START")"
@@ -168,12 +173,10 @@ done
 
 # ---- The table ---------------------------------------------------------------------------------------------
 echo
-smoke_flag=()
-[[ $SMOKE == 1 ]] && smoke_flag=(--smoke)
 # The table command exits 1 when any run failed: so does this script, after the table is out.
 status=0
 "$PYTHON" scripts/gpu_check.py table "$OUT" --environment "$ENVIRONMENT" --elapsed "$(since "$START")" \
-    "${smoke_flag[@]}" || status=$?
+    --smoke "$SMOKE" || status=$?
 echo
 echo "table: $OUT/table.md | figures: $OUT/results.json | logs: $OUT/logs | $(since "$START") s in all"
 exit "$status"
