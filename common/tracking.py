@@ -224,6 +224,7 @@ class Run:
                 self.last_checkpoint = path
         if torch.distributed.is_initialized():
             torch.distributed.barrier()
+        self.window_start = time.perf_counter()  # saving is not training time
         if self.interrupted:
             self.close()
             self.print(f"interrupted at step {state['step']}; checkpoint saved. Resume with:")

@@ -7,10 +7,11 @@ compiled with dynamic shapes, and code that Dynamo cannot trace breaks the graph
 with ``torch.compiler.disable``; and that a compiled model's checkpoint loads into a plain model.
 
 Why this model: a narrow (64-wide) residual MLP with a hand-written RMSNorm, GELU and sigmoid gating, at
-batch 8192. Its 64x64 matmuls are cheap, while each block makes about a dozen element-wise passes over an
-(8192, 64) activation. Eager PyTorch runs every one of those as its own kernel that reads and writes the
-whole tensor through memory; Inductor fuses them into a few loops that keep the data in cache. A wide,
-matmul-bound model gains much less: its matmuls already run in tuned library kernels either way.
+batch 16384. Its 64x64 matmuls are cheap, while each block makes about a dozen element-wise passes over a
+(16384, 64) activation, larger than the CPU's fastest caches. Eager PyTorch runs every one of those as its
+own kernel that reads and writes the whole tensor through memory; Inductor fuses them into a few loops that
+keep the data in cache. A wide, matmul-bound model gains much less: its matmuls already run in tuned
+library kernels either way.
 
     python recipes/compiled_model.py --compile
     python recipes/compiled_model.py --compare     # eager vs compiled: same seed, same steps
@@ -107,7 +108,7 @@ def train(options: dict, compiled: bool, run_dir: Path, resume_path: Path | None
     seed_everything(o["seed"])
     device = resolve_device(o["device"])
     train_set = synthetic_classification(o["samples"], N_FEATURES, N_CLASSES, seed=o["seed"])
-    val_set = synthetic_classification(8192, N_FEATURES, N_CLASSES, seed=o["seed"] + 1_000_000)
+    val_set = synthetic_classification(16384, N_FEATURES, N_CLASSES, seed=o["seed"] + 1_000_000)
     # drop_last (make_loader's default for training) matters twice here: a smaller last batch would be
     # a new input shape, and so a recompilation.
     train_loader = make_loader(train_set, o["batch_size"], train=True, seed=o["seed"],
@@ -280,9 +281,9 @@ def show_traps(options: dict) -> dict:
 def main(
     epochs: Epochs = 5,
     max_steps: MaxSteps = None,
-    batch_size: BatchSize = 8192,
+    batch_size: BatchSize = 16384,
     lr: LearningRate = 3e-3,
-    samples: Annotated[int, typer.Option(min=1, help="Size of the synthetic training set.")] = 131072,
+    samples: Annotated[int, typer.Option(min=1, help="Size of the synthetic training set.")] = 262144,
     width: Annotated[int, typer.Option(min=1, help="Width of the residual stream.")] = 64,
     depth: Annotated[int, typer.Option(min=1, help="Gated blocks.")] = 8,
     compile: Annotated[bool, typer.Option("--compile/--no-compile", help="Wrap the model in torch.compile.")] = False,
