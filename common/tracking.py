@@ -96,6 +96,10 @@ class Run:
         model: torch.nn.Module | None = None,
         optimizer: torch.optim.Optimizer | None = None,
     ):
+        device = next(model.parameters()).device if model is not None else torch.device("cpu")
+        # CONVENTIONS.md: every resolved option, plus what the options alone do not say
+        config = {**config, "run_dir": str(run_dir), "torch_version": torch.__version__,
+                  "device_used": str(device), "world_size": dist_info.world_size}
         self.recipe, self.config, self.run_dir = recipe, config, run_dir
         self.total_steps, self.checkpoint_every, self.log_every = total_steps, checkpoint_every, log_every
         self.unit, self.is_main = throughput_unit, dist_info.is_main

@@ -38,6 +38,7 @@ from common.checkpoint import load_checkpoint, restore_training_state, training_
 from common.cli import (
     BatchSize,
     CheckpointEvery,
+    DataDir,
     Device,
     Epochs,
     LearningRate,
@@ -302,6 +303,7 @@ def main(
     device: Device = "auto",
     precision: Precision = "fp32",
     num_workers: NumWorkers = 0,
+    data_dir: DataDir = Path("data"),  # every recipe takes it; this one downloads nothing
     run_dir: RunDir = None,
     resume: Resume = None,
     checkpoint_every: CheckpointEvery = None,

@@ -97,7 +97,6 @@ def main(
     """Train an MLP on MNIST with DistributedDataParallel (launch with torchrun), or in one process."""
     config = plain_config(locals())
     dist_info, device = setup_distributed(device, backend)  # under torchrun: join the group; else alone
-    config |= {"world_size": dist_info.world_size, "device_used": str(device)}
     run_dir, resume_path = prepare_run_dir(RECIPE, run_dir, resume, dist_info)
     # Every rank reads the same checkpoint, so every rank resumes in the same state.
     checkpoint = load_checkpoint(resume_path, RECIPE) if resume_path else None

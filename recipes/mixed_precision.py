@@ -35,6 +35,7 @@ from common.cli import (
     BatchSize,
     CheckpointEvery,
     Compile,
+    DataDir,
     Device,
     Epochs,
     LearningRate,
@@ -212,6 +213,7 @@ def main(
     precision: Precision = "fp32",
     compile: Compile = False,
     num_workers: NumWorkers = 0,
+    data_dir: DataDir = Path("data"),  # every recipe takes it; this one downloads nothing
     run_dir: RunDir = None,
     resume: Resume = None,
     checkpoint_every: CheckpointEvery = None,
