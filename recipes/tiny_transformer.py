@@ -382,7 +382,9 @@ def main(
     model_config = GPTConfig(256 if vocab is None else len(vocab), block_size, n_layer, n_head, n_embd, dropout,
                              attention)
     model = GPT(model_config)
-    optimizer = torch.optim.AdamW(parameter_groups(model, weight_decay), lr=lr, betas=(0.9, 0.95))
+    # fused: one kernel for the whole update instead of a dozen per tensor (about 5x faster on a CPU)
+    optimizer = torch.optim.AdamW(parameter_groups(model, weight_decay), lr=lr, betas=(0.9, 0.95),
+                                  fused=device.type in ("cuda", "cpu"))
     scheduler = warmup_cosine(optimizer, warmup_steps, steps, min_lr_ratio)
     scaler = make_grad_scaler(device, precision)
     if checkpoint:
