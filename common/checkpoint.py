@@ -91,7 +91,13 @@ def load_model_state(model: nn.Module, state_dict: dict, source: Path) -> None:
 
 
 def rng_state(loader_generator: torch.Generator | None = None) -> dict:
-    """Every random stream a run draws from, so a resumed run continues with the same numbers."""
+    """Every random stream a run draws from, so a resumed run continues with the same numbers.
+
+    Two limits: under DDP only rank 0 saves, so every rank resumes with rank 0's streams (the recipes draw
+    no per-rank random numbers after start-up; add a gather here before adding dropout to ddp_mlp). And the
+    loader generator seeds DataLoader workers: with workers, the rest of an epoch resumed part-way gets new
+    worker seeds, which matters only for random augmentation inside workers (the order of samples does not
+    depend on it; see ResumableSampler)."""
     return {
         "python": random.getstate(),
         "torch": torch.get_rng_state(),

@@ -42,7 +42,7 @@ Steps = Annotated[int, typer.Option(min=1, help="Optimizer steps to train for.")
 MaxSteps = Annotated[
     int | None, typer.Option(min=1, help="Stop after this many optimizer steps, whatever --epochs says.")
 ]
-BatchSize = Annotated[int, typer.Option(min=1, help="Samples per optimizer step (per process under DDP).")]
+BatchSize = Annotated[int, typer.Option(min=1, help="Samples per batch (per process under DDP).")]
 LearningRate = Annotated[float, typer.Option(callback=positive_float, help="Peak learning rate.")]
 Seed = Annotated[
     int, typer.Option(min=0, max=2**31 - 1, help="Seed for python and torch: same seed, device, options: same numbers.")

@@ -1,9 +1,10 @@
 """One optimizer step, and evaluation over a whole data set. Recipes write their own loops around these.
 
-Neither function reads a value back from the device (no ``.item()``): on a GPU that would stall the CPU
-until the step finished, and it could no longer queue the next step's kernels ahead. Losses stay tensors
-until the run logger reads a batch of them at once (see common/tracking.py), which is also where a
-non-finite loss is caught.
+``train_step`` reads nothing back from the device (no ``.item()``): on a GPU that would stall the CPU until
+the step finished, and it could no longer queue the next step's kernels ahead. (fp16's GradScaler is the
+exception: its step checks for overflow on the CPU.) Losses stay tensors until the run logger reads a window
+of them at once (see common/tracking.py), which is also where a non-finite loss is caught. ``evaluate``
+reads its totals back once, at the end.
 """
 
 import math
@@ -52,10 +53,11 @@ def train_step(
     """
     optimizer.zero_grad(set_to_none=True)
     total_loss = torch.zeros((), device=device)
+    ddp = getattr(model, "_orig_mod", model)  # compiled after DDP-wrapping: the DDP module is inside
     for i, batch in enumerate(micro_batches):
         *inputs, target = to_device(batch, device)
         last = i == len(micro_batches) - 1
-        sync = nullcontext() if last or not isinstance(model, DistributedDataParallel) else model.no_sync()
+        sync = nullcontext() if last or not isinstance(ddp, DistributedDataParallel) else ddp.no_sync()
         with sync:
             with autocast(device, precision):
                 loss = loss_fn(model(*inputs), target) / len(micro_batches)

@@ -116,8 +116,8 @@ def unwrap(model: nn.Module) -> nn.Module:
 
 def measure_matmul_flops(device: torch.device, dtype: torch.dtype = torch.float32, size: int = 1024) -> float:
     """Achievable matmul FLOP/s on ``device`` in ``dtype``: the peak to judge model FLOP utilisation by."""
-    a = torch.randn(size, size, device=device).to(dtype)
-    b = torch.randn(size, size, device=device).to(dtype)
+    generator = torch.Generator().manual_seed(0)  # not the global RNG: a resumed run's numbers must not shift
+    a, b = (torch.randn(size, size, generator=generator).to(device, dtype) for _ in range(2))
     a @ b  # warm-up: first-call allocations and kernel selection
     synchronize(device)
     runs, start = 0, time.perf_counter()

@@ -6,6 +6,7 @@ window instead of one per step. That read is also where a non-finite loss is cau
 save reads first, so a checkpoint never holds weights that a NaN step has already spoiled.
 """
 
+import atexit
 import json
 import math
 import os
@@ -117,8 +118,8 @@ class Run:
         self.writer = None
         if self.is_main:
             write_json(run_dir / "config.json", config)
-            # purge_step hides events a killed run logged after its last checkpoint, so curves stay single
-            self.writer = SummaryWriter(str(run_dir), purge_step=start_step or None)
+            # purge_step hides events a killed run logged after its checkpoint's step, so curves stay single
+            self.writer = SummaryWriter(str(run_dir), purge_step=start_step + 1 if start_step else None)
         show = progress if progress is not None else sys.stdout.isatty()
         self.progress = Progress(
             TextColumn("step"),
@@ -132,6 +133,7 @@ class Run:
         self.progress.start()
         if dist_info.world_size == 1:  # under torchrun the launcher owns Ctrl-C
             self.previous_sigint = signal.signal(signal.SIGINT, self._on_sigint)
+        atexit.register(self.close)  # an error that ends the run still flushes TensorBoard's events
 
     def print(self, message: str) -> None:
         if self.is_main:
@@ -145,7 +147,7 @@ class Run:
         if not self.memory and self.model is not None:
             self.account_memory(stats.loss.device)
         if step % self.log_every == 0 or step >= self.total_steps:
-            self.flush()
+            self.flush(ends_now=True)
 
     def account_memory(self, device: torch.device) -> None:
         """Measure what the model state holds now that gradients and optimizer state exist; print it,
@@ -157,8 +159,11 @@ class Run:
             write_json(self.run_dir / "config.json", {**self.config, "memory": self.memory})
             self.writer.add_text("memory", "    " + table.replace("\n", "\n    "))
 
-    def flush(self) -> None:
-        """Read pending losses back from the device (one transfer for the whole window), check them, log them."""
+    def flush(self, ends_now: bool = False) -> None:
+        """Read pending losses back from the device (one transfer for the whole window), log them, and stop
+        the run at the first non-finite one. ``ends_now``: called right after a step, so the moment the
+        read-back returns (the device has finished the window's work) ends the window's training time;
+        otherwise (after an evaluation) the window ended at the last step."""
         if not self.pending:
             return
         device = self.pending[0][1].loss.device
@@ -167,32 +172,40 @@ class Run:
                                          missing if stats.grad_norm is None else stats.grad_norm.float(),
                                          missing if stats.skipped is None else stats.skipped.float()])
                             for _, stats, _, _ in self.pending]).tolist()
-        for (step, *_), (loss, _, skipped) in zip(self.pending, rows, strict=True):
-            if not math.isfinite(loss) and skipped != 1.0:
-                kept = (f"the last good checkpoint is {self.last_checkpoint}" if self.last_checkpoint
-                        else "no checkpoint was written yet")
-                raise RecipeError(f"training diverged: the loss is {loss} at step {step}; {kept}. Try a lower --lr")
-        seconds = max(self.last_step_time - self.window_start, 1e-9)
-        items = sum(n for *_, n in self.pending)
+        end = time.perf_counter() if ends_now else self.last_step_time
+        bad = next((i for i, (loss, _, skipped) in enumerate(rows) if not math.isfinite(loss) and skipped != 1.0),
+                   None)
+        pending, rows = (self.pending, rows) if bad is None else (self.pending[:bad], rows[:bad])
+        seconds = max(end - self.window_start, 1e-9)
+        items = sum(n for *_, n in pending)
         self.items, self.train_seconds = self.items + items, self.train_seconds + seconds
         good = [loss for loss, _, skipped in rows if skipped != 1.0]  # fp16 steps the scaler skipped: no loss
         self.skipped_steps += len(rows) - len(good)
         self.interval_losses += good
         if good:
             self.train_loss = good[-1]
-        if self.writer:
-            for (step, _, lr, _), (loss, grad_norm, skipped) in zip(self.pending, rows, strict=True):
+        if self.writer:  # the steps before a divergence are logged too: the curve shows it coming
+            for (step, _, lr, _), (loss, grad_norm, skipped) in zip(pending, rows, strict=True):
                 if skipped != 1.0:
                     self.writer.add_scalar("train/loss", loss, step)
                 if math.isfinite(grad_norm):
                     self.writer.add_scalar("train/grad_norm", grad_norm, step)
                 self.writer.add_scalar("train/lr", lr, step)
-            self.writer.add_scalar(f"perf/{self.unit}_per_s", items / seconds, self.pending[-1][0])
+            if pending:
+                self.writer.add_scalar(f"perf/{self.unit}_per_s", items / seconds, pending[-1][0])
+        if bad is not None:
+            raise self.diverged(f"the loss is {self.pending[bad][1].loss.item()} at step {self.pending[bad][0]}")
         last_step, _, last_lr, _ = self.pending[-1]
         status = f"loss {self.train_loss:.4f}  lr {last_lr:.2e}  {items / seconds:,.0f} {self.unit}/s"
         self.progress.update(self.task, completed=last_step, status=status)
         self.pending.clear()
         self.window_start = time.perf_counter()
+
+    def diverged(self, what: str) -> RecipeError:
+        self.close()  # keep what was logged: the writer flushes its events on close
+        kept = (f"the last good checkpoint is {self.last_checkpoint}" if self.last_checkpoint
+                else "no checkpoint was written yet")
+        return RecipeError(f"training diverged: {what}; {kept}. Try a lower --lr")
 
     # -- evaluation -----------------------------------------------------------------------------------
     def log_eval(self, step: int, metrics: dict[str, float], *, prefix: str = "val", note: str = "") -> None:
@@ -221,6 +234,10 @@ class Run:
     def save_checkpoint(self, state: dict, name: str = "last.pt") -> None:
         """Atomically write checkpoints/NAME (rank 0; other ranks wait). Exits with 130 after Ctrl-C."""
         self.flush()  # raises on a non-finite loss before anything is written
+        # A step can end with a finite loss yet inf/nan gradients, which spoil the weights it just updated.
+        spoiled = [k for k, v in state["model"].items() if v.is_floating_point() and not torch.isfinite(v).all()]
+        if spoiled:
+            raise self.diverged(f"the weights hold inf/nan after step {state['step']} ({spoiled[0]})")
         if self.is_main:
             path = self.run_dir / "checkpoints" / name
             save_checkpoint(path, state)
@@ -229,7 +246,7 @@ class Run:
         if torch.distributed.is_initialized():
             torch.distributed.barrier()
         self.window_start = time.perf_counter()  # saving is not training time
-        if self.interrupted:
+        if self.interrupted and name == "last.pt":
             self.close()
             self.print(f"interrupted at step {state['step']}; checkpoint saved. Resume with:")
             self.print(f"  {self.resume_command()}")
@@ -285,8 +302,10 @@ class Run:
         return summary
 
     def close(self) -> None:
+        atexit.unregister(self.close)
         self.progress.stop()
         if self.writer:
             self.writer.close()
         if hasattr(self, "previous_sigint"):
             signal.signal(signal.SIGINT, self.previous_sigint)
+            del self.previous_sigint

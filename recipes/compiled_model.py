@@ -21,6 +21,7 @@ A good result on a CPU: compiled steps about 1.2-1.5x faster than eager after 10
 """
 
 import logging
+import math
 import sys
 import time
 from pathlib import Path
@@ -125,13 +126,13 @@ def train(options: dict, compiled: bool, run_dir: Path, resume_path: Path | None
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=schedule_steps)
     scaler = make_grad_scaler(device, o["precision"])  # fp16 only
     loss_fn = nn.CrossEntropyLoss()
-    step = 0
-    if checkpoint:
-        restore_training_state(checkpoint, resume_path, model=model, optimizer=optimizer, scheduler=scheduler,
-                               scaler=scaler, loader_generator=train_loader.generator)
-        step = checkpoint["step"]
     model = prepare_model(model, device, compile=compiled, mode=o["mode"], dynamic=o["dynamic"],
                           backend=o["backend"])
+    step, best_val_loss = 0, math.inf
+    if checkpoint:  # after the move to the device: optimizer state loads onto the parameters' device
+        restore_training_state(checkpoint, resume_path, model=model, optimizer=optimizer, scheduler=scheduler,
+                               scaler=scaler, loader_generator=train_loader.generator)
+        step, best_val_loss = checkpoint["step"], checkpoint["best_val_loss"]
 
     total_steps = min(schedule_steps, o["max_steps"] or schedule_steps)
     run = Run(RECIPE, config, run_dir, total_steps=total_steps, start_step=step,
@@ -143,7 +144,7 @@ def train(options: dict, compiled: bool, run_dir: Path, resume_path: Path | None
         # training_state unwraps the compiled module: no "_orig_mod." prefixes in the checkpoint
         return training_state(RECIPE, config, model=model, optimizer=optimizer, scheduler=scheduler,
                               scaler=scaler, step=step, epoch=step // steps_per_epoch,
-                              loader_generator=train_loader.generator)
+                              loader_generator=train_loader.generator, best_val_loss=best_val_loss)
 
     step_seconds, metrics = [], {}
     start_epoch, done_in_epoch = divmod(step, steps_per_epoch)
@@ -165,6 +166,9 @@ def train(options: dict, compiled: bool, run_dir: Path, resume_path: Path | None
         val = evaluate(model, val_loader, loss_fn, device=device, precision=o["precision"])
         metrics = {"val_loss": val["loss"], "val_acc": val["acc"]}
         run.log_eval(step, val, note=f"epoch {epoch + 1}/{o['epochs']}  ")
+        if val["loss"] < best_val_loss:
+            best_val_loss = val["loss"]
+            run.save_checkpoint(state(), "best.pt")
         run.save_checkpoint(state())
         if step >= total_steps:
             break

@@ -118,12 +118,12 @@ def main(
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=schedule_steps)
     scaler = make_grad_scaler(device, precision)
     loss_fn = nn.CrossEntropyLoss()
+    model = prepare_model(model, device, compile=compile)  # to device, then DDP (if in a group), then compile
     step, best_acc = 0, 0.0
-    if checkpoint:
+    if checkpoint:  # after the move to the device: optimizer state loads onto the parameters' device
         restore_training_state(checkpoint, resume_path, model=model, optimizer=optimizer, scheduler=scheduler,
                                scaler=scaler, loader_generator=train_loader.generator)
         step, best_acc = checkpoint["step"], checkpoint["best_acc"]
-    model = prepare_model(model, device, compile=compile)  # to device, then DDP (if in a group), then compile
 
     total_steps = min(schedule_steps, max_steps or schedule_steps)
     run = Run(RECIPE, config, run_dir, total_steps=total_steps, start_step=step, checkpoint_every=checkpoint_every,

@@ -94,12 +94,12 @@ def train(options: dict, precision: str, run_dir: Path, resume_path: Path | None
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=schedule_steps)
     scaler = make_grad_scaler(device, precision)  # fp16 only: see the module docstring
     loss_fn = nn.CrossEntropyLoss()
-    step = 0
-    if checkpoint:
+    model = prepare_model(model, device, compile=o["compile"])
+    step, best_val_loss = 0, math.inf
+    if checkpoint:  # after the move to the device: optimizer state loads onto the parameters' device
         restore_training_state(checkpoint, resume_path, model=model, optimizer=optimizer, scheduler=scheduler,
                                scaler=scaler, loader_generator=train_loader.generator)
-        step = checkpoint["step"]
-    model = prepare_model(model, device, compile=o["compile"])
+        step, best_val_loss = checkpoint["step"], checkpoint["best_val_loss"]
 
     total_steps = min(schedule_steps, o["max_steps"] or schedule_steps)
     run = Run(RECIPE, config, run_dir, total_steps=total_steps, start_step=step,
@@ -109,7 +109,7 @@ def train(options: dict, precision: str, run_dir: Path, resume_path: Path | None
     def state() -> dict:
         return training_state(RECIPE, config, model=model, optimizer=optimizer, scheduler=scheduler,
                               scaler=scaler, step=step, epoch=step // steps_per_epoch,
-                              loader_generator=train_loader.generator)
+                              loader_generator=train_loader.generator, best_val_loss=best_val_loss)
 
     losses = []  # one device tensor per step; read back once at the end
     metrics = {}
@@ -130,6 +130,9 @@ def train(options: dict, precision: str, run_dir: Path, resume_path: Path | None
         val = evaluate(model, val_loader, loss_fn, device=device, precision=precision)
         metrics = {"val_loss": val["loss"], "val_acc": val["acc"]}
         run.log_eval(step, val, note=f"{precision} epoch {epoch + 1}/{o['epochs']}  ")
+        if val["loss"] < best_val_loss:
+            best_val_loss = val["loss"]
+            run.save_checkpoint(state(), "best.pt")
         run.save_checkpoint(state())
         if step >= total_steps:
             break

@@ -171,8 +171,11 @@ def main(
     loss_fn = nn.CrossEntropyLoss(label_smoothing=label_smoothing)
     eval_loss_fn = nn.CrossEntropyLoss()  # report the plain loss, comparable across smoothing settings
 
+    if finetune and not checkpoint:
+        load_backbone(model, finetune)
+    model = prepare_model(model, device, compile=compile)
     step, best_acc = 0, 0.0
-    if checkpoint:
+    if checkpoint:  # after the move to the device: optimizer state loads onto the parameters' device
         if checkpoint["scheduler"]["total_steps"] != schedule_steps:
             raise RecipeError(
                 f"{resume_path} follows a one-cycle schedule of {checkpoint['scheduler']['total_steps']} steps; "
@@ -183,9 +186,6 @@ def main(
             loader_generator=train_loader.generator,
         )
         step, best_acc = checkpoint["step"], checkpoint["best_acc"]
-    elif finetune:
-        load_backbone(model, finetune)
-    model = prepare_model(model, device, compile=compile)
 
     total_steps = min(schedule_steps, max_steps or schedule_steps)
     run = Run(RECIPE, config, run_dir, total_steps=total_steps, start_step=step,

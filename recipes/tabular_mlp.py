@@ -237,6 +237,9 @@ class TabularMLP(nn.Module):
                  hidden: int = 256, depth: int = 3, dropout: float = 0.1):
         super().__init__()
         self.embeddings = nn.ModuleList(nn.Embedding(n, embedding_dim(n)) for n in cardinalities)
+        with torch.no_grad():  # <unseen> never occurs in training (nor <missing>, if nothing was missing):
+            for embedding in self.embeddings:  # zeros, a neutral input, instead of an untrained random vector
+                embedding.weight[:2] = 0
         width = n_numeric + sum(embedding_dim(n) for n in cardinalities)
         layers = []
         for _ in range(depth):
@@ -409,6 +412,7 @@ def main(
                                      param_hint="--batch-size")
         batch_size = len(train_set)
     batch_size = batch_size or min(256, len(train_set))  # a small table still gets full batches
+    config |= {"target": target, "batch_size": batch_size}  # as resolved
     train_loader = make_loader(train_set, batch_size, train=True, seed=seed, num_workers=num_workers, device=device)
     val_loader = make_loader(val_set, 1024, train=False, num_workers=num_workers, device=device)
     steps_per_epoch = len(train_loader)
@@ -423,12 +427,12 @@ def main(
     # a -1 target (a class unseen in training) is skipped, not trained on
     loss_fn = nn.CrossEntropyLoss(ignore_index=-1) if classification else nn.MSELoss()
 
+    model = prepare_model(model, device, compile=compile)
     step, best = 0, None
-    if checkpoint:
+    if checkpoint:  # after the move to the device: optimizer state loads onto the parameters' device
         restore_training_state(checkpoint, resume_path, model=model, optimizer=optimizer, scheduler=scheduler,
                                scaler=scaler, loader_generator=train_loader.generator)
         step, best = checkpoint["step"], checkpoint["best"]
-    model = prepare_model(model, device, compile=compile)
 
     total_steps = min(epochs * steps_per_epoch, max_steps or epochs * steps_per_epoch)
     run = Run(RECIPE, config, run_dir, total_steps=total_steps, start_step=step,

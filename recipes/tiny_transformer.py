@@ -387,11 +387,11 @@ def main(
                                   fused=device.type in ("cuda", "cpu"))
     scheduler = warmup_cosine(optimizer, warmup_steps, steps, min_lr_ratio)
     scaler = make_grad_scaler(device, precision)
-    if checkpoint:
-        restore_training_state(checkpoint, resume_path, model=model, optimizer=optimizer, scheduler=scheduler,
-                               scaler=scaler)
     flops_per_token = model.flops_per_token()
     model = prepare_model(model, device, compile=compile)
+    if checkpoint:  # after the move to the device: optimizer state loads onto the parameters' device
+        restore_training_state(checkpoint, resume_path, model=model, optimizer=optimizer, scheduler=scheduler,
+                               scaler=scaler)
     peak_flops = peak_flops or measure_matmul_flops(device, AUTOCAST_DTYPES.get(precision, torch.float32))
 
     total_steps = min(steps, max_steps or steps)
@@ -404,7 +404,8 @@ def main(
 
     def state() -> dict:
         return training_state(RECIPE, config, model=model, optimizer=optimizer, scheduler=scheduler,
-                              scaler=scaler, step=step, epoch=0, vocab=vocab, model_config=asdict(model_config))
+                              scaler=scaler, step=step, epoch=0, vocab=vocab, model_config=asdict(model_config),
+                              best_val_loss=best_val_loss)
 
     def evaluate_and_sample() -> dict[str, float]:
         val = evaluate(model, val_batches, lm_loss, device=device, precision=precision)
@@ -420,6 +421,7 @@ def main(
 
     batches = iter(train_loader)
     metrics = {}
+    best_val_loss = checkpoint["best_val_loss"] if checkpoint else math.inf
     while step < total_steps:
         lr_now = scheduler.get_last_lr()[0]
         micro_batches = [next(batches) for _ in range(grad_accum)]
@@ -429,7 +431,11 @@ def main(
         run.log_train(step, stats, lr=lr_now, items=grad_accum * batch_size * block_size)
         if step % eval_every == 0 or step == total_steps:
             metrics = evaluate_and_sample()
-        if run.checkpoint_due(step) or step % eval_every == 0 or step == total_steps:
+            if metrics["val_loss"] < best_val_loss:
+                best_val_loss = metrics["val_loss"]
+                run.save_checkpoint(state(), "best.pt")
+            run.save_checkpoint(state())
+        elif run.checkpoint_due(step):
             run.save_checkpoint(state())
 
     if not metrics:  # resumed a run that had already finished

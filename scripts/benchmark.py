@@ -1,6 +1,6 @@
 """What each recipe and the core cost, measured side by side in one run.
 
-    python scripts/benchmark.py --out benchmark.json      # about 6-8 minutes on a 2-core CPU
+    python scripts/benchmark.py --out benchmark.json      # about 5 minutes on a 2-core CPU
     python scripts/benchmark.py --quick --out quick.json  # every item, tiny sizes: checks the script runs
 
 Prints a markdown table and writes the same figures as JSON. This machine (like most) is shared and noisy:

@@ -30,3 +30,4 @@ def test_config_and_metrics_hold_what_the_conventions_promise(recipe, run_inproc
     assert "samples_per_s" in metrics or "tokens_per_s" in metrics
     assert result.stdout.strip().splitlines()[-1].startswith("done: ")
     assert (tmp_path / "checkpoints" / "last.pt").is_file()
+    assert (tmp_path / "checkpoints" / "best.pt").is_file()  # every recipe has a validation metric

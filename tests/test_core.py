@@ -304,3 +304,18 @@ def test_fp16_skipped_steps_are_counted_not_fatal(tmp_path):
     summary = run.finish(2, {})
     assert summary["skipped_steps"] == 1 and summary["train_loss"] == 0.5
     assert Path(tmp_path / "metrics.json").is_file()
+
+
+def test_spoiled_weights_are_never_saved(tmp_path):
+    """A step can report a finite loss while its inf/nan gradients spoil the weights: no checkpoint of those."""
+    from common.loop import StepStats
+
+    run = Run("t", {}, tmp_path, total_steps=10, progress=False)
+    good = {"recipe": "t", "step": 1, "model": {"w": torch.ones(2)}}
+    run.log_train(1, StepStats(torch.tensor(0.5), None, None), lr=0.1, items=1)
+    run.save_checkpoint(good)
+    before = (tmp_path / "checkpoints" / "last.pt").read_bytes()
+    run.log_train(2, StepStats(torch.tensor(0.4), None, None), lr=0.1, items=1)
+    with pytest.raises(RecipeError, match=r"the weights hold inf/nan after step 2 \(w\); the last good checkpoint"):
+        run.save_checkpoint({"recipe": "t", "step": 2, "model": {"w": torch.tensor([1.0, float("nan")])}})
+    assert (tmp_path / "checkpoints" / "last.pt").read_bytes() == before

@@ -71,6 +71,10 @@ def test_stopped_and_resumed_run_ends_with_the_same_weights(run_inprocess, mnist
     assert resumed.code == 0, resumed.stderr
     assert "resumed at step 11" in resumed.stdout
     assert read_metrics(tmp_path / "cut")["steps"] == 32
+    # TensorBoard shows one curve: every step once, none lost at the checkpoint's step
+    scalars = read_scalars(tmp_path / "cut")
+    assert [step for step, _ in scalars["train/loss"]] == list(range(1, 33))
+    assert [step for step, _ in scalars["val/acc"]] == [11, 16, 32]
     assert_same_weights(load_weights(tmp_path / "full" / "checkpoints" / "last.pt"),
                         load_weights(tmp_path / "cut" / "checkpoints" / "last.pt"))
 
