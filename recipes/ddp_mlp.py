@@ -54,8 +54,9 @@ from common.cli import (
 )
 from common.data import load_mnist, make_loader
 from common.loop import evaluate, train_step
+from common.rundir import plain_config, prepare_run_dir
 from common.runtime import make_grad_scaler, prepare_model, seed_everything, setup_distributed
-from common.tracking import Run, plain_config, prepare_run_dir
+from common.tracking import Run
 
 RECIPE = "ddp_mlp"
 

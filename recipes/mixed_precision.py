@@ -51,8 +51,9 @@ from common.cli import (
 )
 from common.data import make_loader, synthetic_classification
 from common.loop import evaluate, train_step
+from common.rundir import plain_config, prepare_run_dir, write_json
 from common.runtime import make_grad_scaler, prepare_model, resolve_device, seed_everything, synchronize
-from common.tracking import Run, plain_config, prepare_run_dir, write_json
+from common.tracking import Run
 
 RECIPE = "mixed_precision"
 PRECISIONS = ["fp32", "bf16", "fp16"]

@@ -44,8 +44,9 @@ from common.cli import (
 )
 from common.data import MNIST_MEAN, MNIST_STD, load_mnist, make_loader
 from common.loop import evaluate, train_step
+from common.rundir import plain_config, prepare_run_dir
 from common.runtime import make_grad_scaler, prepare_model, resolve_device, seed_everything
-from common.tracking import Run, plain_config, prepare_run_dir
+from common.tracking import Run
 
 RECIPE = "mnist_onecycle"
 

@@ -48,8 +48,9 @@ from common.cli import (
 )
 from common.data import download, make_loader
 from common.loop import StepStats, evaluate, to_device, train_step
+from common.rundir import plain_config, prepare_run_dir
 from common.runtime import make_grad_scaler, prepare_model, resolve_device, seed_everything
-from common.tracking import Run, plain_config, prepare_run_dir
+from common.tracking import Run
 
 RECIPE = "tabular_mlp"
 MISSING = {"", "?", "NA", "N/A", "NaN", "nan"}

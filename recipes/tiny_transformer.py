@@ -53,6 +53,7 @@ from common.cli import (
 )
 from common.data import make_loader
 from common.loop import evaluate, train_step
+from common.rundir import plain_config, prepare_run_dir
 from common.runtime import (
     AUTOCAST_DTYPES,
     make_grad_scaler,
@@ -62,7 +63,7 @@ from common.runtime import (
     seed_everything,
     unwrap,
 )
-from common.tracking import Run, plain_config, prepare_run_dir
+from common.tracking import Run
 
 RECIPE = "tiny_transformer"
 

@@ -14,8 +14,9 @@ from common import checkpoint as ckpt
 from common.cli import RecipeError
 from common.data import make_loader
 from common.loop import evaluate, train_step
+from common.rundir import prepare_run_dir
 from common.runtime import make_grad_scaler, resolve_device, unwrap
-from common.tracking import Run, prepare_run_dir
+from common.tracking import Run
 
 CPU = torch.device("cpu")
 
