@@ -6,7 +6,7 @@ import shutil
 import sys
 
 import pytest
-from conftest import ROOT, run_subprocess, smoke_args
+from conftest import ROOT, run_subprocess, run_torchrun, smoke_args
 
 README = (ROOT / "README.md").read_text()
 CODE_BLOCKS = re.findall(r"```bash\n(.*?)```", README, flags=re.S)
@@ -42,8 +42,10 @@ def test_readme_recipe_command_runs(command, request, tmp_path):
     extra = [*smoke_args(recipe, request), "--run-dir", str(tmp_path / "run")]
     if "--csv" in words:  # keep the README's own table and target
         extra = strip_options(extra, {"--csv", "--target"})
-    launcher = [sys.executable] if words[0] == "python" else [sys.executable, "-m", "torch.distributed.run"]
-    result = run_subprocess([*launcher, *words[1:], *extra])
+    if words[0] == "torchrun":
+        result = run_torchrun([*words[1:], *extra])
+    else:
+        result = run_subprocess([sys.executable, *words[1:], *extra])
     assert result.code == 0, f"{command}\n{result.stderr[-3000:]}"
     assert result.stdout.strip().splitlines()[-1].startswith("done: ")
 
