@@ -116,6 +116,19 @@ def restore_rng_state(state: dict, loader_generator: torch.Generator | None = No
         loader_generator.set_state(state["loader"])
 
 
+SCHEDULE_KEYS = ("T_max", "eta_min", "total_steps", "milestones", "_milestones", "total_iters", "start_factor",
+                 "end_factor", "gamma", "base_lrs")
+
+
+def schedule_shape(state: dict, prefix: str = "") -> dict:
+    """The numbers that define a scheduler's curve, not how far along it is (nested schedulers included)."""
+    shape = {prefix + key: (dict(state[key]) if isinstance(state[key], dict) else state[key])
+             for key in SCHEDULE_KEYS if key in state}
+    for i, nested in enumerate(state.get("_schedulers", [])):
+        shape |= schedule_shape(nested, f"{prefix}scheduler {i + 1} ")
+    return shape
+
+
 def training_state(
     recipe: str,
     config: dict,
@@ -155,8 +168,24 @@ def restore_training_state(
     scaler: torch.amp.GradScaler | None,
     loader_generator: torch.Generator | None = None,
 ) -> None:
-    """Put model, optimizer, scheduler, scaler and RNG streams back where ``training_state`` found them."""
+    """Put model, optimizer, scheduler, scaler and RNG streams back where ``training_state`` found them.
+
+    The saved optimizer and schedule replace this run's settings wholesale, so a resume with options that
+    change them (another optimizer, more epochs, a new batch size or learning rate) is refused here rather
+    than continuing on a curve the user did not ask for.
+    """
     load_model_state(model, state["model"], source)
+    saved_groups = [sorted(set(group) - {"params"}) for group in state["optimizer"]["param_groups"]]
+    if saved_groups != [sorted(set(group) - {"params"}) for group in optimizer.state_dict()["param_groups"]]:
+        raise RecipeError(f"checkpoint {source} was saved by another optimizer or other parameter groups: "
+                          "resume with the options it was started with (see its run's config.json)")
+    if scheduler is not None and state["scheduler"] is not None:
+        saved, wanted = schedule_shape(state["scheduler"]), schedule_shape(scheduler.state_dict())
+        changed = [f"{key} {saved.get(key)} there, {wanted.get(key)} here"
+                   for key in sorted(saved.keys() | wanted.keys()) if saved.get(key) != wanted.get(key)]
+        if changed:
+            raise RecipeError(f"checkpoint {source} follows another learning-rate schedule ({'; '.join(changed)}): "
+                              "resume with the epochs/steps, batch size and learning rate it was started with")
     try:
         optimizer.load_state_dict(state["optimizer"])
         if scheduler is not None and state["scheduler"] is not None:

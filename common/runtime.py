@@ -74,10 +74,12 @@ def setup_distributed(device_name: str, backend: str = "auto") -> tuple[DistInfo
     Under torchrun each process takes ``cuda:LOCAL_RANK`` when CUDA is used; the backend ``auto`` is nccl
     with CUDA and gloo otherwise.
     """
-    if "RANK" not in os.environ:  # plain `python recipe.py`: no process group at all
-        return DistInfo(), resolve_device(device_name)
-    info = DistInfo(int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"]))
     device = resolve_device(device_name)
+    if backend == "nccl" and device.type != "cuda":
+        raise RecipeError(f"--backend nccl runs on CUDA devices only, not {device.type}: use --backend gloo or auto")
+    if "RANK" not in os.environ:  # plain `python recipe.py`: no process group at all
+        return DistInfo(), device
+    info = DistInfo(int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"]))
     if device.type == "cuda":
         device = torch.device("cuda", info.local_rank)
         torch.cuda.set_device(device)

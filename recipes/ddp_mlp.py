@@ -54,7 +54,7 @@ from common.cli import (
 )
 from common.data import load_mnist, make_loader
 from common.loop import evaluate, train_step
-from common.rundir import plain_config, prepare_run_dir
+from common.rundir import already_finished, plain_config, prepare_run_dir
 from common.runtime import make_grad_scaler, prepare_model, seed_everything, setup_distributed
 from common.tracking import Run
 
@@ -127,6 +127,8 @@ def main(
         step, best_acc = checkpoint["step"], checkpoint["best_acc"]
 
     total_steps = min(schedule_steps, max_steps or schedule_steps)
+    if already_finished(step, total_steps, run_dir, dist_info):
+        return
     run = Run(RECIPE, config, run_dir, total_steps=total_steps, start_step=step, checkpoint_every=checkpoint_every,
               progress=progress, model=model, optimizer=optimizer, dist_info=dist_info)
     global_batch = batch_size * dist_info.world_size

@@ -51,7 +51,7 @@ from common.cli import (
 )
 from common.data import make_loader, synthetic_classification
 from common.loop import evaluate, train_step
-from common.rundir import plain_config, prepare_run_dir, write_json
+from common.rundir import already_finished, plain_config, prepare_run_dir, write_json
 from common.runtime import make_grad_scaler, prepare_model, resolve_device, seed_everything, synchronize
 from common.tracking import Run
 
@@ -103,6 +103,8 @@ def train(options: dict, precision: str, run_dir: Path, resume_path: Path | None
         step, best_val_loss = checkpoint["step"], checkpoint["best_val_loss"]
 
     total_steps = min(schedule_steps, o["max_steps"] or schedule_steps)
+    if already_finished(step, total_steps, run_dir):
+        return {}
     run = Run(RECIPE, config, run_dir, total_steps=total_steps, start_step=step,
               checkpoint_every=o["checkpoint_every"], progress=o["progress"], model=model, optimizer=optimizer)
     run.print(f"{precision}: run_dir {run_dir} | device {device}{f' | resumed at step {step}' if checkpoint else ''}")

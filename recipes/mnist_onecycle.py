@@ -44,7 +44,7 @@ from common.cli import (
 )
 from common.data import MNIST_MEAN, MNIST_STD, load_mnist, make_loader
 from common.loop import evaluate, train_step
-from common.rundir import plain_config, prepare_run_dir
+from common.rundir import already_finished, plain_config, prepare_run_dir
 from common.runtime import make_grad_scaler, prepare_model, resolve_device, seed_everything
 from common.tracking import Run
 
@@ -119,7 +119,9 @@ def main(
     batch_size: BatchSize = 64,
     max_lr: Annotated[float, typer.Option("--max-lr", "--lr", callback=positive_float,
                                           help="Peak learning rate of the one-cycle schedule.")] = 0.1,
-    momentum: Annotated[float, typer.Option(min=0.0, max=0.999, help="SGD (Nesterov) momentum.")] = 0.9,
+    momentum: Annotated[
+        float, typer.Option(min=0.0, max=0.999, help="Peak SGD (Nesterov) momentum; the cycle dips it to 0.85.")
+    ] = 0.95,
     weight_decay: Annotated[float, typer.Option(min=0.0, help="L2 penalty on all weights.")] = 5e-4,
     label_smoothing: Annotated[float, typer.Option(min=0.0, max=0.5, help="Cross-entropy label smoothing.")] = 0.1,
     width: Annotated[int, typer.Option(min=1, help="Channels of the first conv layer (later ones 2x-8x).")] = 16,
@@ -159,7 +161,7 @@ def main(
     backbone_lr = max_lr * backbone_lr_scale if finetune else max_lr
     optimizer = torch.optim.SGD(
         [{"params": model.features.parameters()}, {"params": model.head.parameters()}],
-        lr=max_lr, momentum=momentum, nesterov=True, weight_decay=weight_decay,
+        lr=max_lr, momentum=momentum, nesterov=momentum > 0, weight_decay=weight_decay,
     )
     steps_per_epoch = len(train_loader)
     if steps_per_epoch == 0:
@@ -167,7 +169,11 @@ def main(
     # The schedule spans all epochs; --max-steps only stops early, so a run cut short and resumed follows
     # the same learning-rate curve as one that never stopped.
     schedule_steps = epochs * steps_per_epoch
-    scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=[backbone_lr, max_lr], total_steps=schedule_steps)
+    # OneCycleLR also cycles momentum, opposite to the rate: down to 0.85 while the rate climbs, back up after.
+    scheduler = torch.optim.lr_scheduler.OneCycleLR(
+        optimizer, max_lr=[backbone_lr, max_lr], total_steps=schedule_steps,
+        cycle_momentum=momentum > 0, base_momentum=min(0.85, momentum), max_momentum=momentum,
+    )
     scaler = make_grad_scaler(device, precision)
     loss_fn = nn.CrossEntropyLoss(label_smoothing=label_smoothing)
     eval_loss_fn = nn.CrossEntropyLoss()  # report the plain loss, comparable across smoothing settings
@@ -177,11 +183,6 @@ def main(
     model = prepare_model(model, device, compile=compile)
     step, best_acc = 0, 0.0
     if checkpoint:  # after the move to the device: optimizer state loads onto the parameters' device
-        if checkpoint["scheduler"]["total_steps"] != schedule_steps:
-            raise RecipeError(
-                f"{resume_path} follows a one-cycle schedule of {checkpoint['scheduler']['total_steps']} steps; "
-                f"resume with the --epochs and --batch-size it was started with"
-            )
         restore_training_state(
             checkpoint, resume_path, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler,
             loader_generator=train_loader.generator,
@@ -189,6 +190,8 @@ def main(
         step, best_acc = checkpoint["step"], checkpoint["best_acc"]
 
     total_steps = min(schedule_steps, max_steps or schedule_steps)
+    if already_finished(step, total_steps, run_dir):
+        return
     run = Run(RECIPE, config, run_dir, total_steps=total_steps, start_step=step,
               checkpoint_every=checkpoint_every, progress=progress, model=model, optimizer=optimizer)
     run.print(f"run_dir {run_dir} | device {device} | {len(train_set)} train / {len(test_set)} test digits"

@@ -48,7 +48,7 @@ from common.cli import (
 )
 from common.data import download, make_loader
 from common.loop import StepStats, evaluate, to_device, train_step
-from common.rundir import plain_config, prepare_run_dir
+from common.rundir import already_finished, plain_config, prepare_run_dir
 from common.runtime import make_grad_scaler, prepare_model, resolve_device, seed_everything
 from common.tracking import Run
 
@@ -75,7 +75,7 @@ def read_csv(path: Path) -> tuple[list[str], list[list[str]]]:
     if not path.is_file():
         raise RecipeError(f"--csv {path}: no such file")
     try:
-        with open(path, newline="", encoding="utf-8") as f:
+        with open(path, newline="", encoding="utf-8-sig") as f:  # -sig: Excel starts its CSVs with a BOM
             rows = [row for row in csv.reader(f) if row]
     except UnicodeDecodeError as err:
         raise RecipeError(f"{path} is not UTF-8 text (byte {err.start}); re-save it as UTF-8") from None
@@ -124,6 +124,9 @@ def fit_features(header: list[str], rows: list[list[str]], target: str, task: st
     classes (classification) or mean and std (regression). A plain dict, so it fits in a checkpoint."""
     columns = {name: [row[i].strip() for row in rows] for i, name in enumerate(header)}
     labels = [v for v in columns.pop(target) if v not in MISSING]
+    if len(set(labels)) < 2:
+        raise RecipeError(f"target column {target!r} holds {len(set(labels))} distinct value(s) besides missing "
+                          "ones: there is nothing to learn")
     numeric_labels = [as_float(v) for v in labels]
     if task == "auto":
         # a non-numeric target, or a handful of integer values (a label code), is a class
@@ -348,7 +351,9 @@ def main(
         Literal["adamw", "adam", "sgd", "lbfgs"],
         typer.Option("--optimizer", help="lbfgs trains full-batch: for small tables only."),
     ] = "adamw",
-    weight_decay: Annotated[float, typer.Option(min=0.0, help="Decoupled weight decay on weight matrices.")] = 0.01,
+    weight_decay: Annotated[
+        float, typer.Option(min=0.0, help="Weight decay on weight matrices (decoupled in adamw, L2 in adam/sgd).")
+    ] = 0.01,
     max_grad_norm: Annotated[float, typer.Option(callback=positive_float, help="Gradient clipping norm.")] = 1.0,
     hidden: Annotated[int, typer.Option(min=1, help="Width of the hidden layers.")] = 256,
     depth: Annotated[int, typer.Option(min=1, help="Number of hidden layers.")] = 3,
@@ -422,8 +427,9 @@ def main(
 
     model = build_model(spec, hidden, depth, dropout)
     optimizer = make_optimizer(optimizer_name, model, lr, weight_decay)
-    # Per-epoch schedule: drop the learning rate 10x at 50% and again at 75% of the epochs.
-    scheduler = torch.optim.lr_scheduler.MultiStepLR(optimizer, [epochs // 2, epochs * 3 // 4], gamma=0.1)
+    # Per-epoch schedule: drop the learning rate 10x at 50% and again at 75% of the epochs (a set: with few
+    # epochs the two coincide, and MultiStepLR would apply both drops at once).
+    scheduler = torch.optim.lr_scheduler.MultiStepLR(optimizer, sorted({epochs // 2, epochs * 3 // 4}), gamma=0.1)
     scaler = make_grad_scaler(device, precision)
     # a -1 target (a class unseen in training) is skipped, not trained on
     loss_fn = nn.CrossEntropyLoss(ignore_index=-1) if classification else nn.MSELoss()
@@ -436,6 +442,8 @@ def main(
         step, best = checkpoint["step"], checkpoint["best"]
 
     total_steps = min(epochs * steps_per_epoch, max_steps or epochs * steps_per_epoch)
+    if already_finished(step, total_steps, run_dir):
+        return
     run = Run(RECIPE, config, run_dir, total_steps=total_steps, start_step=step,
               checkpoint_every=checkpoint_every, progress=progress, model=model, optimizer=optimizer)
     kind = f"{len(spec['classes'])} classes" if classification else "regression"

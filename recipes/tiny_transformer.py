@@ -53,7 +53,7 @@ from common.cli import (
 )
 from common.data import make_loader
 from common.loop import evaluate, train_step
-from common.rundir import plain_config, prepare_run_dir
+from common.rundir import already_finished, plain_config, prepare_run_dir
 from common.runtime import (
     AUTOCAST_DTYPES,
     make_grad_scaler,
@@ -396,6 +396,8 @@ def main(
     peak_flops = peak_flops or measure_matmul_flops(device, AUTOCAST_DTYPES.get(precision, torch.float32))
 
     total_steps = min(steps, max_steps or steps)
+    if already_finished(step, total_steps, run_dir):
+        return
     run = Run(RECIPE, config, run_dir, total_steps=total_steps, start_step=step, checkpoint_every=checkpoint_every,
               progress=progress, model=model, optimizer=optimizer, throughput_unit="tokens")
     unit = "byte" if vocab is None else "char"

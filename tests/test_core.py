@@ -43,7 +43,10 @@ def test_autocast_on_cpu_trains(precision):
     scaler = make_grad_scaler(CPU, precision)
     assert (scaler is not None) == (precision == "fp16")
     x, y = tiny_data().tensors
+    output_dtypes = []
+    model[-1].register_forward_hook(lambda module, inputs, output: output_dtypes.append(output.dtype))
     stats = train_step(model, optimizer, LOSS, [(x, y)], device=CPU, precision=precision, scaler=scaler)
+    assert output_dtypes == [{"bf16": torch.bfloat16, "fp16": torch.float16}[precision]]  # the matmuls ran in 16 bits
     assert math.isfinite(stats.loss.item())
     assert all(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
     if scaler:  # the step went through the scaler: it counted one good step and reported the norm

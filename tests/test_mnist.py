@@ -62,6 +62,20 @@ def test_one_cycle_rises_to_max_lr_then_anneals_to_zero(run_inprocess, mnist_dir
     assert all(a <= b for a, b in zip(lrs[:peak], lrs[1 : peak + 1], strict=True))  # rises steadily
 
 
+@pytest.mark.parametrize("momentum", [0.95, 0.0])
+def test_momentum_cycles_from_the_option_down_to_085_or_stays_off(run_inprocess, mnist_dir, tmp_path, momentum):
+    run_dir = tmp_path / "run"
+    result = run_inprocess(RECIPE, "--epochs", 1, "--batch-size", 32, "--momentum", momentum,
+                           "--data-dir", mnist_dir, "--checkpoint-every", 1, "--max-steps", 5, "--run-dir", run_dir)
+    assert result.code == 0, result.stderr  # SGD refuses nesterov=True without momentum
+    groups = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)["optimizer"]["param_groups"]
+    assert all(g["nesterov"] == (momentum > 0) for g in groups)
+    if momentum == 0:
+        assert [g["momentum"] for g in groups] == [0.0, 0.0]
+    else:  # 16 steps, peak rate at step 4.5: by step 5 momentum has dipped from 0.95 to about 0.85
+        assert all(0.85 <= g["momentum"] < 0.86 for g in groups)
+
+
 def test_stopped_and_resumed_run_ends_with_the_same_weights(run_inprocess, mnist_dir, tmp_path):
     common = ["--epochs", 2, "--batch-size", 32, "--data-dir", mnist_dir]
     assert run_inprocess(RECIPE, *common, "--run-dir", tmp_path / "full").code == 0

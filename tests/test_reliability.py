@@ -165,13 +165,14 @@ USAGE_CASES = {  # exit 2: (extra arguments, text the error line must hold)
 }
 RUNTIME_CASES = [  # exit 1
     "missing checkpoint", "random bytes", "truncated checkpoint", "other recipe's checkpoint", "pickle payload",
-    "cuda absent", "unwritable run dir",
+    "cuda absent", "unwritable run dir", "resumed with another schedule",
 ]
 INPUT_CASES = {  # recipe inputs, exit 1
-    "tabular_mlp": ["missing csv", "empty csv", "header-only csv", "no such target"],
+    "tabular_mlp": ["missing csv", "empty csv", "header-only csv", "no such target", "one-class target",
+                    "resumed with another optimizer"],
     "tiny_transformer": ["non-utf8 text", "too-short text"],
     "mnist_onecycle": ["corrupt idx"],
-    "ddp_mlp": ["corrupt idx"],
+    "ddp_mlp": ["corrupt idx", "nccl without cuda"],
 }
 CASES = ([(r, c) for r in RECIPES for c in USAGE_CASES] + [(r, c) for r in RECIPES for c in RUNTIME_CASES]
          + [(r, c) for r, cases in INPUT_CASES.items() for c in cases])
@@ -240,6 +241,16 @@ def bad_arguments(recipe: str, case: str, request, tmp_path: Path, trained) -> t
         return ["--resume", checkpoint], 1, "refuses to run"
     if case == "cuda absent":
         return [*resume, "--device", "cuda"], 1, "CUDA is not available"
+    if case == "resumed with another schedule":  # the saved schedule would silently override the new length
+        return [*resume, length, "500"], 1, "follows another learning-rate schedule"
+    if case == "resumed with another optimizer":
+        return [*resume, "--optimizer", "sgd"], 1, "was saved by another optimizer"
+    if case == "one-class target":
+        (tmp_path / "one.csv").write_text("x,label\n" + "".join(f"{i},yes\n" for i in range(40)))
+        text = "target column 'label' holds 1 distinct value(s)"
+        return ["--csv", tmp_path / "one.csv", "--run-dir", tmp_path / "fresh"], 1, text
+    if case == "nccl without cuda":
+        return [*resume, "--backend", "nccl", "--device", "cpu"], 1, "--backend nccl runs on CUDA devices only"
     if case == "unwritable run dir":
         (tmp_path / "a-file").write_text("not a folder")
         return ["--run-dir", tmp_path / "a-file" / "run"], 1, "cannot write to --run-dir"
@@ -277,7 +288,7 @@ def test_bad_input_is_one_clear_line_and_loses_nothing(recipe, case, run_inproce
     for name in ("last.pt", "config.json"):
         sub = "checkpoints/" if name.endswith(".pt") else ""
         (run_dir / f"{sub}{name}").write_bytes((source / f"{sub}{name}").read_bytes())
-    before = (run_dir / "checkpoints" / "last.pt").read_bytes()
+    before = snapshot(run_dir)
 
     extra, code, text = bad_arguments(recipe, case, request, tmp_path, trained)
     args = [*smoke_args(recipe, request), "--run-dir", run_dir, *extra]  # later options win
@@ -290,8 +301,24 @@ def test_bad_input_is_one_clear_line_and_loses_nothing(recipe, case, run_inproce
     assert len(errors) == 1 and text in errors[0], result.stderr
     if code == 1:
         assert result.stderr.strip() == errors[0]  # the whole of stderr is that one line
-    assert (run_dir / "checkpoints" / "last.pt").read_bytes() == before
+    assert snapshot(run_dir) == before  # not a file added, changed or removed
     assert not (tmp_path / "payload-ran").exists()
+
+
+def snapshot(run_dir: Path) -> dict[str, bytes]:
+    return {str(path.relative_to(run_dir)): path.read_bytes() for path in run_dir.rglob("*") if path.is_file()}
+
+
+@pytest.mark.parametrize("recipe", ["mixed_precision", "tiny_transformer"])  # cut by --max-steps; run to the end
+def test_relaunching_a_finished_run_trains_nothing_and_keeps_its_results(recipe, run_inprocess, request, tmp_path):
+    args = [*smoke_args(recipe, request), "--run-dir", tmp_path, "--resume", "auto"]
+    assert run_inprocess(recipe, *args).code == 0
+    steps = read_metrics(tmp_path)["steps"]
+    before = snapshot(tmp_path)
+    result = run_inprocess(recipe, *args)  # "the same command on every restart", once more after the end
+    assert result.code == 0, result.stderr
+    assert f"already finished: step {steps} of {steps}; nothing trained" in result.stdout
+    assert snapshot(tmp_path) == before  # no extra step, metrics.json and TensorBoard files as they were
 
 
 def test_checkpoint_every_writes_at_that_step(run_inprocess, tmp_path):

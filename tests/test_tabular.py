@@ -87,12 +87,25 @@ def test_smoke_and_run_directory(run_inprocess, table_csv, tmp_path):
     assert set(state["features"]["numeric"]) == {"age", "income"}
 
 
-def test_per_epoch_schedule_steps_once_per_epoch(run_inprocess, table_csv, tmp_path):
-    result = run_inprocess(RECIPE, "--csv", table_csv, "--target", "label", "--epochs", 4, "--batch-size", 60,
+@pytest.mark.parametrize(("epochs", "expected"), [
+    (4, [0.01] * 8 + [0.001] * 4 + [0.0001] * 4),  # drops at epochs 2 and 3, 4 steps per epoch
+    (2, [0.01] * 4 + [0.001] * 4),  # 50% and 75% of 2 epochs are both epoch 1: one drop, not two at once
+])
+def test_per_epoch_schedule_steps_once_per_epoch(run_inprocess, table_csv, tmp_path, epochs, expected):
+    result = run_inprocess(RECIPE, "--csv", table_csv, "--target", "label", "--epochs", epochs, "--batch-size", 60,
                            "--lr", 0.01, "--run-dir", tmp_path / "run")
     assert result.code == 0, result.stderr
     lrs = [round(lr, 8) for _, lr in read_scalars(tmp_path / "run")["train/lr"]]
-    assert lrs == [0.01] * 8 + [0.001] * 4 + [0.0001] * 4  # milestones at epochs 2 and 3, 4 steps per epoch
+    assert lrs == expected
+
+
+def test_a_csv_saved_with_a_byte_order_mark_keeps_its_first_column_name(run_inprocess, table_csv, tmp_path):
+    bom_csv = tmp_path / "excel.csv"
+    bom_csv.write_bytes(b"\xef\xbb\xbf" + table_csv.read_bytes())  # as Excel saves "CSV UTF-8"
+    result = run_inprocess(RECIPE, "--csv", bom_csv, "--target", "label", "--epochs", 1, "--run-dir", tmp_path / "run")
+    assert result.code == 0, result.stderr
+    state = torch.load(tmp_path / "run" / "checkpoints" / "last.pt", weights_only=True)
+    assert set(state["features"]["numeric"]) == {"age", "income"}
 
 
 def test_regression_reports_rmse(run_inprocess, tmp_path):
