@@ -3,6 +3,7 @@
 What a user can rely on is in the README's "Resuming and failures" section; each promise there is a test here.
 """
 
+import math
 import os
 import random
 import shlex
@@ -141,6 +142,9 @@ def test_fp16_overflows_are_counted_not_fatal(run_inprocess, tmp_path):
     result = run_inprocess("mixed_precision", "--precision", "fp16", "--samples", 256, "--batch-size", 64,
                            "--width", 32, "--depth", 2, "--lr", 1.0, "--epochs", 2, "--run-dir", tmp_path)
     assert result.code == 0, result.stderr
+    metrics = read_metrics(tmp_path)
+    assert 1 <= metrics["skipped_steps"] < metrics["steps"] == 8 and math.isfinite(metrics["train_loss"])
+    assert metrics["scale"] == 65536 / 2 ** metrics["skipped_steps"]  # halved once per skipped step
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -321,13 +325,21 @@ def test_relaunching_a_finished_run_trains_nothing_and_keeps_its_results(recipe,
     assert snapshot(tmp_path) == before  # no extra step, metrics.json and TensorBoard files as they were
 
 
-def test_checkpoint_every_writes_at_that_step(run_inprocess, tmp_path):
-    path = write_table(tmp_path / "t.csv")
+def test_checkpoint_every_writes_at_those_steps(run_inprocess, tmp_path, monkeypatch):
+    import common.tracking
+    from common.checkpoint import save_checkpoint
+
+    saved = []  # (file name, step) of every checkpoint the run writes, in order
+
+    def recording_save(path, state):
+        saved.append((path.name, state["step"]))
+        save_checkpoint(path, state)
+
+    monkeypatch.setattr(common.tracking, "save_checkpoint", recording_save)
+    path = write_table(tmp_path / "t.csv")  # 240 training rows: 15 steps per epoch at batch 16
     result = run_inprocess("tabular_mlp", "--csv", path, "--target", "label", "--batch-size", 16,
-                           "--checkpoint-every", 7, "--max-steps", 10, "--epochs", 3, "--run-dir", tmp_path / "run")
+                           "--checkpoint-every", 7, "--epochs", 2, "--run-dir", tmp_path / "run")
     assert result.code == 0, result.stderr
-    # max-steps 10 stops mid-epoch; the epoch-end save then holds step 10, but step 7 was saved before it
-    assert torch.load(tmp_path / "run" / "checkpoints" / "last.pt", weights_only=True)["step"] == 10
-    result = run_inprocess("tabular_mlp", "--csv", path, "--target", "label", "--batch-size", 16,
-                           "--checkpoint-every", 7, "--max-steps", 7, "--epochs", 3, "--run-dir", tmp_path / "r7")
-    assert torch.load(tmp_path / "r7" / "checkpoints" / "last.pt", weights_only=True)["step"] == 7
+    last = [step for name, step in saved if name == "last.pt"]
+    assert last == [7, 14, 15, 21, 28, 30]  # every 7 steps, and at the end of each epoch
+    assert torch.load(tmp_path / "run" / "checkpoints" / "last.pt", weights_only=True)["step"] == 30

@@ -79,6 +79,11 @@ def test_smoke_and_run_directory(run_inprocess, table_csv, tmp_path):
     assert {"recipe", "steps", "train_loss", "val_loss", "val_acc", "samples_per_s", "wall_s"} <= metrics.keys()
     assert metrics["steps"] == 3 * (240 // 32)
     assert metrics["val_acc"] > 0.7  # the label is learnable from age and colour
+    state = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)
+    matrices = [k for k, v in state["model"].items() if v.dim() >= 2 and "embedding" not in k]
+    groups = state["optimizer"]["param_groups"]
+    assert [g["weight_decay"] for g in groups] == [0.01, 0.0]  # no decay on biases, norms and embeddings
+    assert len(groups[0]["params"]) == len(matrices) and len(groups[1]["params"]) == len(state["model"]) - len(matrices)
     scalars = read_scalars(run_dir)
     assert {"train/loss", "train/lr", "val/loss", "val/acc", "perf/samples_per_s"} <= scalars.keys()
     assert all(math.isfinite(v) for _, v in scalars["train/loss"])
@@ -143,6 +148,20 @@ def test_predict_writes_one_prediction_per_row_with_unseen_categories(run_inproc
     assert {row["prediction"] for row in rows} <= {"yes", "no"}
     assert all(0.5 <= float(row["probability"]) <= 1 for row in rows)
     assert "purple" in {row["colour"] for row in rows}
+
+    # on new rows whose labels we know (hidden from --predict), the predictions are the trained model's
+    with open(write_table(tmp_path / "labelled.csv", n=200, seed=9), newline="") as f:
+        labelled = list(csv.DictReader(f))
+    hidden = tmp_path / "hidden.csv"
+    with open(hidden, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=[k for k in labelled[0] if k != "label"], extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(labelled)
+    assert run_inprocess(RECIPE, "--predict", hidden, "--resume", run_dir / "checkpoints" / "best.pt").code == 0
+    with open(tmp_path / "hidden.predictions.csv", newline="") as f:
+        predictions = [row["prediction"] for row in csv.DictReader(f)]
+    accuracy = sum(p == row["label"] for p, row in zip(predictions, labelled, strict=True)) / len(labelled)
+    assert accuracy > 0.7  # an untrained model is right about half the time
 
 
 def test_adult_files_with_their_quirks(tmp_path, monkeypatch):
