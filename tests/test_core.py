@@ -1,7 +1,11 @@
 """The shared core: precision, the training step, evaluation, checkpoints, loaders, run directories."""
 
+import hashlib
+import io
 import math
 import os
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -12,7 +16,7 @@ from torch.utils.data import TensorDataset
 
 from common import checkpoint as ckpt
 from common.cli import RecipeError
-from common.data import make_loader
+from common.data import download, make_loader
 from common.loop import evaluate, train_step
 from common.rundir import prepare_run_dir
 from common.runtime import make_grad_scaler, resolve_device, unwrap
@@ -323,3 +327,30 @@ def test_spoiled_weights_are_never_saved(tmp_path):
     with pytest.raises(RecipeError, match=r"the weights hold inf/nan after step 2 \(w\); the last good checkpoint"):
         run.save_checkpoint({"recipe": "t", "step": 2, "model": {"w": torch.tensor([1.0, float("nan")])}})
     assert (tmp_path / "checkpoints" / "last.pt").read_bytes() == before
+
+
+def test_download_checks_the_published_checksum(tmp_path, monkeypatch):
+    good = b"the published bytes\n"
+    md5 = hashlib.md5(good).hexdigest()
+    served = {"body": good}
+    monkeypatch.setattr(urllib.request, "urlopen", lambda url, timeout: io.BytesIO(served["body"]))
+    dest = tmp_path / "data" / "file.csv"
+    assert download("https://example.org/file.csv", dest, md5) == dest and dest.read_bytes() == good
+
+    dest.write_bytes(b"altered")  # a cached file that is not the published one is fetched again
+    assert download("https://example.org/file.csv", dest, md5) == dest and dest.read_bytes() == good
+
+    served["body"] = b"a truncated or altered download"
+    dest.unlink()
+    with pytest.raises(RecipeError, match="downloaded with a wrong checksum"):
+        download("https://example.org/file.csv", dest, md5)
+    assert list(dest.parent.iterdir()) == []  # neither the file nor its .part is left behind
+
+    def offline(url, timeout):
+        raise urllib.error.URLError("no network")
+
+    monkeypatch.setattr(urllib.request, "urlopen", offline)
+    dest.write_bytes(b"altered")
+    with pytest.raises(RecipeError, match="exists but its checksum is not the published one.*offline"):
+        download("https://example.org/file.csv", dest, md5)
+    assert dest.read_bytes() == b"altered"  # what was there is left for the user to inspect

@@ -76,6 +76,20 @@ def test_momentum_cycles_from_the_option_down_to_085_or_stays_off(run_inprocess,
         assert all(0.85 <= g["momentum"] < 0.86 for g in groups)
 
 
+def test_best_checkpoint_is_the_best_epoch_and_survives_a_resume(run_inprocess, mnist_dir, tmp_path, monkeypatch):
+    scores = iter([0.6, 0.9, 0.7])  # what the three evaluations "measure": epoch 2 is the best
+    monkeypatch.setattr(load_recipe(RECIPE), "evaluate", lambda *args, **kwargs: {"loss": 1.0, "acc": next(scores)})
+    run_dir = tmp_path / "run"
+    common = ["--epochs", 3, "--batch-size", 32, "--data-dir", mnist_dir, "--run-dir", run_dir, "--resume", "auto"]
+    assert run_inprocess(RECIPE, *common, "--max-steps", 32).code == 0  # two epochs of 16 steps, then stop
+    assert run_inprocess(RECIPE, *common).code == 0  # the third epoch, resumed
+    best = torch.load(run_dir / "checkpoints" / "best.pt", weights_only=True)
+    last = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)
+    assert (best["step"], best["best_acc"]) == (32, 0.9)
+    assert (last["step"], last["best_acc"]) == (48, 0.9)  # the resumed run remembered the best so far
+    assert read_metrics(run_dir)["best_val_acc"] == 0.9
+
+
 def test_stopped_and_resumed_run_ends_with_the_same_weights(run_inprocess, mnist_dir, tmp_path):
     common = ["--epochs", 2, "--batch-size", 32, "--data-dir", mnist_dir]
     assert run_inprocess(RECIPE, *common, "--run-dir", tmp_path / "full").code == 0
