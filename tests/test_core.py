@@ -4,6 +4,7 @@ import hashlib
 import io
 import math
 import os
+import signal
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -18,7 +19,7 @@ from common import checkpoint as ckpt
 from common.cli import RecipeError
 from common.data import download, make_loader
 from common.loop import evaluate, train_step
-from common.rundir import prepare_run_dir
+from common.rundir import StopRequest, prepare_run_dir
 from common.runtime import make_grad_scaler, resolve_device, unwrap
 from common.tracking import Run
 
@@ -354,3 +355,18 @@ def test_download_checks_the_published_checksum(tmp_path, monkeypatch):
     with pytest.raises(RecipeError, match="exists but its checksum is not the published one.*offline"):
         download("https://example.org/file.csv", dest, md5)
     assert dest.read_bytes() == b"altered"  # what was there is left for the user to inspect
+
+
+def test_first_ctrl_c_asks_for_a_stop_and_the_second_quits_at_once():
+    said = []
+    previous = signal.getsignal(signal.SIGINT)
+    stop = StopRequest(said.append)
+    try:
+        signal.raise_signal(signal.SIGINT)  # the handler runs now, in this thread
+        assert stop.requested and "saving a checkpoint after this step" in said[0]
+        with pytest.raises(SystemExit) as exit_:
+            signal.raise_signal(signal.SIGINT)
+        assert exit_.value.code == 130
+    finally:
+        stop.restore()
+    assert signal.getsignal(signal.SIGINT) is previous
