@@ -8,6 +8,7 @@ import urllib.request
 import pytest
 import torch
 from conftest import assert_same_weights, load_recipe, load_weights, read_metrics, read_scalars
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 RECIPE = "mnist_onecycle"
 
@@ -31,6 +32,12 @@ def test_smoke_writes_the_run_directory_of_the_conventions(run_inprocess, mnist_
     assert [step for step, _ in scalars["train/loss"]] == [1, 2, 3, 4, 5, 6]
     assert all(math.isfinite(v) for _, v in scalars["train/loss"])
     assert scalars["val/acc"][-1] == (6, pytest.approx(metrics["val_acc"]))
+    # the hparams table (one row per run in TensorBoard's HPARAMS tab) holds the final metrics
+    assert scalars["hparam/val_acc"][-1][1] == pytest.approx(metrics["val_acc"])
+    assert scalars["hparam/steps"][-1][1] == 6
+    events = EventAccumulator(str(run_dir), size_guidance={"images": 0})
+    events.Reload()
+    assert [image.step for image in events.Images("val/misclassified")] == [6]  # the digits it got wrong
 
     for name in ("last.pt", "best.pt"):
         state = torch.load(run_dir / "checkpoints" / name, weights_only=True)
