@@ -427,9 +427,10 @@ def main(
 
     model = build_model(spec, hidden, depth, dropout)
     optimizer = make_optimizer(optimizer_name, model, lr, weight_decay)
-    # Per-epoch schedule: drop the learning rate 10x at 50% and again at 75% of the epochs (a set: with few
-    # epochs the two coincide, and MultiStepLR would apply both drops at once).
-    scheduler = torch.optim.lr_scheduler.MultiStepLR(optimizer, sorted({epochs // 2, epochs * 3 // 4}), gamma=0.1)
+    # Per-epoch schedule: drop the learning rate 10x at 50% and again at 75% of the epochs. With few epochs the
+    # two coincide (MultiStepLR would then apply both drops at once) or fall on epoch 0 (a drop before training).
+    milestones = sorted({m for m in (epochs // 2, epochs * 3 // 4) if m > 0})
+    scheduler = torch.optim.lr_scheduler.MultiStepLR(optimizer, milestones, gamma=0.1)
     scaler = make_grad_scaler(device, precision)
     # a -1 target (a class unseen in training) is skipped, not trained on
     loss_fn = nn.CrossEntropyLoss(ignore_index=-1) if classification else nn.MSELoss()

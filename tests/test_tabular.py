@@ -95,6 +95,7 @@ def test_smoke_and_run_directory(run_inprocess, table_csv, tmp_path):
 @pytest.mark.parametrize(("epochs", "expected"), [
     (4, [0.01] * 8 + [0.001] * 4 + [0.0001] * 4),  # drops at epochs 2 and 3, 4 steps per epoch
     (2, [0.01] * 4 + [0.001] * 4),  # 50% and 75% of 2 epochs are both epoch 1: one drop, not two at once
+    (1, [0.01] * 4),  # and of 1 epoch, epoch 0: no drop before the first step
 ])
 def test_per_epoch_schedule_steps_once_per_epoch(run_inprocess, table_csv, tmp_path, epochs, expected):
     result = run_inprocess(RECIPE, "--csv", table_csv, "--target", "label", "--epochs", epochs, "--batch-size", 60,
