@@ -2,6 +2,7 @@
 
 cli (options, errors) · runtime (device, seed, precision, distributed) · loop (train_step, evaluate) ·
 checkpoint (atomic save, safe load, RNG) · data (loaders, MNIST, downloads) · rundir (run directory, resume,
-Ctrl-C) · tracking (logging, checkpoints and metrics while training) · resources (the memory account).
+Ctrl-C) · resume (what a resumed run may change) · tracking (logging, checkpoints and metrics while training) ·
+resources (the memory account).
 Recipes import names directly (``from common.loop import train_step``); scripts/eject.py relies on that.
 """

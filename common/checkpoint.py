@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from common.cli import RecipeError
+from common.resume import check_same_run
 from common.runtime import unwrap
 
 
@@ -116,19 +117,6 @@ def restore_rng_state(state: dict, loader_generator: torch.Generator | None = No
         loader_generator.set_state(state["loader"])
 
 
-SCHEDULE_KEYS = ("T_max", "eta_min", "total_steps", "milestones", "_milestones", "total_iters", "start_factor",
-                 "end_factor", "gamma", "base_lrs")
-
-
-def schedule_shape(state: dict, prefix: str = "") -> dict:
-    """The numbers that define a scheduler's curve, not how far along it is (nested schedulers included)."""
-    shape = {prefix + key: (dict(state[key]) if isinstance(state[key], dict) else state[key])
-             for key in SCHEDULE_KEYS if key in state}
-    for i, nested in enumerate(state.get("_schedulers", [])):
-        shape |= schedule_shape(nested, f"{prefix}scheduler {i + 1} ")
-    return shape
-
-
 def training_state(
     recipe: str,
     config: dict,
@@ -140,6 +128,7 @@ def training_state(
     step: int,
     epoch: int,
     loader_generator: torch.Generator | None = None,
+    steps_per_epoch: int | None = None,
     **extra,
 ) -> dict:
     """The checkpoint dict of CONVENTIONS.md; ``extra`` holds what the recipe needs to rebuild its model
@@ -152,6 +141,7 @@ def training_state(
         "scaler": scaler.state_dict() if scaler is not None else None,
         "step": step,
         "epoch": epoch,
+        "steps_per_epoch": steps_per_epoch,
         "rng": rng_state(loader_generator),
         "config": config,
         **extra,
@@ -167,25 +157,12 @@ def restore_training_state(
     scheduler: torch.optim.lr_scheduler.LRScheduler | None,
     scaler: torch.amp.GradScaler | None,
     loader_generator: torch.Generator | None = None,
+    steps_per_epoch: int | None = None,
 ) -> None:
-    """Put model, optimizer, scheduler, scaler and RNG streams back where ``training_state`` found them.
-
-    The saved optimizer and schedule replace this run's settings wholesale, so a resume with options that
-    change them (another optimizer, more epochs, a new batch size or learning rate) is refused here rather
-    than continuing on a curve the user did not ask for.
-    """
+    """Put model, optimizer, scheduler, scaler and RNG streams back where ``training_state`` found them,
+    after ``check_same_run`` made sure that this run's options are the ones the checkpoint was trained with."""
     load_model_state(model, state["model"], source)
-    saved_groups = [sorted(set(group) - {"params"}) for group in state["optimizer"]["param_groups"]]
-    if saved_groups != [sorted(set(group) - {"params"}) for group in optimizer.state_dict()["param_groups"]]:
-        raise RecipeError(f"checkpoint {source} was saved by another optimizer or other parameter groups: "
-                          "resume with the options it was started with (see its run's config.json)")
-    if scheduler is not None and state["scheduler"] is not None:
-        saved, wanted = schedule_shape(state["scheduler"]), schedule_shape(scheduler.state_dict())
-        changed = [f"{key} {saved.get(key)} there, {wanted.get(key)} here"
-                   for key in sorted(saved.keys() | wanted.keys()) if saved.get(key) != wanted.get(key)]
-        if changed:
-            raise RecipeError(f"checkpoint {source} follows another learning-rate schedule ({'; '.join(changed)}): "
-                              "resume with the epochs/steps, batch size and learning rate it was started with")
+    check_same_run(state, source, optimizer, scheduler, steps_per_epoch)
     try:
         optimizer.load_state_dict(state["optimizer"])
         if scheduler is not None and state["scheduler"] is not None:

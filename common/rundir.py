@@ -59,17 +59,6 @@ def prepare_run_dir(
     return run_dir, resume_path
 
 
-def already_finished(step: int, total_steps: int, run_dir: Path, dist_info: DistInfo = DistInfo()) -> bool:
-    """True, after saying so, when a resumed run has no step left: relaunching a finished run (the same command
-    on every restart) must neither train past --max-steps nor overwrite its results with an empty summary."""
-    if step < total_steps:
-        return False
-    if dist_info.is_main:
-        print(f"already finished: step {step} of {total_steps}; nothing trained, {run_dir} left as it was "
-              "(a run cut short by --max-steps goes on with a larger one)")
-    return True
-
-
 def resume_command(run_dir: Path) -> str:
     """This process's own command line, made to continue from ``run_dir``'s last checkpoint."""
     args, skip = [], False

@@ -55,7 +55,8 @@ from common.cli import (
 )
 from common.data import make_loader, synthetic_classification
 from common.loop import evaluate, train_step
-from common.rundir import already_finished, plain_config, prepare_run_dir, write_json
+from common.resume import already_finished, resume_position
+from common.rundir import plain_config, prepare_run_dir, write_json
 from common.runtime import make_grad_scaler, prepare_model, resolve_device, seed_everything, synchronize
 from common.tracking import Run
 
@@ -132,7 +133,7 @@ def train(options: dict, compiled: bool, run_dir: Path, resume_path: Path | None
     step, best_val_loss = 0, math.inf
     if checkpoint:  # after the move to the device: optimizer state loads onto the parameters' device
         restore_training_state(checkpoint, resume_path, model=model, optimizer=optimizer, scheduler=scheduler,
-                               scaler=scaler, loader_generator=train_loader.generator)
+                               scaler=scaler, loader_generator=train_loader.generator, steps_per_epoch=steps_per_epoch)
         step, best_val_loss = checkpoint["step"], checkpoint["best_val_loss"]
 
     total_steps = min(schedule_steps, o["max_steps"] or schedule_steps)
@@ -147,13 +148,16 @@ def train(options: dict, compiled: bool, run_dir: Path, resume_path: Path | None
         # training_state unwraps the compiled module: no "_orig_mod." prefixes in the checkpoint
         return training_state(RECIPE, config, model=model, optimizer=optimizer, scheduler=scheduler,
                               scaler=scaler, step=step, epoch=step // steps_per_epoch,
-                              loader_generator=train_loader.generator, best_val_loss=best_val_loss)
+                              loader_generator=train_loader.generator, steps_per_epoch=steps_per_epoch,
+                              best_val_loss=best_val_loss)
 
     step_seconds, metrics = [], {}
-    start_epoch, done_in_epoch = divmod(step, steps_per_epoch)
+    start_epoch, done_in_epoch = resume_position(step, total_steps, steps_per_epoch)
     for epoch in range(start_epoch, o["epochs"]):
         train_loader.sampler.set_epoch(epoch, skip=done_in_epoch * o["batch_size"] if epoch == start_epoch else 0)
         for batch in train_loader:
+            if step >= total_steps:  # --max-steps, or resumed at the last step: on to evaluation
+                break
             lr = scheduler.get_last_lr()[0]
             started = time.perf_counter()
             stats = train_step(model, optimizer, loss_fn, [batch], device=device, precision=o["precision"],
@@ -164,8 +168,6 @@ def train(options: dict, compiled: bool, run_dir: Path, resume_path: Path | None
             run.log_train(step, stats, lr=lr, items=len(batch[-1]))
             if run.checkpoint_due(step):
                 run.save_checkpoint(state())
-            if step >= total_steps:
-                break
         val = evaluate(model, val_loader, loss_fn, device=device, precision=o["precision"])
         metrics = {"val_loss": val["loss"], "val_acc": val["acc"]}
         run.log_eval(step, val, note=f"epoch {epoch + 1}/{o['epochs']}  ")

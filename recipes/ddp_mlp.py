@@ -54,7 +54,8 @@ from common.cli import (
 )
 from common.data import load_mnist, make_loader
 from common.loop import evaluate, train_step
-from common.rundir import already_finished, plain_config, prepare_run_dir
+from common.resume import already_finished, resume_position
+from common.rundir import plain_config, prepare_run_dir
 from common.runtime import make_grad_scaler, prepare_model, seed_everything, setup_distributed
 from common.tracking import Run
 
@@ -123,7 +124,7 @@ def main(
     step, best_acc = 0, 0.0
     if checkpoint:  # after the move to the device: optimizer state loads onto the parameters' device
         restore_training_state(checkpoint, resume_path, model=model, optimizer=optimizer, scheduler=scheduler,
-                               scaler=scaler, loader_generator=train_loader.generator)
+                               scaler=scaler, loader_generator=train_loader.generator, steps_per_epoch=steps_per_epoch)
         step, best_acc = checkpoint["step"], checkpoint["best_acc"]
 
     total_steps = min(schedule_steps, max_steps or schedule_steps)
@@ -139,14 +140,16 @@ def main(
     def state() -> dict:
         return training_state(RECIPE, config, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler,
                               step=step, epoch=step // steps_per_epoch, loader_generator=train_loader.generator,
-                              best_acc=best_acc, hidden=hidden)
+                              steps_per_epoch=steps_per_epoch, best_acc=best_acc, hidden=hidden)
 
     metrics = {}
-    start_epoch, done_in_epoch = divmod(step, steps_per_epoch)
+    start_epoch, done_in_epoch = resume_position(step, total_steps, steps_per_epoch)
     for epoch in range(start_epoch, epochs):
         # set_epoch reseeds the shuffle: without it every epoch would repeat the first one's order
         train_loader.sampler.set_epoch(epoch, skip=done_in_epoch * batch_size if epoch == start_epoch else 0)
         for batch in train_loader:
+            if step >= total_steps:  # --max-steps, or resumed at the last step: on to evaluation
+                break
             lr_now = scheduler.get_last_lr()[0]
             stats = train_step(model, optimizer, loss_fn, [batch], device=device, precision=precision,
                                scaler=scaler, scheduler=scheduler)
@@ -154,8 +157,6 @@ def main(
             run.log_train(step, stats, lr=lr_now, items=global_batch)
             if run.checkpoint_due(step):
                 run.save_checkpoint(state())
-            if step >= total_steps:
-                break
         val = evaluate(model, test_loader, loss_fn, device=device, precision=precision)  # all ranks, all-reduced
         metrics = {"val_loss": val["loss"], "val_acc": val["acc"]}
         run.log_eval(step, val, note=f"epoch {epoch + 1}/{epochs}  ")

@@ -44,7 +44,8 @@ from common.cli import (
 )
 from common.data import MNIST_MEAN, MNIST_STD, load_mnist, make_loader
 from common.loop import evaluate, train_step
-from common.rundir import already_finished, plain_config, prepare_run_dir
+from common.resume import already_finished, resume_position
+from common.rundir import plain_config, prepare_run_dir
 from common.runtime import make_grad_scaler, prepare_model, resolve_device, seed_everything
 from common.tracking import Run
 
@@ -185,7 +186,7 @@ def main(
     if checkpoint:  # after the move to the device: optimizer state loads onto the parameters' device
         restore_training_state(
             checkpoint, resume_path, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler,
-            loader_generator=train_loader.generator,
+            loader_generator=train_loader.generator, steps_per_epoch=steps_per_epoch,
         )
         step, best_acc = checkpoint["step"], checkpoint["best_acc"]
 
@@ -203,16 +204,18 @@ def main(
         return training_state(
             RECIPE, config, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler,
             step=step, epoch=step // steps_per_epoch, loader_generator=train_loader.generator,
-            best_acc=best_acc, width=width,
+            steps_per_epoch=steps_per_epoch, best_acc=best_acc, width=width,
         )
 
     metrics = {}
-    start_epoch, done_in_epoch = divmod(step, steps_per_epoch)
+    start_epoch, done_in_epoch = resume_position(step, total_steps, steps_per_epoch)
     for epoch in range(start_epoch, epochs):
         # A resumed run rebuilds this epoch's shuffle and skips the batches it already trained on.
         skip = done_in_epoch * batch_size if epoch == start_epoch else 0
         train_loader.sampler.set_epoch(epoch, skip=skip)
         for images, labels in train_loader:
+            if step >= total_steps:  # --max-steps, or resumed at the last step: on to evaluation
+                break
             lr = scheduler.get_last_lr()[-1]  # the head's rate for this step (train_step then advances it)
             stats = train_step(model, optimizer, loss_fn, [(images, labels)], device=device,
                                precision=precision, scaler=scaler, scheduler=scheduler)
@@ -220,8 +223,6 @@ def main(
             run.log_train(step, stats, lr=lr, items=len(labels))
             if run.checkpoint_due(step):
                 run.save_checkpoint(state())
-            if step >= total_steps:
-                break
 
         val = evaluate(model, test_loader, eval_loss_fn, device=device, precision=precision)
         metrics = {"val_loss": val["loss"], "val_acc": val["acc"]}

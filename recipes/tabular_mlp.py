@@ -48,7 +48,8 @@ from common.cli import (
 )
 from common.data import download, make_loader
 from common.loop import StepStats, evaluate, to_device, train_step
-from common.rundir import already_finished, plain_config, prepare_run_dir
+from common.resume import already_finished, resume_position
+from common.rundir import plain_config, prepare_run_dir
 from common.runtime import make_grad_scaler, prepare_model, resolve_device, seed_everything
 from common.tracking import Run
 
@@ -439,7 +440,7 @@ def main(
     step, best = 0, None
     if checkpoint:  # after the move to the device: optimizer state loads onto the parameters' device
         restore_training_state(checkpoint, resume_path, model=model, optimizer=optimizer, scheduler=scheduler,
-                               scaler=scaler, loader_generator=train_loader.generator)
+                               scaler=scaler, loader_generator=train_loader.generator, steps_per_epoch=steps_per_epoch)
         step, best = checkpoint["step"], checkpoint["best"]
 
     total_steps = min(epochs * steps_per_epoch, max_steps or epochs * steps_per_epoch)
@@ -455,7 +456,8 @@ def main(
     def state() -> dict:
         return training_state(
             RECIPE, config, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, step=step,
-            epoch=step // steps_per_epoch, loader_generator=train_loader.generator, features=spec, best=best,
+            epoch=step // steps_per_epoch, loader_generator=train_loader.generator, steps_per_epoch=steps_per_epoch,
+            features=spec, best=best,
         )
 
     def validate(loader) -> dict[str, float]:
@@ -465,10 +467,12 @@ def main(
         return metrics
 
     metrics = {}
-    start_epoch, done_in_epoch = divmod(step, steps_per_epoch)
+    start_epoch, done_in_epoch = resume_position(step, total_steps, steps_per_epoch)
     for epoch in range(start_epoch, epochs):
         train_loader.sampler.set_epoch(epoch, skip=done_in_epoch * batch_size if epoch == start_epoch else 0)
         for batch in train_loader:
+            if step >= total_steps:  # --max-steps, or resumed at the last step: on to evaluation
+                break
             if optimizer_name == "lbfgs":
                 stats = lbfgs_step(model, optimizer, loss_fn, batch, device)
             else:
@@ -480,8 +484,6 @@ def main(
                 scheduler.step()  # a per-epoch schedule: once, after the epoch's last optimizer step
             if run.checkpoint_due(step):
                 run.save_checkpoint(state())
-            if step >= total_steps:
-                break
 
         val = validate(val_loader)
         metrics = {f"val_{k}": v for k, v in val.items()}

@@ -53,7 +53,8 @@ from common.cli import (
 )
 from common.data import make_loader
 from common.loop import evaluate, train_step
-from common.rundir import already_finished, plain_config, prepare_run_dir
+from common.resume import already_finished
+from common.rundir import plain_config, prepare_run_dir
 from common.runtime import (
     AUTOCAST_DTYPES,
     make_grad_scaler,

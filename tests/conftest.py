@@ -117,9 +117,9 @@ def run_torchrun(args: list, timeout: float = 180) -> Result:
     """``torchrun ARGS`` as a subprocess, with one more try if a worker died of a signal.
 
     Once in CI a gloo worker aborted (SIGABRT) in a run that otherwise works; it was never reproduced in a
-    hundred runs here, loaded or not. One more try (with its ``--run-dir`` emptied) keeps such a rare crash in the
-    transport from failing the suite, and the warning shows its output (Python's faulthandler adds the
-    stacks). A run that fails twice, or fails in any other way, still fails the test.
+    hundred runs here, loaded or not. One more try (with its ``--run-dir`` emptied, unless it resumes) keeps
+    such a rare crash in the transport from failing the suite, and the warning shows its output (Python's
+    faulthandler adds the stacks). A run that fails twice, or fails in any other way, still fails the test.
     """
     env = {"PYTHONFAULTHANDLER": "1"}
     result = run_subprocess([*TORCHRUN, *args], timeout=timeout, env=env)
@@ -127,7 +127,7 @@ def run_torchrun(args: list, timeout: float = 180) -> Result:
         warnings.warn(f"a torchrun worker died of a signal; trying once more:\n{result.stderr[-4000:]}",
                       stacklevel=2)
         words = [str(arg) for arg in args]
-        if "--run-dir" in words:
+        if "--run-dir" in words and "--resume" not in words:  # a resumed run goes on from its last checkpoint
             shutil.rmtree(words[words.index("--run-dir") + 1], ignore_errors=True)
         result = run_subprocess([*TORCHRUN, *args], timeout=timeout, env=env)
     return result

@@ -175,10 +175,13 @@ RUNTIME_CASES = [  # exit 1
 ]
 INPUT_CASES = {  # recipe inputs, exit 1
     "tabular_mlp": ["missing csv", "empty csv", "header-only csv", "no such target", "one-class target",
-                    "resumed with another optimizer"],
+                    "resumed with another optimizer", "resumed with adam instead of adamw",
+                    "resumed with another batch size"],
     "tiny_transformer": ["non-utf8 text", "too-short text"],
-    "mnist_onecycle": ["corrupt idx"],
-    "ddp_mlp": ["corrupt idx", "nccl without cuda"],
+    "mnist_onecycle": ["corrupt idx", "resumed with another batch size"],
+    "ddp_mlp": ["corrupt idx", "nccl without cuda", "resumed with another batch size"],
+    "mixed_precision": ["resumed with another batch size"],
+    "compiled_model": ["resumed with another batch size"],
 }
 CASES = ([(r, c) for r in RECIPES for c in USAGE_CASES] + [(r, c) for r in RECIPES for c in RUNTIME_CASES]
          + [(r, c) for r, cases in INPUT_CASES.items() for c in cases])
@@ -250,7 +253,11 @@ def bad_arguments(recipe: str, case: str, request, tmp_path: Path, trained) -> t
     if case == "resumed with another schedule":  # the saved schedule would silently override the new length
         return [*resume, length, "500"], 1, "follows another learning-rate schedule"
     if case == "resumed with another optimizer":
-        return [*resume, "--optimizer", "sgd"], 1, "was saved by another optimizer"
+        return [*resume, "--optimizer", "sgd"], 1, "was saved with other optimizer settings"
+    if case == "resumed with adam instead of adamw":  # the same settings' names; only their values differ
+        return [*resume, "--optimizer", "adam"], 1, "(group 0 decoupled_weight_decay, group 1 decoupled_weight_decay)"
+    if case == "resumed with another batch size":  # an epoch of other steps: the resume point would be off
+        return [*resume, "--batch-size", "16"], 1, "steps per epoch, this run"
     if case == "one-class target":
         (tmp_path / "one.csv").write_text("x,label\n" + "".join(f"{i},yes\n" for i in range(40)))
         text = "target column 'label' holds 1 distinct value(s)"
@@ -315,7 +322,8 @@ def snapshot(run_dir: Path) -> dict[str, bytes]:
     return {str(path.relative_to(run_dir)): path.read_bytes() for path in run_dir.rglob("*") if path.is_file()}
 
 
-@pytest.mark.parametrize("recipe", ["mixed_precision", "tiny_transformer"])  # cut by --max-steps; run to the end
+# cut by --max-steps part-way through an epoch; run to the end of its last epoch; run to its last step
+@pytest.mark.parametrize("recipe", ["mixed_precision", "tabular_mlp", "tiny_transformer"])
 def test_relaunching_a_finished_run_trains_nothing_and_keeps_its_results(recipe, run_inprocess, request, tmp_path):
     args = [*smoke_args(recipe, request), "--run-dir", tmp_path, "--resume", "auto"]
     assert run_inprocess(recipe, *args).code == 0
@@ -325,6 +333,12 @@ def test_relaunching_a_finished_run_trains_nothing_and_keeps_its_results(recipe,
     assert result.code == 0, result.stderr
     assert f"already finished: step {steps} of {steps}; nothing trained" in result.stdout
     assert snapshot(tmp_path) == before  # no extra step, metrics.json and TensorBoard files as they were
+
+    (tmp_path / "metrics.json").unlink()  # as if stopped between the last checkpoint and the end of the run
+    result = run_inprocess(recipe, *args)
+    assert result.code == 0, result.stderr
+    assert "already finished" not in result.stdout
+    assert read_metrics(tmp_path)["steps"] == steps and "val_loss" in read_metrics(tmp_path)
 
 
 def test_checkpoint_every_writes_at_those_steps(run_inprocess, tmp_path, monkeypatch):
