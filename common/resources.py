@@ -52,6 +52,14 @@ def peak_rss_bytes() -> int:
     return peak if sys.platform == "darwin" else peak * 1024  # macOS reports bytes, Linux kilobytes
 
 
+def with_peaks(account: dict[str, int]) -> dict[str, int]:
+    """The account plus the peaks at the end of a run: the process's memory, and the GPU's when one was used."""
+    peaks = {"peak_rss_bytes": peak_rss_bytes()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        peaks["peak_allocated_bytes"] = torch.cuda.max_memory_allocated()
+    return {**account, **peaks}
+
+
 def format_bytes(n: float) -> str:
     for unit in ("B", "KB", "MB", "GB"):
         if abs(n) < 1024 or unit == "GB":

@@ -19,7 +19,7 @@ from torch.utils.tensorboard import SummaryWriter
 from common.checkpoint import save_checkpoint
 from common.cli import RecipeError
 from common.loop import StepStats
-from common.resources import format_account, memory_account, peak_rss_bytes
+from common.resources import format_account, memory_account, with_peaks
 from common.rundir import StopRequest, write_json
 from common.runtime import DistInfo
 
@@ -167,12 +167,12 @@ class Run:
             self.train_loss = sum(self.interval_losses) / len(self.interval_losses)
         summary = {"recipe": self.recipe, "steps": step, "train_loss": self.train_loss, **metrics,
                    f"{self.unit}_per_s": self.throughput, "wall_s": time.perf_counter() - self.started}
+        if not self.items:  # resumed at its last step only to evaluate: no training figures of its own
+            del summary["train_loss"], summary[f"{self.unit}_per_s"]
         if self.skipped_steps:
             summary["skipped_steps"] = self.skipped_steps
         if self.memory:
-            summary["memory"] = {**self.memory, "peak_rss_bytes": peak_rss_bytes()}
-            if torch.cuda.is_available() and torch.cuda.is_initialized():
-                summary["memory"]["peak_allocated_bytes"] = torch.cuda.max_memory_allocated()
+            summary["memory"] = with_peaks(self.memory)
         if self.is_main:
             write_json(self.run_dir / "metrics.json", summary)
             hparams = {k: v if isinstance(v, int | float | str | bool) else str(v) for k, v in self.config.items()}

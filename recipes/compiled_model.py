@@ -166,7 +166,7 @@ def train(options: dict, compiled: bool, run_dir: Path, resume_path: Path | None
             step_seconds.append(time.perf_counter() - started)
             step += 1
             run.log_train(step, stats, lr=lr, items=len(batch[-1]))
-            if run.checkpoint_due(step):
+            if run.checkpoint_due(step) and step % steps_per_epoch:  # an epoch's end: saved after its evaluation
                 run.save_checkpoint(state())
         val = evaluate(model, val_loader, loss_fn, device=device, precision=o["precision"])
         metrics = {"val_loss": val["loss"], "val_acc": val["acc"]}
@@ -179,7 +179,8 @@ def train(options: dict, compiled: bool, run_dir: Path, resume_path: Path | None
             break
 
     metrics |= timing(step_seconds)
-    run.print(f"first step {metrics['first_step_s']:.2f} s, then {metrics['step_ms']:.1f} ms per step")
+    if step_seconds:  # none when resumed at the last step, only to evaluate
+        run.print(f"first step {metrics['first_step_s']:.2f} s, then {metrics['step_ms']:.1f} ms per step")
     return run.finish(step, metrics)
 
 

@@ -155,7 +155,7 @@ def main(
                                scaler=scaler, scheduler=scheduler)
             step += 1
             run.log_train(step, stats, lr=lr_now, items=global_batch)
-            if run.checkpoint_due(step):
+            if run.checkpoint_due(step) and step % steps_per_epoch:  # an epoch's end: saved after its evaluation
                 run.save_checkpoint(state())
         val = evaluate(model, test_loader, loss_fn, device=device, precision=precision)  # all ranks, all-reduced
         metrics = {"val_loss": val["loss"], "val_acc": val["acc"]}

@@ -130,7 +130,7 @@ def train(options: dict, precision: str, run_dir: Path, resume_path: Path | None
             step += 1
             losses.append(stats.loss)
             run.log_train(step, stats, lr=lr, items=len(batch[-1]))
-            if run.checkpoint_due(step):
+            if run.checkpoint_due(step) and step % steps_per_epoch:  # an epoch's end: saved after its evaluation
                 run.save_checkpoint(state())
         val = evaluate(model, val_loader, loss_fn, device=device, precision=precision)
         metrics = {"val_loss": val["loss"], "val_acc": val["acc"]}

@@ -221,7 +221,7 @@ def main(
                                precision=precision, scaler=scaler, scheduler=scheduler)
             step += 1
             run.log_train(step, stats, lr=lr, items=len(labels))
-            if run.checkpoint_due(step):
+            if run.checkpoint_due(step) and step % steps_per_epoch:  # an epoch's end: saved after its evaluation
                 run.save_checkpoint(state())
 
         val = evaluate(model, test_loader, eval_loss_fn, device=device, precision=precision)

@@ -482,7 +482,7 @@ def main(
             run.log_train(step, stats, lr=scheduler.get_last_lr()[0], items=len(batch[-1]))
             if step % steps_per_epoch == 0:
                 scheduler.step()  # a per-epoch schedule: once, after the epoch's last optimizer step
-            if run.checkpoint_due(step):
+            if run.checkpoint_due(step) and step % steps_per_epoch:  # an epoch's end: saved after its evaluation
                 run.save_checkpoint(state())
 
         val = validate(val_loader)

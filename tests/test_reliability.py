@@ -323,7 +323,7 @@ def snapshot(run_dir: Path) -> dict[str, bytes]:
 
 
 # cut by --max-steps part-way through an epoch; run to the end of its last epoch; run to its last step
-@pytest.mark.parametrize("recipe", ["mixed_precision", "tabular_mlp", "tiny_transformer"])
+@pytest.mark.parametrize("recipe", ["mixed_precision", "compiled_model", "tabular_mlp", "tiny_transformer"])
 def test_relaunching_a_finished_run_trains_nothing_and_keeps_its_results(recipe, run_inprocess, request, tmp_path):
     args = [*smoke_args(recipe, request), "--run-dir", tmp_path, "--resume", "auto"]
     assert run_inprocess(recipe, *args).code == 0
@@ -338,10 +338,16 @@ def test_relaunching_a_finished_run_trains_nothing_and_keeps_its_results(recipe,
     result = run_inprocess(recipe, *args)
     assert result.code == 0, result.stderr
     assert "already finished" not in result.stdout
-    assert read_metrics(tmp_path)["steps"] == steps and "val_loss" in read_metrics(tmp_path)
+    metrics = read_metrics(tmp_path)
+    assert metrics["steps"] == steps and "val_loss" in metrics  # evaluated, and finished
+    assert "train_loss" not in metrics  # this launch trained nothing: no NaN loss or zero throughput of its own
 
 
-def test_checkpoint_every_writes_at_those_steps(run_inprocess, tmp_path, monkeypatch):
+@pytest.mark.parametrize(("every", "expected"), [
+    (7, [7, 14, 15, 21, 28, 30]),  # every 7 steps, and at the end of each epoch
+    (5, [5, 10, 15, 20, 25, 30]),  # an epoch's last step once, after its evaluation: a resume never skips one
+])
+def test_checkpoint_every_writes_at_those_steps(run_inprocess, tmp_path, monkeypatch, every, expected):
     import common.tracking
     from common.checkpoint import save_checkpoint
 
@@ -354,8 +360,7 @@ def test_checkpoint_every_writes_at_those_steps(run_inprocess, tmp_path, monkeyp
     monkeypatch.setattr(common.tracking, "save_checkpoint", recording_save)
     path = write_table(tmp_path / "t.csv")  # 240 training rows: 15 steps per epoch at batch 16
     result = run_inprocess("tabular_mlp", "--csv", path, "--target", "label", "--batch-size", 16,
-                           "--checkpoint-every", 7, "--epochs", 2, "--run-dir", tmp_path / "run")
+                           "--checkpoint-every", every, "--epochs", 2, "--run-dir", tmp_path / "run")
     assert result.code == 0, result.stderr
-    last = [step for name, step in saved if name == "last.pt"]
-    assert last == [7, 14, 15, 21, 28, 30]  # every 7 steps, and at the end of each epoch
+    assert [step for name, step in saved if name == "last.pt"] == expected
     assert torch.load(tmp_path / "run" / "checkpoints" / "last.pt", weights_only=True)["step"] == 30
