@@ -16,8 +16,6 @@ from common.runtime import DistInfo
 
 SCHEDULE_KEYS = ("T_max", "eta_min", "total_steps", "milestones", "_milestones", "total_iters", "start_factor",
                  "end_factor", "gamma", "base_lrs")
-
-
 # Set by schedulers as they go (OneCycleLR drives momentum too), or by the device (fused kernels): free to differ.
 NOT_SETTINGS = {"params", "lr", "initial_lr", "max_lr", "min_lr", "momentum", "base_momentum", "max_momentum",
                 "betas", "foreach", "fused", "capturable", "differentiable"}

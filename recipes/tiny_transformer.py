@@ -442,7 +442,7 @@ def main(
         elif run.checkpoint_due(step):
             run.save_checkpoint(state())
 
-    if not metrics:  # resumed a run that had already finished
+    if not metrics:  # resumed at its last step, stopped before its final evaluation
         metrics = evaluate_and_sample()
     run.finish(step, metrics)
 
