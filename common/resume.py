@@ -14,8 +14,10 @@ import torch
 from common.cli import RecipeError
 from common.runtime import DistInfo
 
+# What shapes a scheduler's curve (its progress, last_epoch and _last_lr, is not compared).
 SCHEDULE_KEYS = ("T_max", "eta_min", "total_steps", "milestones", "_milestones", "total_iters", "start_factor",
                  "end_factor", "gamma", "base_lrs")
+
 # Set by schedulers as they go (OneCycleLR drives momentum too), or by the device (fused kernels): free to differ.
 NOT_SETTINGS = {"params", "lr", "initial_lr", "max_lr", "min_lr", "momentum", "base_momentum", "max_momentum",
                 "betas", "foreach", "fused", "capturable", "differentiable"}
