@@ -1,28 +1,30 @@
-"""Checkpoints per CONVENTIONS.md: plain dicts of tensors and numbers, written atomically, loaded safely.
+"""Checkpoints (docs/conventions.md): plain dicts of tensors and numbers, written atomically, loaded safely.
 
-- Writing goes to a temporary file in the same folder, is flushed and fsynced, then ``os.replace``d over
-  the target: a crash at any moment leaves either the old checkpoint or the new one, never half of one.
-- Loading uses ``torch.load(weights_only=True)``, which only rebuilds tensors and plain containers; a
-  pickle that would run code is refused before any of it runs.
-- The model is saved unwrapped (no ``module.`` / ``_orig_mod.`` prefixes), so a checkpoint from a
-  compiled or DDP run loads into a plain model.
+- Writing goes to a temporary file in the same folder, is flushed and fsynced, then ``os.replace``d over the
+  target: a crash at any moment leaves either the old checkpoint or the new one, never half of one.
+- Loading uses ``torch.load(weights_only=True)``, which only rebuilds tensors and plain containers; a pickle
+  that would run code is refused before any of it runs.
+- The model is saved unwrapped (no ``module.`` / ``_orig_mod.`` prefixes), so a checkpoint from a compiled
+  or DDP run loads into a plain model.
 """
 
+import math
 import os
 import random
 import re
 import warnings
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from common.cli import RecipeError
-from common.resume import check_same_run
 from common.runtime import unwrap
 
 
 def save_checkpoint(path: Path, state: dict) -> None:
+    """Write ``state`` to ``path`` atomically. An OSError (a full disk, say) leaves no temporary file behind."""
     path.parent.mkdir(parents=True, exist_ok=True)
     for stale in path.parent.glob(f".{path.name}.*.tmp"):  # left by a run killed in the middle of a save
         stale.unlink(missing_ok=True)
@@ -33,8 +35,11 @@ def save_checkpoint(path: Path, state: dict) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as err:
         tmp.unlink(missing_ok=True)
+        # torch.save reports a failed write as a RuntimeError ("unexpected pos"); the OSError is its context
+        if isinstance(err, RuntimeError) and isinstance(err.__context__, OSError):
+            raise err.__context__ from None
         raise
     # Make the rename itself durable: the folder entry must reach the disk too.
     dir_fd = os.open(path.parent, os.O_RDONLY)
@@ -47,7 +52,7 @@ def save_checkpoint(path: Path, state: dict) -> None:
 def load_checkpoint(path: Path, recipe: str) -> dict:
     """Load a checkpoint written by ``recipe``; any problem is one RecipeError saying what to do."""
     if not path.is_file():
-        raise RecipeError(f"checkpoint {path} does not exist")
+        raise RecipeError(f"checkpoint {path} {'is a directory' if path.is_dir() else 'does not exist'}")
     try:
         with warnings.catch_warnings():  # a foreign file's pickle-protocol warning would only add noise
             warnings.simplefilter("ignore")
@@ -66,39 +71,26 @@ def load_checkpoint(path: Path, recipe: str) -> dict:
     return state
 
 
-def latest_checkpoint(run_dir: Path) -> Path | None:
-    """The checkpoint to resume from: ``last.pt`` (always complete, thanks to the atomic writes)."""
-    path = run_dir / "checkpoints" / "last.pt"
-    return path if path.is_file() else None
-
-
 def load_model_state(model: nn.Module, state_dict: dict, source: Path) -> None:
     """``load_state_dict`` with an error that lists what did not match, e.g. a checkpoint of another model."""
     model = unwrap(model)
     expected = model.state_dict()
-    missing = sorted(set(expected) - set(state_dict))
-    unexpected = sorted(set(state_dict) - set(expected))
-    mismatched = sorted(
-        k for k in set(expected) & set(state_dict) if tuple(expected[k].shape) != tuple(state_dict[k].shape)
-    )
-    if missing or unexpected or mismatched:
-        parts = [
-            f"{label}: {', '.join(keys[:5])}{' ...' if len(keys) > 5 else ''}"
-            for label, keys in [("missing", missing), ("unexpected", unexpected), ("wrong shape", mismatched)]
-            if keys
-        ]
-        raise RecipeError(f"checkpoint {source} does not fit this model ({'; '.join(parts)})")
+    problems = {
+        "missing": sorted(set(expected) - set(state_dict)),
+        "unexpected": sorted(set(state_dict) - set(expected)),
+        "wrong shape": sorted(k for k in set(expected) & set(state_dict) if expected[k].shape != state_dict[k].shape),
+    }
+    if any(problems.values()):
+        shown = "; ".join(f"{label}: {', '.join(keys[:5])}{' ...' * (len(keys) > 5)}"
+                          for label, keys in problems.items() if keys)
+        raise RecipeError(f"checkpoint {source} does not fit this model ({shown})")
     model.load_state_dict(state_dict)
 
 
 def rng_state(loader_generator: torch.Generator | None = None) -> dict:
-    """Every random stream a run draws from, so a resumed run continues with the same numbers.
-
-    Two limits: under DDP only rank 0 saves, so every rank resumes with rank 0's streams (the recipes draw
-    no per-rank random numbers after start-up; add a gather here before adding dropout to ddp_mlp). And the
-    loader generator seeds DataLoader workers: with workers, the rest of an epoch resumed part-way gets new
-    worker seeds, which matters only for random augmentation inside workers (the order of samples does not
-    depend on it; see ResumableSampler)."""
+    """Every random stream a run draws from, so a resumed run continues with the same numbers. (The loader
+    generator seeds DataLoader workers: with workers, the rest of an epoch resumed part-way gets new worker
+    seeds, which matters only for random augmentation inside workers, not for the order of samples.)"""
     return {
         "python": random.getstate(),
         "torch": torch.get_rng_state(),
@@ -117,58 +109,49 @@ def restore_rng_state(state: dict, loader_generator: torch.Generator | None = No
         loader_generator.set_state(state["loader"])
 
 
-def training_state(
-    recipe: str,
-    config: dict,
-    *,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    scheduler: torch.optim.lr_scheduler.LRScheduler | None,
-    scaler: torch.amp.GradScaler | None,
-    step: int,
-    epoch: int,
-    loader_generator: torch.Generator | None = None,
-    steps_per_epoch: int | None = None,
-    **extra,
-) -> dict:
-    """The checkpoint dict of CONVENTIONS.md; ``extra`` holds what the recipe needs to rebuild its model
-    and data (vocabulary, feature statistics, best metric so far)."""
-    return {
-        "recipe": recipe,
-        "model": unwrap(model).state_dict(),
-        "optimizer": optimizer.state_dict(),
-        "scheduler": scheduler.state_dict() if scheduler is not None else None,
-        "scaler": scaler.state_dict() if scaler is not None else None,
-        "step": step,
-        "epoch": epoch,
-        "steps_per_epoch": steps_per_epoch,
-        "rng": rng_state(loader_generator),
-        "config": config,
-        **extra,
-    }
+@dataclass(eq=False)
+class TrainingState:
+    """What a checkpoint holds, and how a run is restored from one: model, optimizer, scheduler, scaler,
+    the step (which fixes the loader's position), every random stream and the best score so far, plus
+    ``extra``: what the recipe needs to rebuild its model and data (sizes, vocabulary, feature statistics)."""
 
+    recipe: str
+    config: dict
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
+    scaler: torch.amp.GradScaler | None = None
+    loader_generator: torch.Generator | None = None
+    steps_per_epoch: int | None = None
+    extra: dict = field(default_factory=dict)
+    step: int = 0
+    best_score: float = -math.inf  # higher is better: an accuracy, or minus a loss
+    best_step: int = 0
 
-def restore_training_state(
-    state: dict,
-    source: Path,
-    *,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    scheduler: torch.optim.lr_scheduler.LRScheduler | None,
-    scaler: torch.amp.GradScaler | None,
-    loader_generator: torch.Generator | None = None,
-    steps_per_epoch: int | None = None,
-) -> None:
-    """Put model, optimizer, scheduler, scaler and RNG streams back where ``training_state`` found them,
-    after ``check_same_run`` made sure that this run's options are the ones the checkpoint was trained with."""
-    load_model_state(model, state["model"], source)
-    check_same_run(state, source, optimizer, scheduler, steps_per_epoch)
-    try:
-        optimizer.load_state_dict(state["optimizer"])
-        if scheduler is not None and state["scheduler"] is not None:
-            scheduler.load_state_dict(state["scheduler"])
-        if scaler is not None and state["scaler"] is not None:
-            scaler.load_state_dict(state["scaler"])
-    except (ValueError, KeyError, RuntimeError) as err:
-        raise RecipeError(f"checkpoint {source} does not fit this run's optimizer or schedule: {err}") from None
-    restore_rng_state(state["rng"], loader_generator)
+    def state_dict(self) -> dict:
+        return {
+            "recipe": self.recipe, "config": self.config, "step": self.step,
+            "epoch": self.step // self.steps_per_epoch if self.steps_per_epoch else 0,
+            "steps_per_epoch": self.steps_per_epoch, "best_score": self.best_score, "best_step": self.best_step,
+            "model": unwrap(self.model).state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+            "scaler": self.scaler.state_dict() if self.scaler is not None and self.scaler.is_enabled() else None,
+            "rng": rng_state(self.loader_generator),
+            **self.extra,
+        }
+
+    def load_state_dict(self, state: dict, source: Path) -> None:
+        """Put everything back where ``state_dict`` found it. Call it after the model is on its device
+        (optimizer state loads onto the device of the parameters) and after ``check_same_run``."""
+        load_model_state(self.model, state["model"], source)
+        try:
+            self.optimizer.load_state_dict(state["optimizer"])
+            if self.scheduler is not None:
+                self.scheduler.load_state_dict(state["scheduler"])
+            if self.scaler is not None and state["scaler"] is not None:
+                self.scaler.load_state_dict(state["scaler"])
+        except (ValueError, KeyError, RuntimeError, TypeError) as err:
+            raise RecipeError(f"checkpoint {source} does not fit this run's optimizer or schedule: {err}") from None
+        restore_rng_state(state["rng"], self.loader_generator)
+        self.step, self.best_score, self.best_step = state["step"], state["best_score"], state["best_step"]

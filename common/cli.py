@@ -1,6 +1,7 @@
 """The options every recipe shares, declared once, and the error handling around a recipe's command.
 
-A recipe declares each common option in one line, e.g. ``epochs: Epochs = 3``. Bad values are usage errors
+A recipe declares each common option in one line, e.g. ``epochs: cli.Epochs = 3`` after ``from common import
+cli``. Bad values are usage errors
 (exit 2, a message naming the option and what it accepts); problems a user can cause at run time raise
 ``RecipeError`` and end as one line ``error: ...`` on stderr with exit 1. No traceback either way.
 """
@@ -22,6 +23,12 @@ class RecipeError(Exception):
 def positive_float(value: float | None) -> float | None:
     if value is not None and not value > 0:  # also rejects nan
         raise typer.BadParameter(f"must be > 0, got {value}")
+    return value
+
+
+def decay_rate(value: float) -> float:
+    if not 0 <= value < 1:  # also rejects nan
+        raise typer.BadParameter(f"must be in [0, 1), got {value}")
     return value
 
 
@@ -75,6 +82,9 @@ Progress = Annotated[
 ]
 
 
+OPTION_NAMES: dict[str, str] = {}  # parameter -> option, e.g. csv_path -> --csv: for messages about options
+
+
 def run_recipe(main: Callable[..., object], argv: list[str] | None = None) -> None:
     """Run ``main`` as a one-command Typer CLI: exit 0 on success, 2 on usage errors, 1 on RecipeError.
 
@@ -82,6 +92,7 @@ def run_recipe(main: Callable[..., object], argv: list[str] | None = None) -> No
     """
     app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, rich_markup_mode=None)
     app.command()(main)
+    OPTION_NAMES.update({param.name: param.opts[0] for param in typer.main.get_command(app).params})
     try:
         app(args=argv)
     except RecipeError as err:

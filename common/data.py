@@ -6,14 +6,15 @@ cannot start part-way through an epoch. ``make_loader`` fixes all three.
 """
 
 import hashlib
+import itertools
 import signal
 import urllib.error
 import urllib.request
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, TensorDataset
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, Sampler, TensorDataset
 
 from common.cli import RecipeError
 
@@ -26,30 +27,25 @@ MNIST_FILES = [
 MNIST_MEAN, MNIST_STD = 0.1307, 0.3081
 
 
-class ResumableSampler(DistributedSampler):
-    """Each epoch a fresh permutation drawn from ``seed + epoch`` (DistributedSampler's rule), sharded
-    across ranks, and able to start part-way through an epoch.
+class ResumableSampler(Sampler):
+    """Wraps a training sampler so that a resumed run can start part-way through an epoch.
 
-    Because the order depends only on (seed, epoch), a resumed run rebuilds the interrupted epoch's order
-    exactly and skips what was already trained on: no sample is seen twice or missed. With one process it
-    is simply a seeded shuffle.
+    ``skip`` leaves out the first samples of the epoch's order (set by ``Run.batches``, which knows how far the
+    checkpointed run had got). Because the wrapped sampler's order depends only on (seed, epoch), the resumed
+    epoch rebuilds the interrupted one's order exactly: no sample is seen twice or missed.
     """
 
-    def __init__(self, dataset: Dataset, *, seed: int):
-        rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-        super().__init__(dataset, num_replicas=world, rank=rank, shuffle=True, seed=seed)
-        self.skip = 0
+    def __init__(self, sampler: Sampler):
+        self.sampler, self.skip = sampler, 0
 
-    def set_epoch(self, epoch: int, skip: int = 0) -> None:
-        """Start ``epoch``, leaving out its first ``skip`` samples (of this rank's shard)."""
-        super().set_epoch(epoch)
-        self.skip = skip
+    def set_epoch(self, epoch: int) -> None:
+        self.sampler.set_epoch(epoch)
 
     def __iter__(self):
-        return iter(list(super().__iter__())[self.skip :])
+        return itertools.islice(iter(self.sampler), self.skip, None)
 
     def __len__(self) -> int:
-        return super().__len__() - self.skip
+        return len(self.sampler) - self.skip
 
 
 def _ignore_sigint(worker_id: int) -> None:
@@ -65,12 +61,14 @@ def make_loader(
     seed: int = 0,
     num_workers: int = 0,
     device: torch.device = torch.device("cpu"),
+    sampler: Sampler | Iterable[int] | None = None,
 ) -> DataLoader:
-    """A DataLoader for training (shuffled, also on CPU; full batches only) or evaluation (in order,
-    sharded across ranks without padding so that every sample counts exactly once).
+    """A DataLoader for training (shuffled, also on CPU; full batches only) or evaluation (in order).
 
-    Training loaders use a ``ResumableSampler``: call ``loader.sampler.set_epoch(epoch)`` every epoch.
-    An IterableDataset is expected to yield whole batches and to order (and shard) them itself.
+    Training shuffles with a seeded ``DistributedSampler`` of one replica unless ``sampler`` is given (the DDP
+    recipe passes its own, sharded one); either way it is wrapped in a ``ResumableSampler``: call
+    ``loader.sampler.set_epoch(epoch)`` every epoch. An IterableDataset is expected to yield whole batches
+    and to order them itself.
     """
     worker_init_fn = _ignore_sigint if num_workers > 0 else None
     # Its own generator for worker seeds: every new iterator draws one, and drawing from the global RNG
@@ -80,10 +78,12 @@ def make_loader(
         return DataLoader(dataset, batch_size=None, num_workers=num_workers, pin_memory=device.type == "cuda",
                           generator=generator, worker_init_fn=worker_init_fn)
     if train:
-        sampler = ResumableSampler(dataset, seed=seed)
-    else:
-        rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-        sampler = range(rank, len(dataset), world)
+        # DistributedSampler's rule, a permutation seeded by seed + epoch, is what makes an epoch resumable
+        sampler = ResumableSampler(sampler if sampler is not None else
+                                   DistributedSampler(dataset, num_replicas=1, rank=0, seed=seed))
+    if train and len(sampler) < batch_size:
+        raise RecipeError(f"--batch-size {batch_size} is larger than the training set ({len(sampler)} samples"
+                          f"{' in this process' if getattr(sampler.sampler, 'num_replicas', 1) > 1 else ''})")
     return DataLoader(
         dataset,
         batch_size=batch_size,

@@ -8,12 +8,11 @@ reads its totals back once, at the end.
 """
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from contextlib import nullcontext
 from typing import NamedTuple
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -23,14 +22,23 @@ LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class StepStats(NamedTuple):
-    loss: torch.Tensor  # mean loss over the step's micro-batches (detached)
-    grad_norm: torch.Tensor | None  # total gradient norm before clipping; None when it was not computed
-    skipped: torch.Tensor | None  # True when the GradScaler skipped the step for inf/nan gradients (fp16)
+    loss: torch.Tensor  # mean loss over the step's targets (detached)
+    grad_norm: torch.Tensor | None = None  # total gradient norm before clipping; None when it was not computed
+    skipped: torch.Tensor | None = None  # True when the GradScaler skipped the step for inf/nan gradients (fp16)
 
 
 def to_device(batch: Sequence[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
     # non_blocking only overlaps the copy with compute when the loader pinned the memory (CUDA)
     return [t.to(device, non_blocking=True) for t in batch]
+
+
+def counted(loss_fn: LossFn, target: torch.Tensor) -> torch.Tensor:
+    """Which targets a loss counts: all of them, except those equal to its ``ignore_index`` (cross-entropy's
+    marker for an unknown label). A mean loss is a mean over these, so batches are weighted by their count."""
+    ignore_index = getattr(loss_fn, "ignore_index", None)
+    if ignore_index is None or target.is_floating_point():
+        return torch.ones_like(target, dtype=torch.bool)
+    return target != ignore_index
 
 
 def train_step(
@@ -47,22 +55,28 @@ def train_step(
 ) -> StepStats:
     """One optimizer step over one or more micro-batches, each ``(*inputs, target)``.
 
-    Gradients of several micro-batches are accumulated (each loss divided by their number, so the step
-    equals one over the concatenated batch); under DDP only the last backward all-reduces. Pass
-    ``scheduler`` only for schedules that step every optimizer step (OneCycle, warmup + cosine).
+    Gradients of several micro-batches are accumulated, each mean loss weighted by its share of the step's
+    counted targets, so that the step equals one over the concatenated batch even when the micro-batches
+    differ in size; under DDP only the last backward all-reduces. Pass ``scheduler`` only for schedules that
+    step every optimizer step (OneCycle, warmup + cosine).
     """
+    scaler = scaler if scaler is not None and scaler.is_enabled() else None
     optimizer.zero_grad(set_to_none=True)
+    batches = [to_device(batch, device) for batch in micro_batches]
+    counts = [counted(loss_fn, batch[-1]).sum() for batch in batches]
+    total = torch.stack(counts).sum().clamp(min=1)
     total_loss = torch.zeros((), device=device)
     ddp = getattr(model, "_orig_mod", model)  # compiled after DDP-wrapping: the DDP module is inside
-    for i, batch in enumerate(micro_batches):
-        *inputs, target = to_device(batch, device)
-        last = i == len(micro_batches) - 1
+    for i, (*inputs, target) in enumerate(batches):
+        last = i == len(batches) - 1
         sync = nullcontext() if last or not isinstance(ddp, DistributedDataParallel) else ddp.no_sync()
         with sync:
             with autocast(device, precision):
-                loss = loss_fn(model(*inputs), target) / len(micro_batches)
+                loss = loss_fn(model(*inputs), target).float()
+            # a micro-batch with nothing to count has a NaN mean loss and contributes nothing
+            loss = torch.where(counts[i] > 0, loss, 0.0) * (counts[i] / total)
             (scaler.scale(loss) if scaler else loss).backward()
-        total_loss += loss.detach().float()
+        total_loss += loss.detach()
 
     grad_norm = None
     if scaler:
@@ -86,35 +100,35 @@ def train_step(
 @torch.no_grad()
 def evaluate(
     model: nn.Module,
-    loader: torch.utils.data.DataLoader,
+    batches: Iterable[Sequence[torch.Tensor]],
     loss_fn: LossFn,
     *,
     device: torch.device,
     precision: str = "fp32",
     accuracy: bool = True,
 ) -> dict[str, float]:
-    """Mean loss (and accuracy) over every sample of ``loader``, in eval mode; restores the caller's mode.
+    """Mean loss (and accuracy) over every counted target of ``batches``, in eval mode; restores the mode.
 
-    Each sample is weighted by its number of targets, so a short last batch counts for what it holds.
-    Under DDP each rank evaluates its own shard and the sums are all-reduced: every sample counts once.
+    Each batch's mean loss is weighted by its number of counted targets, so a short last batch counts for
+    what it holds and a target the loss ignores (``ignore_index``) counts nowhere, accuracy included.
     """
     was_training = model.training
     model.eval()  # dropout off, batch norm uses its running statistics
-    totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, targets
-    for batch in loader:
+    totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, counted targets
+    for batch in batches:
         *inputs, target = to_device(batch, device)
         with autocast(device, precision):
             output = model(*inputs)
             loss = loss_fn(output, target)
-        totals[0] += loss.double() * target.numel()
+        valid = counted(loss_fn, target)
+        n = valid.sum()
+        totals[0] += torch.where(n > 0, loss.double() * n, 0.0)
         if accuracy:
-            totals[1] += (output.argmax(-1) == target).sum()
-        totals[2] += target.numel()
+            totals[1] += ((output.argmax(-1) == target) & valid).sum()
+        totals[2] += n
     model.train(was_training)
-    if dist.is_initialized():
-        dist.all_reduce(totals)
     loss_sum, correct, count = totals.tolist()
-    metrics = {"loss": loss_sum / count}
+    metrics = {"loss": loss_sum / count if count else math.nan}
     if accuracy:
-        metrics["acc"] = correct / count
+        metrics["acc"] = correct / count if count else math.nan
     return metrics

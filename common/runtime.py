@@ -1,17 +1,14 @@
-"""Where and how a run computes: device, seeds, precision, and the distributed process group.
+"""Where and how a run computes: device, seeds, precision, and the peak FLOP/s to judge utilisation by.
 
-One order for wrapping a model, used everywhere: move it to the device, wrap it in DDP, then compile
-(``prepare_model``). Compiling the DDP-wrapped module lets Dynamo split the graph at DDP's gradient buckets,
-so communication still overlaps the backward pass. ``unwrap`` undoes both wrappers for checkpoints.
+Recipes wrap their models themselves, in one order: move to the device, wrap in DDP, then compile (compiling
+the DDP-wrapped module lets Dynamo split the graph at DDP's gradient buckets, so communication still overlaps
+the backward pass). ``unwrap`` undoes both wrappers for checkpoints.
 """
 
-import os
 import random
 import time
-from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -55,54 +52,6 @@ def make_grad_scaler(device: torch.device, precision: str) -> torch.amp.GradScal
     """fp16 needs loss scaling: its 5 exponent bits flush small gradients to zero. bf16 has fp32's 8
     exponent bits (only the mantissa is shorter), so its gradients do not underflow and need no scaler."""
     return torch.amp.GradScaler(device.type) if precision == "fp16" else None
-
-
-@dataclass(frozen=True)
-class DistInfo:
-    rank: int = 0
-    local_rank: int = 0
-    world_size: int = 1
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-
-def setup_distributed(device_name: str, backend: str = "auto") -> tuple[DistInfo, torch.device]:
-    """Join the process group torchrun describes in the environment, or run alone without one.
-
-    Under torchrun each process takes ``cuda:LOCAL_RANK`` when CUDA is used; the backend ``auto`` is nccl
-    with CUDA and gloo otherwise.
-    """
-    device = resolve_device(device_name)
-    if backend == "nccl" and device.type != "cuda":
-        raise RecipeError(f"--backend nccl runs on CUDA devices only, not {device.type}: use --backend gloo or auto")
-    if "RANK" not in os.environ:  # plain `python recipe.py`: no process group at all
-        return DistInfo(), device
-    info = DistInfo(int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"]))
-    if device.type == "cuda":
-        device = torch.device("cuda", info.local_rank)
-        torch.cuda.set_device(device)
-    if backend == "auto":
-        backend = "nccl" if device.type == "cuda" else "gloo"
-    # torchrun keeps one key-value store across restarts, and process groups of every attempt would use the
-    # same keys: a restarted group could read a dead worker's address and fail to connect
-    # (pytorch/pytorch#167288). A prefix per attempt gives each its own keys.
-    store, _, _ = next(dist.rendezvous("env://"))
-    store = dist.PrefixStore(f"attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
-    dist.init_process_group(backend, store=store, rank=info.rank, world_size=info.world_size,
-                            device_id=device if device.type == "cuda" else None)
-    return info, device
-
-
-def prepare_model(model: nn.Module, device: torch.device, *, compile: bool = False, **compile_options) -> nn.Module:
-    """Move to device, wrap in DDP when a process group exists, then torch.compile (in that order)."""
-    model = model.to(device)
-    if dist.is_initialized():
-        model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
-    if compile:
-        model = torch.compile(model, **compile_options)
-    return model
 
 
 def unwrap(model: nn.Module) -> nn.Module:

@@ -1,81 +1,173 @@
-"""A run's outputs while it trains: config.json, TensorBoard events, checkpoints, metrics.json, the console
-progress bar and the final ``done:`` line. Only rank 0 writes.
+"""One training run's plumbing, in one object: the run directory and what it holds (config.json, TensorBoard
+events, checkpoints, metrics.json), resuming, the epoch and step bookkeeping, the progress bar and the final
+``done:`` line. Only rank 0 writes files; every rank keeps the same bookkeeping.
+
+    run = Run(RECIPE, locals())                  # first line of main: run directory, checkpoint to resume from
+    ...                                          # data, model, optimizer, schedule: the recipe's own
+    run.start(model=model, optimizer=optimizer, scheduler=scheduler, loader=train_loader, epochs=epochs)
+    for epoch in run.epochs():                   # from where a resumed run stopped; none if it had finished
+        train_loader.sampler.set_epoch(epoch)
+        for batch in run.batches(train_loader):  # skips what a resumed epoch already trained; stops at the end
+            run.log_train(train_step(...), lr=..., items=...)
+        run.log_eval(evaluate(...), score=...)   # best.pt when the score is the best so far, then last.pt
+    run.finish()
 
 Step losses arrive as device tensors and are read back ``log_every`` steps at a time: one device sync per
-window instead of one per step. That read is also where a non-finite loss is caught, and every checkpoint
-save reads first, so a checkpoint never holds weights that a NaN step has already spoiled.
+window instead of one per step. That read is also where a non-finite loss is caught, and every checkpoint save
+reads first, so a checkpoint never holds weights that a NaN step has already spoiled.
 """
 
 import atexit
 import math
 import sys
 import time
-from pathlib import Path
+from collections.abc import Iterable, Iterator
 
 import torch
+import torch.distributed as dist
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from torch.utils.tensorboard import SummaryWriter
 
-from common.checkpoint import save_checkpoint
-from common.cli import RecipeError
+from common.checkpoint import TrainingState, load_checkpoint, save_checkpoint
+from common.cli import OPTION_NAMES, RecipeError
 from common.loop import StepStats
 from common.resources import format_account, memory_account, with_peaks
-from common.rundir import StopRequest, write_json
-from common.runtime import DistInfo
+from common.resume import check_same_run, finished_step, resume_position
+from common.rundir import StopRequest, plain_config, prepare_run_dir, write_json
+
+MAX_SKIPPED_IN_A_ROW = 50  # fp16 steps the GradScaler may skip in a row before the run is called diverged
 
 
 class Run:
-    """Writes one run's outputs. Recipes call ``log_train`` every step, ``log_eval`` after evaluating,
-    ``save_checkpoint`` when ``checkpoint_due`` says so, and ``finish`` at the end."""
+    def __init__(self, recipe: str, options: dict, *, may_change: Iterable[str] = (), unit: str = "samples",
+                 log_every: int = 10):
+        self.recipe, self.options, self.may_change = recipe, dict(options), set(may_change)
+        self.unit, self.log_every = unit, log_every
+        self.rank, self.world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+        self.is_main = self.rank == 0
+        run_dir = [self.options.get("run_dir")]
+        if self.world_size > 1:  # rank 0 names a default directory; every rank must use that one
+            run_dir = [prepare_run_dir(recipe, run_dir[0], self.options.get("resume"))[0] if self.is_main else None]
+            dist.broadcast_object_list(run_dir)
+        self.run_dir, resume_path = prepare_run_dir(recipe, run_dir[0], self.options.get("resume"), self.is_main)
+        self.resume_path = resume_path
+        self.checkpoint = load_checkpoint(resume_path, recipe) if resume_path else None
+        self.config = plain_config(self.options)
+        self.finished, self.state, self.writer, self.stop = False, None, None, None
+        self.items, self.train_seconds, self.first_window = 0, 0.0, None  # throughput leaves the first window out
 
-    def __init__(self, recipe: str, config: dict, run_dir: Path, *, total_steps: int, start_step: int = 0,
-                 checkpoint_every: int | None = None, progress: bool | None = None, throughput_unit: str = "samples",
-                 log_every: int = 10, dist_info: DistInfo = DistInfo(), model: torch.nn.Module | None = None,
-                 optimizer: torch.optim.Optimizer | None = None):
-        device = next(model.parameters()).device if model is not None else torch.device("cpu")
-        # CONVENTIONS.md: every resolved option, plus what the options alone do not say
-        self.config = {**config, "run_dir": str(run_dir), "torch_version": torch.__version__,
-                       "device_used": str(device), "world_size": dist_info.world_size}
-        self.recipe, self.run_dir, self.is_main, self.unit = recipe, run_dir, dist_info.is_main, throughput_unit
-        self.total_steps, self.checkpoint_every, self.log_every = total_steps, checkpoint_every, log_every
-        self.model, self.optimizer, self.memory = model, optimizer, {}  # memory: accounted after the first step
-        self.pending: list[tuple[int, StepStats, float, int]] = []  # steps not yet read back from the device
-        self.interval_losses: list[float] = []  # since the last evaluation
-        self.train_loss, self.skipped_steps, self.items, self.train_seconds = math.nan, 0, 0, 0.0
+    @property
+    def resuming(self) -> bool:
+        return self.checkpoint is not None
+
+    @property
+    def step(self) -> int:
+        return self.state.step if self.state else 0
+
+    def start(self, *, model, optimizer, scheduler=None, scaler=None, loader=None, epochs: int | None = None,
+              steps: int | None = None, eval_every: int | None = None, extra: dict | None = None) -> None:
+        """Restore a resumed run, then open the run's outputs and print its header. Epoch-based recipes pass
+        ``epochs`` and their training ``loader``; step-based ones ``steps`` and ``eval_every`` (their "epoch")."""
+        self.steps_per_epoch = len(loader) if epochs else eval_every or steps
+        schedule_steps = epochs * self.steps_per_epoch if epochs else steps
+        self.total_steps = min(schedule_steps, self.options.get("max_steps") or schedule_steps)
+        self.n_epochs, self.per_epoch = math.ceil(schedule_steps / self.steps_per_epoch), bool(epochs)
+        self.state = TrainingState(self.recipe, self.config, model, optimizer, scheduler, scaler,
+                                   loader.generator if loader is not None else None, self.steps_per_epoch, extra or {})
+        if self.checkpoint:
+            check_same_run(self.checkpoint, self.resume_path, self.config, self.steps_per_epoch, self.may_change,
+                           OPTION_NAMES)
+            self.state.load_state_dict(self.checkpoint, self.resume_path)
+        # Relaunched once finished (the same command on every restart), a run must neither train past its end
+        # nor overwrite its results. One stopped between its last checkpoint and metrics.json goes on.
+        if self.step >= self.total_steps and finished_step(self.run_dir) == self.step:
+            self.finished = True
+            self.print(f"already finished: step {self.step} of {self.total_steps}; nothing trained, {self.run_dir} "
+                       "left as it was (a run cut short by --max-steps goes on with a larger one)")
+            return
+        device = next(model.parameters()).device
         self.started = self.window_start = self.last_step_time = time.perf_counter()
-        self.last_checkpoint: Path | None = None
-        self.writer = None
+        self.pending: list[tuple[int, StepStats, float, int]] = []  # steps not yet read back from the device
+        self.interval_losses, self.metrics, self.memory = [], {}, {}
+        self.train_loss, self.skipped_steps, self.skipped_in_a_row = math.nan, 0, 0
+        self.last_saved = self.step if self.checkpoint else None
+        self.config_json = {**self.config, "run_dir": str(self.run_dir), "torch_version": torch.__version__,
+                            "device_used": str(device), "world_size": self.world_size}
         if self.is_main:
-            write_json(run_dir / "config.json", self.config)
+            write_json(self.run_dir / "config.json", self.config_json)
             # purge_step hides events a killed run logged after its checkpoint's step, so curves stay single
-            self.writer = SummaryWriter(str(run_dir), purge_step=start_step + 1 if start_step else None)
-        show = progress if progress is not None else sys.stdout.isatty()
+            self.writer = SummaryWriter(str(self.run_dir), purge_step=self.step + 1 if self.step else None)
+        show = self.options.get("progress")
         self.progress = Progress(TextColumn("step"), MofNCompleteColumn(), BarColumn(),
                                  TextColumn("{task.fields[status]}"), TimeRemainingColumn(),
-                                 disable=not (show and self.is_main))
-        self.task = self.progress.add_task("train", total=total_steps, completed=start_step, status="")
+                                 disable=not ((sys.stdout.isatty() if show is None else show) and self.is_main))
+        self.task = self.progress.add_task("train", total=self.total_steps, completed=self.step, status="")
         self.progress.start()
-        # under torchrun the launcher owns Ctrl-C
-        self.stop = StopRequest(self.print) if dist_info.world_size == 1 else None
+        self.stop = StopRequest(self.print)
         atexit.register(self.close)  # an error that ends the run still flushes TensorBoard's events
+        resumed = f" | resumed at step {self.step}" if self.checkpoint else ""
+        self.print(f"run_dir {self.run_dir} | device {device} | {self.world_size} process(es){resumed}")
 
     def print(self, message: str) -> None:
         if self.is_main:
-            self.progress.console.print(message, highlight=False, markup=False, soft_wrap=True)
+            if self.state and not self.finished:
+                self.progress.console.print(message, highlight=False, markup=False, soft_wrap=True)
+            else:
+                print(message, flush=True)
 
-    def log_train(self, step: int, stats: StepStats, *, lr: float, items: int) -> None:
-        """Record one optimizer step; ``items`` is samples (or tokens) in it, across all ranks."""
+    # ---- where the loop is
+
+    def epochs(self) -> Iterator[int]:
+        """The epochs still to train, from the one a resumed run stopped in; none if the run had finished."""
+        if self.finished:
+            return
+        first, self.done_in_epoch = resume_position(self.step, self.total_steps, self.steps_per_epoch)
+        for epoch in range(first, self.n_epochs):
+            self.epoch = epoch
+            yield epoch
+            self.done_in_epoch = 0
+            if self.step >= self.total_steps:
+                return
+
+    def steps(self) -> Iterator[int]:
+        """The numbers of this epoch's steps still to train, never past the run's last step."""
+        end = min(self.total_steps, (self.epoch + 1) * self.steps_per_epoch)
+        while self.step < end:
+            yield self.step + 1
+
+    def batches(self, loader: Iterable) -> Iterator:
+        """This epoch's batches still to train: a resumed epoch skips those it already trained on."""
+        loader.sampler.skip = self.done_in_epoch * loader.batch_size
+        try:
+            # steps() first: no batch is loaded past the last step
+            for _, batch in zip(self.steps(), loader, strict=False):
+                yield batch
+        finally:
+            loader.sampler.skip = 0
+
+    # ---- logging
+
+    def log_train(self, stats: StepStats, *, lr: float, items: int) -> None:
+        """Count one optimizer step and log it; ``items`` is samples (or tokens) in it, across all ranks.
+        Checkpoints every ``--checkpoint-every`` steps and on a stop request, except at an epoch's end, where
+        ``log_eval`` saves once the epoch is evaluated (so a resume never skips an evaluation)."""
+        self.state.step += 1
+        step = self.step
         self.pending.append((step, stats, lr, items))
         self.last_step_time = time.perf_counter()
-        if not self.memory and self.model is not None:  # gradients and optimizer state exist from now on
-            self.memory = memory_account(self.model, self.optimizer, stats.loss.device)
-            table = format_account(self.memory, type(self.optimizer).__name__)
+        if not self.memory:  # gradients and optimizer state exist from now on
+            self.memory = memory_account(self.state.model, self.state.optimizer, stats.loss.device)
+            table = format_account(self.memory, type(self.state.optimizer).__name__)
             self.print(table)
             if self.writer:
-                write_json(self.run_dir / "config.json", {**self.config, "memory": self.memory})
+                write_json(self.run_dir / "config.json", {**self.config_json, "memory": self.memory})
                 self.writer.add_text("memory", "    " + table.replace("\n", "\n    "))
         if step % self.log_every == 0 or step >= self.total_steps:
             self.flush(ends_now=True)
+        every = self.options.get("checkpoint_every")
+        epoch_end = step % self.steps_per_epoch == 0 or step >= self.total_steps
+        if not epoch_end and (self.stop_agreed() or (every and step % every == 0)):
+            self.save()
 
     def flush(self, ends_now: bool = False) -> None:
         """Read pending losses back from the device (one transfer for the whole window), log them, and stop
@@ -85,17 +177,18 @@ class Run:
         if not self.pending:
             return
         missing = torch.tensor(math.nan, device=self.pending[0][1].loss.device)
-        rows = torch.stack([torch.stack([stats.loss.float(),
-                                         missing if stats.grad_norm is None else stats.grad_norm.float(),
-                                         missing if stats.skipped is None else stats.skipped.float()])
-                            for _, stats, _, _ in self.pending]).tolist()
+        rows = torch.stack([torch.stack([s.loss.float(), missing if s.grad_norm is None else s.grad_norm.float(),
+                                         missing if s.skipped is None else s.skipped.float()])
+                            for _, s, _, _ in self.pending]).tolist()
         end = time.perf_counter() if ends_now else self.last_step_time
         bad = next((i for i, (loss, _, skip) in enumerate(rows) if not math.isfinite(loss) and skip != 1), None)
         pending, rows = (self.pending, rows) if bad is None else (self.pending[:bad], rows[:bad])
-        seconds = max(end - self.window_start, 1e-9)
-        items = sum(n for *_, n in pending)
+        seconds, items = max(end - self.window_start, 1e-9), sum(n for *_, n in pending)
         self.items, self.train_seconds = self.items + items, self.train_seconds + seconds
+        self.first_window = self.first_window or (items, seconds)  # start-up and compilation live here
         good = [loss for loss, _, skip in rows if skip != 1]  # fp16 steps the scaler skipped have no loss
+        for _, _, skip in rows:
+            self.skipped_in_a_row = self.skipped_in_a_row + 1 if skip == 1 else 0
         self.skipped_steps += len(rows) - len(good)
         self.interval_losses += good
         self.train_loss = good[-1] if good else self.train_loss
@@ -110,63 +203,102 @@ class Run:
                 self.writer.add_scalar(f"perf/{self.unit}_per_s", items / seconds, pending[-1][0])
         if bad is not None:
             raise self.diverged(f"the loss is {self.pending[bad][1].loss.item()} at step {self.pending[bad][0]}")
+        if self.skipped_in_a_row >= MAX_SKIPPED_IN_A_ROW:
+            raise self.diverged(f"the loss overflows fp16: the GradScaler skipped {self.skipped_in_a_row} steps in "
+                                f"a row up to step {self.pending[-1][0]}; try --precision bf16", lower_lr=True)
         status = f"loss {self.train_loss:.4f}  lr {self.pending[-1][2]:.2e}  {items / seconds:,.0f} {self.unit}/s"
         self.progress.update(self.task, completed=self.pending[-1][0], status=status)
         self.pending.clear()
         self.window_start = time.perf_counter()
 
-    def diverged(self, what: str) -> RecipeError:
+    def diverged(self, what: str, lower_lr: bool = True) -> RecipeError:
         self.close()  # keep what was logged: the writer flushes its events on close
-        kept = f"the last good checkpoint is {self.last_checkpoint}" if self.last_checkpoint else "no checkpoint yet"
-        return RecipeError(f"training diverged: {what}; {kept}. Try a lower --lr")
+        path = self.run_dir / "checkpoints" / "last.pt"
+        kept = f"the last good checkpoint is {path}" if self.last_saved is not None else "no checkpoint yet"
+        return RecipeError(f"training diverged: {what}; {kept}.{' Try a lower --lr' * lower_lr}")
 
-    def log_eval(self, step: int, metrics: dict[str, float], *, prefix: str = "val", note: str = "") -> None:
-        """Log evaluation metrics (``{"loss": ..., "acc": ...}``) and print one line for the interval."""
+    @property
+    def throughput(self) -> float:
+        """Items per second of training, leaving out the first window (start-up, first compilation) when the
+        run has others."""
+        items, seconds = self.items, self.train_seconds
+        if self.first_window and seconds > self.first_window[1]:
+            items, seconds = items - self.first_window[0], seconds - self.first_window[1]
+        return items / seconds if seconds else 0.0
+
+    def log_eval(self, metrics: dict[str, float], *, score: float | None = None, prefix: str = "val",
+                 note: str = "") -> None:
+        """Log an evaluation (``{"loss": ..., "acc": ...}``), print one line for the interval, keep best.pt when
+        ``score`` (higher is better: an accuracy, or minus a loss) is the best so far, then save last.pt."""
         self.flush()
         if self.interval_losses:
             self.train_loss = sum(self.interval_losses) / len(self.interval_losses)
         self.interval_losses = []
         for name, value in metrics.items():
+            self.metrics[f"{prefix}_{name}"] = value
             if self.writer:
-                self.writer.add_scalar(f"{prefix}/{name}", value, step)
+                self.writer.add_scalar(f"{prefix}/{name}", value, self.step)
         shown = "  ".join(f"{prefix}_{k} {v:.4f}" for k, v in metrics.items())
-        self.print(f"{note}step {step}/{self.total_steps}  train_loss {self.train_loss:.4f}  {shown}  "
+        epoch = f"epoch {self.epoch + 1}/{self.n_epochs}  " if self.per_epoch else ""
+        self.print(f"{epoch}{note}step {self.step}/{self.total_steps}  train_loss {self.train_loss:.4f}  {shown}  "
                    f"{self.throughput:,.0f} {self.unit}/s")
+        if score is not None and score > self.state.best_score:
+            self.state.best_score, self.state.best_step = score, self.step
+            self.save("best.pt")
+        self.save()
         self.window_start = time.perf_counter()  # evaluation time is not training time
 
-    @property
-    def throughput(self) -> float:
-        return self.items / self.train_seconds if self.train_seconds else 0.0
+    # ---- checkpoints
 
-    def checkpoint_due(self, step: int) -> bool:
-        """True every ``--checkpoint-every`` steps, and after Ctrl-C (save, then exit with 130)."""
-        stop_requested = self.stop is not None and self.stop.requested
-        return stop_requested or bool(self.checkpoint_every and step % self.checkpoint_every == 0)
+    def stop_agreed(self) -> bool:
+        """Whether a stop was asked for (Ctrl-C, SIGTERM). Every rank must stop at the same step, so with
+        several processes the ranks agree on it (one all-reduce) every ``log_every`` steps."""
+        if self.world_size == 1:
+            return self.stop.requested
+        if self.step % self.log_every and self.step < self.total_steps:
+            return False
+        flag = torch.tensor([float(self.stop.requested)], device=next(self.state.model.parameters()).device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
 
-    def save_checkpoint(self, state: dict, name: str = "last.pt") -> None:
-        """Atomically write checkpoints/NAME (rank 0; other ranks wait). Exits with 130 after Ctrl-C."""
+    def save(self, name: str = "last.pt") -> None:
+        """Atomically write checkpoints/NAME (rank 0; the others wait). After last.pt, honours a stop request."""
         self.flush()  # raises on a non-finite loss before anything is written
+        state = self.state.state_dict()
         # A step can end with a finite loss yet inf/nan gradients, which spoil the weights it just updated.
         spoiled = [k for k, v in state["model"].items() if v.is_floating_point() and not torch.isfinite(v).all()]
         if spoiled:
-            raise self.diverged(f"the weights hold inf/nan after step {state['step']} ({spoiled[0]})")
+            raise self.diverged(f"the weights hold inf/nan after step {self.step} ({spoiled[0]})")
+        path = self.run_dir / "checkpoints" / name
         if self.is_main:
-            path = self.run_dir / "checkpoints" / name
-            save_checkpoint(path, state)
-            self.last_checkpoint = path if name == "last.pt" else self.last_checkpoint
-        if torch.distributed.is_initialized():
-            torch.distributed.barrier()
+            try:
+                save_checkpoint(path, state)
+            except OSError as err:
+                intact = "no earlier checkpoint" if self.last_saved is None else \
+                    f"the previous checkpoint (step {self.last_saved}) is intact"
+                raise RecipeError(f"could not write checkpoint {path}: {err.strerror or err}; {intact}") from None
+        if self.world_size > 1:
+            dist.barrier()
+        self.last_saved = self.step if name == "last.pt" else self.last_saved
         self.window_start = time.perf_counter()  # saving is not training time
-        if name == "last.pt" and self.stop is not None:
-            self.stop.exit_if_requested(state["step"], self.run_dir)
+        if name == "last.pt" and self.stop_agreed():
+            self.close()
+            self.stop.exit_if_requested(self.step, self.run_dir)
+            sys.exit(143)  # another rank was asked to stop: leave at the same step
 
-    def finish(self, step: int, metrics: dict[str, float]) -> dict:
-        """Write metrics.json and the hparams summary, close everything, print the ``done:`` line."""
+    def finish(self, metrics: dict[str, float] | None = None) -> dict:
+        """Write metrics.json (the last evaluation, ``metrics``, throughput) and the hparams summary, close
+        everything, print the ``done:`` line. Does nothing for a run that had already finished."""
+        if self.finished:
+            return {}
         self.flush()
         if self.interval_losses:
             self.train_loss = sum(self.interval_losses) / len(self.interval_losses)
-        summary = {"recipe": self.recipe, "steps": step, "train_loss": self.train_loss, **metrics,
-                   f"{self.unit}_per_s": self.throughput, "wall_s": time.perf_counter() - self.started}
+        summary = {"recipe": self.recipe, "steps": self.step, "train_loss": self.train_loss, **self.metrics,
+                   **(metrics or {}), f"{self.unit}_per_s": self.throughput,
+                   "wall_s": time.perf_counter() - self.started}
+        if self.state.best_score > -math.inf:
+            summary |= {"best_score": self.state.best_score, "best_step": self.state.best_step}
         if not self.items:  # resumed at its last step only to evaluate: no training figures of its own
             del summary["train_loss"], summary[f"{self.unit}_per_s"]
         if self.skipped_steps:
@@ -190,7 +322,6 @@ class Run:
             self.writer.close()
         if self.stop is not None:
             self.stop.restore()
-            self.stop = None
 
 
 def format_number(value) -> str:

@@ -21,7 +21,6 @@ A good result on a CPU: compiled steps about 1.2-1.5x faster than eager after 10
 """
 
 import logging
-import math
 import sys
 import time
 from pathlib import Path
@@ -35,29 +34,11 @@ import torch.nn.functional as F
 import typer
 from torch import nn
 
-from common.checkpoint import load_checkpoint, restore_training_state, training_state
-from common.cli import (
-    BatchSize,
-    CheckpointEvery,
-    DataDir,
-    Device,
-    Epochs,
-    LearningRate,
-    MaxSteps,
-    NumWorkers,
-    Precision,
-    Progress,
-    RecipeError,
-    Resume,
-    RunDir,
-    Seed,
-    run_recipe,
-)
+from common import cli
 from common.data import make_loader, synthetic_classification
 from common.loop import evaluate, train_step
-from common.resume import already_finished, resume_position
-from common.rundir import plain_config, prepare_run_dir, write_json
-from common.runtime import make_grad_scaler, prepare_model, resolve_device, seed_everything, synchronize
+from common.rundir import prepare_run_dir, write_json
+from common.runtime import make_grad_scaler, resolve_device, seed_everything, synchronize
 from common.tracking import Run
 
 RECIPE = "compiled_model"
@@ -106,9 +87,9 @@ class GatedMLP(nn.Module):
 # Training, with every step timed: the first steps carry the compilation
 
 
-def train(options: dict, compiled: bool, run_dir: Path, resume_path: Path | None, config: dict) -> dict:
+def train(options: dict, compiled: bool, run_dir: Path | None = None) -> dict:
     o = options
-    checkpoint = load_checkpoint(resume_path, RECIPE) if resume_path else None
+    run = Run(RECIPE, o | {"compile": compiled, "run_dir": run_dir or o["run_dir"]})
     seed_everything(o["seed"])
     device = resolve_device(o["device"])
     train_set = synthetic_classification(o["samples"], N_FEATURES, N_CLASSES, seed=o["seed"])
@@ -118,70 +99,41 @@ def train(options: dict, compiled: bool, run_dir: Path, resume_path: Path | None
     train_loader = make_loader(train_set, o["batch_size"], train=True, seed=o["seed"],
                                num_workers=o["num_workers"], device=device)
     val_loader = make_loader(val_set, o["batch_size"], train=False, device=device)
-    steps_per_epoch = len(train_loader)
-    if steps_per_epoch == 0:
-        raise RecipeError(f"--batch-size {o['batch_size']} is larger than --samples {o['samples']}")
 
-    model = GatedMLP(o["width"], o["depth"])
+    model = GatedMLP(o["width"], o["depth"]).to(device)
+    if compiled:
+        # Nothing is compiled yet: Dynamo traces forward at the first call, and AOTAutograd compiles the
+        # backward at the first backward. mode picks how hard Inductor works (reduce-overhead adds CUDA graphs);
+        # dynamic=None compiles for the shapes seen, then once more with a symbolic batch size if it changes;
+        # fullgraph=True makes a graph break an error instead of a silent split into several graphs.
+        model = torch.compile(model, mode=o["mode"], dynamic=o["dynamic"], fullgraph=o["fullgraph"],
+                              backend=o["backend"])
     optimizer = torch.optim.AdamW(model.parameters(), lr=o["lr"], weight_decay=0.01)
-    schedule_steps = o["epochs"] * steps_per_epoch
-    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=schedule_steps)
+    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=o["epochs"] * len(train_loader))
     scaler = make_grad_scaler(device, o["precision"])  # fp16 only
     loss_fn = nn.CrossEntropyLoss()
-    model = prepare_model(model, device, compile=compiled, mode=o["mode"], dynamic=o["dynamic"],
-                          backend=o["backend"])
-    step, best_val_loss = 0, math.inf
-    if checkpoint:  # after the move to the device: optimizer state loads onto the parameters' device
-        restore_training_state(checkpoint, resume_path, model=model, optimizer=optimizer, scheduler=scheduler,
-                               scaler=scaler, loader_generator=train_loader.generator, steps_per_epoch=steps_per_epoch)
-        step, best_val_loss = checkpoint["step"], checkpoint["best_val_loss"]
+    # the checkpoint holds the unwrapped module: no "_orig_mod." prefixes, so it loads into a plain model
+    run.start(model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, loader=train_loader,
+              epochs=o["epochs"])
 
-    total_steps = min(schedule_steps, o["max_steps"] or schedule_steps)
-    if already_finished(step, total_steps, run_dir):
-        return {}
-    run = Run(RECIPE, config, run_dir, total_steps=total_steps, start_step=step,
-              checkpoint_every=o["checkpoint_every"], progress=o["progress"], model=model, optimizer=optimizer)
-    run.print(f"{'compiled' if compiled else 'eager'}: run_dir {run_dir} | device {device}"
-              f"{f' | resumed at step {step}' if checkpoint else ''}")
-
-    def state() -> dict:
-        # training_state unwraps the compiled module: no "_orig_mod." prefixes in the checkpoint
-        return training_state(RECIPE, config, model=model, optimizer=optimizer, scheduler=scheduler,
-                              scaler=scaler, step=step, epoch=step // steps_per_epoch,
-                              loader_generator=train_loader.generator, steps_per_epoch=steps_per_epoch,
-                              best_val_loss=best_val_loss)
-
-    step_seconds, metrics = [], {}
-    start_epoch, done_in_epoch = resume_position(step, total_steps, steps_per_epoch)
-    for epoch in range(start_epoch, o["epochs"]):
-        train_loader.sampler.set_epoch(epoch, skip=done_in_epoch * o["batch_size"] if epoch == start_epoch else 0)
-        for batch in train_loader:
-            if step >= total_steps:  # --max-steps, or resumed at the last step: on to evaluation
-                break
-            lr = scheduler.get_last_lr()[0]
+    step_seconds = []
+    for epoch in run.epochs():
+        train_loader.sampler.set_epoch(epoch)
+        for batch in run.batches(train_loader):
+            current_lr = scheduler.get_last_lr()[0]
             started = time.perf_counter()
             stats = train_step(model, optimizer, loss_fn, [batch], device=device, precision=o["precision"],
                                scaler=scaler, scheduler=scheduler)
             synchronize(device)  # GPU work is asynchronous: wait for it, or the timing means nothing
             step_seconds.append(time.perf_counter() - started)
-            step += 1
-            run.log_train(step, stats, lr=lr, items=len(batch[-1]))
-            if run.checkpoint_due(step) and step % steps_per_epoch:  # an epoch's end: saved after its evaluation
-                run.save_checkpoint(state())
+            run.log_train(stats, lr=current_lr, items=len(batch[-1]))
         val = evaluate(model, val_loader, loss_fn, device=device, precision=o["precision"])
-        metrics = {"val_loss": val["loss"], "val_acc": val["acc"]}
-        run.log_eval(step, val, note=f"epoch {epoch + 1}/{o['epochs']}  ")
-        if val["loss"] < best_val_loss:
-            best_val_loss = val["loss"]
-            run.save_checkpoint(state(), "best.pt")
-        run.save_checkpoint(state())
-        if step >= total_steps:
-            break
+        run.log_eval(val, score=-val["loss"], note=f"{'compiled' if compiled else 'eager'}  ")
 
-    metrics |= timing(step_seconds)
+    metrics = timing(step_seconds)
     if step_seconds:  # none when resumed at the last step, only to evaluate
         run.print(f"first step {metrics['first_step_s']:.2f} s, then {metrics['step_ms']:.1f} ms per step")
-    return run.finish(step, metrics)
+    return run.finish(metrics)
 
 
 def timing(step_seconds: list[float], warmup: int = 3) -> dict[str, float]:
@@ -195,11 +147,8 @@ def timing(step_seconds: list[float], warmup: int = 3) -> dict[str, float]:
             "compile_s": max(0.0, sum(step_seconds[:warmup]) - warmup * step_s)}
 
 
-def compare(options: dict, run_dir: Path, config: dict) -> None:
-    rows = {}
-    for name, compiled in [("eager", False), ("compiled", True)]:
-        sub_dir, _ = prepare_run_dir(RECIPE, run_dir / name, None)
-        rows[name] = train(options, compiled, sub_dir, None, config | {"compile": compiled})
+def compare(options: dict, run_dir: Path) -> None:
+    rows = {name: train(options, compiled, run_dir / name) for name, compiled in [("eager", False), ("compiled", True)]}
     eager, comp = rows["eager"], rows["compiled"]
     speedup = eager["step_ms"] / comp["step_ms"]
     loss_diff = abs(eager["train_loss"] - comp["train_loss"])
@@ -290,14 +239,14 @@ def show_traps(options: dict) -> dict:
 
 
 def main(
-    epochs: Epochs = 5,
-    max_steps: MaxSteps = None,
-    batch_size: BatchSize = 16384,
-    lr: LearningRate = 3e-3,
+    epochs: cli.Epochs = 5,
+    max_steps: cli.MaxSteps = None,
+    batch_size: cli.BatchSize = 16384,
+    lr: cli.LearningRate = 3e-3,
     samples: Annotated[int, typer.Option(min=1, help="Size of the synthetic training set.")] = 262144,
     width: Annotated[int, typer.Option(min=1, help="Width of the residual stream.")] = 64,
     depth: Annotated[int, typer.Option(min=1, help="Gated blocks.")] = 8,
-    compile: Annotated[bool, typer.Option("--compile/--no-compile", help="Wrap the model in torch.compile.")] = False,
+    compile: cli.Compile = False,
     mode: Annotated[
         Literal["default", "reduce-overhead", "max-autotune"],
         typer.Option(help="reduce-overhead: CUDA graphs; max-autotune: search kernels (slow to compile)."),
@@ -306,37 +255,33 @@ def main(
         bool | None,
         typer.Option("--dynamic/--no-dynamic", help="Dynamic shapes [default: automatic, after a recompile]."),
     ] = None,
+    fullgraph: Annotated[bool, typer.Option("--fullgraph", help="Fail on a graph break instead of splitting.")] = False,
     backend: Annotated[str, typer.Option(help="Compiler backend: inductor, aot_eager, eager, ...")] = "inductor",
-    compare_modes: Annotated[bool, typer.Option("--compare", help="Train eager and compiled; compare.")] = False,
+    compare_compiled: Annotated[bool, typer.Option("--compare", help="Train eager and compiled; compare.")] = False,
     traps: Annotated[bool, typer.Option("--traps", help="Count recompilations and graph breaks, then exit.")] = False,
-    seed: Seed = 0,
-    device: Device = "auto",
-    precision: Precision = "fp32",
-    num_workers: NumWorkers = 0,
-    data_dir: DataDir = Path("data"),  # every recipe takes it; this one downloads nothing
-    run_dir: RunDir = None,
-    resume: Resume = None,
-    checkpoint_every: CheckpointEvery = None,
-    progress: Progress = None,
+    seed: cli.Seed = 0,
+    device: cli.Device = "auto",
+    precision: cli.Precision = "fp32",
+    num_workers: cli.NumWorkers = 0,
+    run_dir: cli.RunDir = None,
+    resume: cli.Resume = None,
+    checkpoint_every: cli.CheckpointEvery = None,
+    progress: cli.Progress = None,
 ):
     """Train a fusion-bound gated MLP eager or compiled, compare the two, or count compile traps."""
     if backend not in torch.compiler.list_backends(exclude_tags=()):
         choices = ", ".join(sorted(torch.compiler.list_backends(exclude_tags=())))
         raise typer.BadParameter(f"{backend!r} is not one of {choices}", param_hint="--backend")
     options = dict(locals())
-    config = plain_config(options)
     if traps:
         show_traps(options)
-        return
-    if compare_modes:
+    elif compare_compiled:
         if resume is not None:
             raise typer.BadParameter("--compare always starts fresh runs", param_hint="--resume")
-        run_dir, _ = prepare_run_dir(RECIPE, run_dir, None)
-        compare(options, run_dir, config)
-        return
-    run_dir, resume_path = prepare_run_dir(RECIPE, run_dir, resume)
-    train(options, compile, run_dir, resume_path, config)
+        compare(options, prepare_run_dir(RECIPE, run_dir, None)[0])
+    else:
+        train(options, compile)
 
 
 if __name__ == "__main__":
-    run_recipe(main)
+    cli.run_recipe(main)

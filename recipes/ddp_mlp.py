@@ -22,6 +22,7 @@ many digits per second as one (see the README's Performance table); the bigger t
 better the communication, which is fixed per step, is amortised.
 """
 
+import os
 import sys
 from pathlib import Path
 from typing import Annotated, Literal
@@ -29,34 +30,16 @@ from typing import Annotated, Literal
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `python recipes/NAME.py` from a clone
 
 import torch
+import torch.distributed as dist
 import typer
 from torch import nn
-from torch.utils.data import TensorDataset
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DistributedSampler, TensorDataset
 
-from common.checkpoint import load_checkpoint, restore_training_state, training_state
-from common.cli import (
-    BatchSize,
-    CheckpointEvery,
-    Compile,
-    DataDir,
-    Device,
-    Epochs,
-    LearningRate,
-    MaxSteps,
-    NumWorkers,
-    Precision,
-    Progress,
-    RecipeError,
-    Resume,
-    RunDir,
-    Seed,
-    run_recipe,
-)
+from common import cli
 from common.data import load_mnist, make_loader
-from common.loop import evaluate, train_step
-from common.resume import already_finished, resume_position
-from common.rundir import plain_config, prepare_run_dir
-from common.runtime import make_grad_scaler, prepare_model, seed_everything, setup_distributed
+from common.loop import to_device, train_step
+from common.runtime import make_grad_scaler, resolve_device, seed_everything
 from common.tracking import Run
 
 RECIPE = "ddp_mlp"
@@ -76,98 +59,130 @@ class MLP(nn.Module):
         return self.net(images)
 
 
+def init_distributed(device_name: str, backend: str) -> tuple[int, int, torch.device]:
+    """Join the process group that torchrun describes in the environment: (rank, world size, device).
+
+    torchrun starts one process per device and gives each its RANK (0 .. WORLD_SIZE-1 across all machines) and
+    LOCAL_RANK (its index on this machine, which picks its GPU). Started with plain ``python``, there is no
+    group at all: rank 0 of 1.
+    """
+    device = resolve_device(device_name)
+    if backend == "nccl" and device.type != "cuda":
+        raise cli.RecipeError(f"--backend nccl runs on CUDA devices only, not {device.type}: use --backend gloo "
+                              "or auto")
+    if "RANK" not in os.environ:
+        return 0, 1, device
+    rank, local_rank, world_size = (int(os.environ[k]) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
+    if device.type == "cuda":
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    if backend == "auto":  # nccl moves tensors GPU to GPU; gloo is the CPU backend
+        backend = "nccl" if device.type == "cuda" else "gloo"
+    # torchrun keeps one key-value store across restarts, and the process groups of every attempt would use the
+    # same keys: a restarted group could read a dead worker's address and fail to connect
+    # (pytorch/pytorch#167288). A prefix per attempt gives each its own keys.
+    store, _, _ = next(dist.rendezvous("env://"))
+    store = dist.PrefixStore(f"attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                            device_id=device if device.type == "cuda" else None)
+    return rank, world_size, device
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, loader, device: torch.device) -> dict[str, float]:
+    """Loss and accuracy over the whole test set: each rank scores its own shard, then one all-reduce adds the
+    sums of every rank, so every digit counts exactly once and every rank gets the same figures."""
+    model.eval()
+    totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, digits
+    for batch in loader:
+        images, labels = to_device(batch, device)
+        logits = model(images)
+        totals += torch.stack([nn.functional.cross_entropy(logits, labels, reduction="sum"),
+                               (logits.argmax(1) == labels).sum(), torch.tensor(len(labels), device=device)])
+    if dist.is_initialized():
+        dist.all_reduce(totals)  # SUM by default
+    model.train()
+    loss_sum, correct, count = totals.tolist()
+    return {"loss": loss_sum / count, "acc": correct / count}
+
+
 def main(
-    epochs: Epochs = 5,
-    max_steps: MaxSteps = None,
-    batch_size: BatchSize = 1024,
-    lr: LearningRate = 0.2,
+    epochs: cli.Epochs = 5,
+    max_steps: cli.MaxSteps = None,
+    batch_size: cli.BatchSize = 1024,
+    lr: cli.LearningRate = 0.2,
     hidden: Annotated[int, typer.Option(min=1, help="Width of the two hidden layers.")] = 512,
+    val_size: Annotated[int | None, typer.Option(
+        min=1, help="Training digits held out to choose best.pt [default: 5,000, or 1/12 of fewer].")] = None,
     backend: Annotated[
         Literal["auto", "gloo", "nccl"], typer.Option(help="Process-group backend: auto is nccl on CUDA, else gloo.")
     ] = "auto",
-    seed: Seed = 0,
-    device: Device = "auto",
-    precision: Precision = "fp32",
-    compile: Compile = False,
-    num_workers: NumWorkers = 0,
-    data_dir: DataDir = Path("data"),
-    run_dir: RunDir = None,
-    resume: Resume = None,
-    checkpoint_every: CheckpointEvery = None,
-    progress: Progress = None,
+    seed: cli.Seed = 0,
+    device: cli.Device = "auto",
+    precision: cli.Precision = "fp32",
+    compile: cli.Compile = False,
+    num_workers: cli.NumWorkers = 0,
+    data_dir: cli.DataDir = Path("data"),
+    run_dir: cli.RunDir = None,
+    resume: cli.Resume = None,
+    checkpoint_every: cli.CheckpointEvery = None,
+    progress: cli.Progress = None,
 ):
     """Train an MLP on MNIST with DistributedDataParallel (launch with torchrun), or in one process."""
-    config = plain_config(locals())
-    dist_info, device = setup_distributed(device, backend)  # under torchrun: join the group; else alone
-    run_dir, resume_path = prepare_run_dir(RECIPE, run_dir, resume, dist_info)
-    # Every rank reads the same checkpoint, so every rank resumes in the same state.
-    checkpoint = load_checkpoint(resume_path, RECIPE) if resume_path else None
-    seed_everything(seed + dist_info.rank)  # own random streams per rank; DDP broadcasts rank 0's weights
+    options = locals()
+    rank, world_size, device = init_distributed(device, backend)
+    run = Run(RECIPE, options)  # every rank resumes from the same checkpoint; only rank 0 writes
+    seed_everything(seed + rank)  # own random streams per rank; DDP broadcasts rank 0's weights
 
     images, labels = load_mnist(data_dir, train=True)
-    train_set = TensorDataset(images, labels)
+    order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(seed))  # the same on every rank
+    val_size = min(5000, len(labels) // 12) if val_size is None else val_size  # 5,000 of 60,000; less of less
+    if not 0 < val_size < len(labels):
+        raise typer.BadParameter(f"must be below {len(labels)}, the number of training digits", param_hint="--val-size")
+    train_set = TensorDataset(images[order[val_size:]], labels[order[val_size:]])
+    val_set = TensorDataset(images[order[:val_size]], labels[order[:val_size]])
     test_set = TensorDataset(*load_mnist(data_dir, train=False))
-    # make_loader shards across ranks: each rank trains on its own 1/world of every epoch's shuffle
-    train_loader = make_loader(train_set, batch_size, train=True, seed=seed, num_workers=num_workers, device=device)
-    test_loader = make_loader(test_set, 1000, train=False, num_workers=num_workers, device=device)
-    steps_per_epoch = len(train_loader)
-    if steps_per_epoch == 0:
-        raise RecipeError(f"--batch-size {batch_size} is larger than one rank's share of the training set")
+    # Each rank trains on its own 1/world_size of every epoch: the sampler shuffles with seed + epoch (the same
+    # permutation on every rank) and gives rank r every world_size-th index from r on.
+    sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, shuffle=True, seed=seed)
+    train_loader = make_loader(train_set, batch_size, train=True, sampler=sampler, num_workers=num_workers,
+                               device=device)
+    # Evaluation shards too, but not with DistributedSampler: it pads the last shard with repeated samples.
+    val_loader, test_loader = (make_loader(split, 1000, train=False, sampler=range(rank, len(split), world_size),
+                                           device=device) for split in (val_set, test_set))
 
-    model = MLP(hidden)
+    model = MLP(hidden).to(device)
+    if world_size > 1:
+        # DDP broadcasts rank 0's weights at construction, then all-reduces (averages) the gradients during the
+        # backward pass, bucket by bucket, overlapping communication with the rest of the backward.
+        model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    if compile:
+        model = torch.compile(model)  # after DDP, so that Dynamo can split the graph at its gradient buckets
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9, nesterov=True)
-    schedule_steps = epochs * steps_per_epoch
-    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=schedule_steps)
+    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=epochs * len(train_loader))
     scaler = make_grad_scaler(device, precision)
     loss_fn = nn.CrossEntropyLoss()
-    model = prepare_model(model, device, compile=compile)  # to device, then DDP (if in a group), then compile
-    step, best_acc = 0, 0.0
-    if checkpoint:  # after the move to the device: optimizer state loads onto the parameters' device
-        restore_training_state(checkpoint, resume_path, model=model, optimizer=optimizer, scheduler=scheduler,
-                               scaler=scaler, loader_generator=train_loader.generator, steps_per_epoch=steps_per_epoch)
-        step, best_acc = checkpoint["step"], checkpoint["best_acc"]
+    run.start(model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, loader=train_loader,
+              epochs=epochs)
+    run.print(f"{len(train_set)} train / {len(val_set)} validation digits | global batch {batch_size * world_size} "
+              f"({world_size} x {batch_size})")
 
-    total_steps = min(schedule_steps, max_steps or schedule_steps)
-    if already_finished(step, total_steps, run_dir, dist_info):
-        return
-    run = Run(RECIPE, config, run_dir, total_steps=total_steps, start_step=step, checkpoint_every=checkpoint_every,
-              progress=progress, model=model, optimizer=optimizer, dist_info=dist_info)
-    global_batch = batch_size * dist_info.world_size
-    resumed = f" | resumed at step {step}" if checkpoint else ""
-    run.print(f"run_dir {run_dir} | {dist_info.world_size} process(es) on {device.type} | global batch "
-              f"{global_batch} ({dist_info.world_size} x {batch_size}){resumed}")
-
-    def state() -> dict:
-        return training_state(RECIPE, config, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler,
-                              step=step, epoch=step // steps_per_epoch, loader_generator=train_loader.generator,
-                              steps_per_epoch=steps_per_epoch, best_acc=best_acc, hidden=hidden)
-
-    metrics = {}
-    start_epoch, done_in_epoch = resume_position(step, total_steps, steps_per_epoch)
-    for epoch in range(start_epoch, epochs):
+    for epoch in run.epochs():
         # set_epoch reseeds the shuffle: without it every epoch would repeat the first one's order
-        train_loader.sampler.set_epoch(epoch, skip=done_in_epoch * batch_size if epoch == start_epoch else 0)
-        for batch in train_loader:
-            if step >= total_steps:  # --max-steps, or resumed at the last step: on to evaluation
-                break
-            lr_now = scheduler.get_last_lr()[0]
+        sampler.set_epoch(epoch)
+        for batch in run.batches(train_loader):
+            current_lr = scheduler.get_last_lr()[0]
             stats = train_step(model, optimizer, loss_fn, [batch], device=device, precision=precision,
                                scaler=scaler, scheduler=scheduler)
-            step += 1
-            run.log_train(step, stats, lr=lr_now, items=global_batch)
-            if run.checkpoint_due(step) and step % steps_per_epoch:  # an epoch's end: saved after its evaluation
-                run.save_checkpoint(state())
-        val = evaluate(model, test_loader, loss_fn, device=device, precision=precision)  # all ranks, all-reduced
-        metrics = {"val_loss": val["loss"], "val_acc": val["acc"]}
-        run.log_eval(step, val, note=f"epoch {epoch + 1}/{epochs}  ")
-        if val["acc"] > best_acc:
-            best_acc = val["acc"]
-            run.save_checkpoint(state(), "best.pt")
-        run.save_checkpoint(state())
-        if step >= total_steps:
-            break
-    run.finish(step, metrics | {"best_val_acc": best_acc, "world_size": dist_info.world_size})
+            run.log_train(stats, lr=current_lr, items=batch_size * world_size)
+        val = evaluate(model, val_loader, device)
+        run.log_eval(val, score=val["acc"])  # every rank evaluates; rank 0 saves best.pt and last.pt
+
+    test = evaluate(model, test_loader, device)
+    run.finish({"test_loss": test["loss"], "test_acc": test["acc"], "world_size": world_size})
+    if world_size > 1:
+        dist.destroy_process_group()  # leave the group cleanly: no rank waits on one that is gone
 
 
 if __name__ == "__main__":
-    run_recipe(main)
+    cli.run_recipe(main)

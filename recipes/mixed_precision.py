@@ -30,34 +30,16 @@ import torch
 import typer
 from torch import nn
 
-from common.checkpoint import load_checkpoint, restore_training_state, training_state
-from common.cli import (
-    BatchSize,
-    CheckpointEvery,
-    Compile,
-    DataDir,
-    Device,
-    Epochs,
-    LearningRate,
-    MaxSteps,
-    NumWorkers,
-    Precision,
-    Progress,
-    RecipeError,
-    Resume,
-    RunDir,
-    Seed,
-    run_recipe,
-)
+from common import cli
 from common.data import make_loader, synthetic_classification
-from common.loop import evaluate, train_step
-from common.resume import already_finished, resume_position
-from common.rundir import plain_config, prepare_run_dir, write_json
-from common.runtime import make_grad_scaler, prepare_model, resolve_device, seed_everything, synchronize
+from common.loop import StepStats, evaluate, to_device
+from common.rundir import prepare_run_dir, write_json
+from common.runtime import resolve_device, seed_everything, synchronize
 from common.tracking import Run
 
 RECIPE = "mixed_precision"
 PRECISIONS = ["fp32", "bf16", "fp16"]
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 class MLP(nn.Module):
@@ -75,10 +57,36 @@ class MLP(nn.Module):
         return self.head(self.body(x))
 
 
-def train(options: dict, precision: str, run_dir: Path, resume_path: Path | None, config: dict) -> dict:
+def amp_step(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler, batch,
+             device: torch.device, precision: str, max_grad_norm: float = 1.0) -> StepStats:
+    """One optimizer step in ``precision``: the whole recipe of automatic mixed precision.
+
+    With ``enabled=False`` (fp32 autocast, bf16 scaler) each call below does nothing or passes its input
+    through, so one step serves all three precisions.
+    """
+    inputs, targets = to_device(batch, device)
+    optimizer.zero_grad(set_to_none=True)
+    # Inside autocast, matmuls run in the 16-bit type; softmax, norms and reductions stay fp32 (autocast's op
+    # lists). The weights stay fp32: autocast casts a copy per op, so the optimizer updates full-precision values.
+    with torch.autocast(device.type, dtype=DTYPES[precision], enabled=precision != "fp32"):
+        loss = nn.functional.cross_entropy(model(inputs), targets)
+    # fp16 only: multiply the loss by the scale (65,536 at first) so that small gradients do not underflow to 0
+    scaler.scale(loss).backward()
+    scaler.unscale_(optimizer)  # divide the gradients by the scale again, in place, before anything reads them
+    grad_norm = nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)  # clips the true gradients
+    # A scaled gradient can overflow fp16 (inf/nan): step() then skips the update, and update() halves the
+    # scale; after 2,000 clean steps in a row it doubles it again. The norm is inf/nan exactly then, so a
+    # skipped step is seen without asking the scaler (which would wait for the device).
+    scaler.step(optimizer)
+    scaler.update()
+    skipped = ~torch.isfinite(grad_norm) if scaler.is_enabled() else None
+    return StepStats(loss.detach().float(), grad_norm, skipped)
+
+
+def train(options: dict, precision: str, run_dir: Path | None = None) -> dict:
     """One training run in ``precision``; returns its metrics and the loss of every step."""
     o = options
-    checkpoint = load_checkpoint(resume_path, RECIPE) if resume_path else None
+    run = Run(RECIPE, o | {"precision": precision, "run_dir": run_dir or o["run_dir"]}, may_change={"max_slowdown"})
     seed_everything(o["seed"])
     device = resolve_device(o["device"])
     train_set = synthetic_classification(o["samples"], 784, 10, seed=o["seed"])
@@ -86,63 +94,30 @@ def train(options: dict, precision: str, run_dir: Path, resume_path: Path | None
     train_loader = make_loader(train_set, o["batch_size"], train=True, seed=o["seed"],
                                num_workers=o["num_workers"], device=device)
     val_loader = make_loader(val_set, 1024, train=False, device=device)
-    steps_per_epoch = len(train_loader)
-    if steps_per_epoch == 0:
-        raise RecipeError(f"--batch-size {o['batch_size']} is larger than --samples {o['samples']}")
 
-    model = MLP(width=o["width"], depth=o["depth"])
+    model = MLP(width=o["width"], depth=o["depth"]).to(device)
+    if o["compile"]:
+        model = torch.compile(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=o["lr"], weight_decay=0.01)
-    schedule_steps = o["epochs"] * steps_per_epoch
-    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=schedule_steps)
-    scaler = make_grad_scaler(device, precision)  # fp16 only: see the module docstring
-    loss_fn = nn.CrossEntropyLoss()
-    model = prepare_model(model, device, compile=o["compile"])
-    step, best_val_loss = 0, math.inf
-    if checkpoint:  # after the move to the device: optimizer state loads onto the parameters' device
-        restore_training_state(checkpoint, resume_path, model=model, optimizer=optimizer, scheduler=scheduler,
-                               scaler=scaler, loader_generator=train_loader.generator, steps_per_epoch=steps_per_epoch)
-        step, best_val_loss = checkpoint["step"], checkpoint["best_val_loss"]
-
-    total_steps = min(schedule_steps, o["max_steps"] or schedule_steps)
-    if already_finished(step, total_steps, run_dir):
-        return {}
-    run = Run(RECIPE, config, run_dir, total_steps=total_steps, start_step=step,
-              checkpoint_every=o["checkpoint_every"], progress=o["progress"], model=model, optimizer=optimizer)
-    run.print(f"{precision}: run_dir {run_dir} | device {device}{f' | resumed at step {step}' if checkpoint else ''}")
-
-    def state() -> dict:
-        return training_state(RECIPE, config, model=model, optimizer=optimizer, scheduler=scheduler,
-                              scaler=scaler, step=step, epoch=step // steps_per_epoch,
-                              loader_generator=train_loader.generator, steps_per_epoch=steps_per_epoch,
-                              best_val_loss=best_val_loss)
+    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=o["epochs"] * len(train_loader))
+    # Loss scaling is for fp16 alone: its 5 exponent bits flush small gradients to zero. bf16 has fp32's 8
+    # exponent bits (only a shorter mantissa), so its gradients do not underflow and it needs no scaler.
+    scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
+    run.start(model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, loader=train_loader,
+              epochs=o["epochs"])
 
     losses = []  # one device tensor per step; read back once at the end
-    metrics = {}
-    start_epoch, done_in_epoch = resume_position(step, total_steps, steps_per_epoch)
-    for epoch in range(start_epoch, o["epochs"]):
-        train_loader.sampler.set_epoch(epoch, skip=done_in_epoch * o["batch_size"] if epoch == start_epoch else 0)
-        for batch in train_loader:
-            if step >= total_steps:  # --max-steps, or resumed at the last step: on to evaluation
-                break
-            lr = scheduler.get_last_lr()[0]
-            stats = train_step(model, optimizer, loss_fn, [batch], device=device, precision=precision,
-                               scaler=scaler, scheduler=scheduler, max_grad_norm=1.0)
-            step += 1
+    for epoch in run.epochs():
+        train_loader.sampler.set_epoch(epoch)
+        for batch in run.batches(train_loader):
+            current_lr = scheduler.get_last_lr()[0]
+            stats = amp_step(model, optimizer, scaler, batch, device, precision)
+            scheduler.step()
             losses.append(stats.loss)
-            run.log_train(step, stats, lr=lr, items=len(batch[-1]))
-            if run.checkpoint_due(step) and step % steps_per_epoch:  # an epoch's end: saved after its evaluation
-                run.save_checkpoint(state())
-        val = evaluate(model, val_loader, loss_fn, device=device, precision=precision)
-        metrics = {"val_loss": val["loss"], "val_acc": val["acc"]}
-        run.log_eval(step, val, note=f"{precision} epoch {epoch + 1}/{o['epochs']}  ")
-        if val["loss"] < best_val_loss:
-            best_val_loss = val["loss"]
-            run.save_checkpoint(state(), "best.pt")
-        run.save_checkpoint(state())
-        if step >= total_steps:
-            break
-    extra = {"scale": scaler.get_scale()} if scaler else {}
-    summary = run.finish(step, metrics | extra)
+            run.log_train(stats, lr=current_lr, items=len(batch[-1]))
+        val = evaluate(model, val_loader, nn.CrossEntropyLoss(), device=device, precision=precision)
+        run.log_eval(val, score=-val["loss"], note=f"{precision}  ")
+    summary = run.finish({"scale": scaler.get_scale()} if scaler.is_enabled() else {})
     return summary | {"losses": torch.stack(losses).tolist() if losses else []}
 
 
@@ -152,14 +127,13 @@ def seconds_per_step(options: dict, precision: str, steps: int = 3) -> tuple[flo
     model = MLP(width=options["width"], depth=options["depth"]).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     batch = synthetic_classification(options["batch_size"], 784, 10, seed=0)[:]
-    scaler = make_grad_scaler(device, precision)
-    loss_fn = nn.CrossEntropyLoss()
+    scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
     try:
         seconds = []
         for _ in range(steps + 1):
             synchronize(device)
             start = time.perf_counter()
-            train_step(model, optimizer, loss_fn, [batch], device=device, precision=precision, scaler=scaler)
+            amp_step(model, optimizer, scaler, batch, device, precision)
             synchronize(device)
             seconds.append(time.perf_counter() - start)
     except RuntimeError as err:  # e.g. an autocast dtype the device cannot run
@@ -167,7 +141,7 @@ def seconds_per_step(options: dict, precision: str, steps: int = 3) -> tuple[flo
     return sorted(seconds[1:])[len(seconds[1:]) // 2], ""
 
 
-def compare(options: dict, run_dir: Path, config: dict, max_slowdown: float) -> None:
+def compare(options: dict, run_dir: Path, max_slowdown: float) -> None:
     """Train the same seed for the same steps in each precision; print and save a table."""
     probes = {p: seconds_per_step(options, p) for p in PRECISIONS}
     rows, fp32 = {}, None
@@ -178,8 +152,7 @@ def compare(options: dict, run_dir: Path, config: dict, max_slowdown: float) -> 
             note = f"unsupported here: {error}" if error else f"{slowdown:.0f}x slower than fp32 here: not trained"
             rows[precision] = {"samples_per_s": options["batch_size"] / seconds, "note": note}
             continue
-        sub_dir, _ = prepare_run_dir(RECIPE, run_dir / precision, None)
-        result = train(options, precision, sub_dir, None, config | {"precision": precision})
+        result = train(options, precision, run_dir / precision)
         rows[precision] = {k: result[k] for k in ("samples_per_s", "train_loss", "val_loss", "val_acc")}
         rows[precision]["skipped_steps"] = result.get("skipped_steps", 0)
         if precision == "fp32":
@@ -203,42 +176,39 @@ def compare(options: dict, run_dir: Path, config: dict, max_slowdown: float) -> 
 
 
 def main(
-    epochs: Epochs = 3,
-    max_steps: MaxSteps = None,
-    batch_size: BatchSize = 512,
-    lr: LearningRate = 1e-3,
+    epochs: cli.Epochs = 3,
+    max_steps: cli.MaxSteps = None,
+    batch_size: cli.BatchSize = 512,
+    lr: cli.LearningRate = 1e-3,
     samples: Annotated[int, typer.Option(min=1, help="Size of the synthetic training set.")] = 32768,
     width: Annotated[int, typer.Option(min=1, help="Width of the hidden layers.")] = 1024,
     depth: Annotated[int, typer.Option(min=1, help="Hidden layers.")] = 3,
-    compare_all: Annotated[
+    compare_precisions: Annotated[
         bool, typer.Option("--compare", help="Train in fp32, bf16 and fp16 and print a comparison table.")
     ] = False,
     max_slowdown: Annotated[
         float, typer.Option(min=1.0, help="--compare skips a precision this many times slower than fp32.")
     ] = 4.0,
-    seed: Seed = 0,
-    device: Device = "auto",
-    precision: Precision = "fp32",
-    compile: Compile = False,
-    num_workers: NumWorkers = 0,
-    data_dir: DataDir = Path("data"),  # every recipe takes it; this one downloads nothing
-    run_dir: RunDir = None,
-    resume: Resume = None,
-    checkpoint_every: CheckpointEvery = None,
-    progress: Progress = None,
+    seed: cli.Seed = 0,
+    device: cli.Device = "auto",
+    precision: cli.Precision = "fp32",
+    compile: cli.Compile = False,
+    num_workers: cli.NumWorkers = 0,
+    run_dir: cli.RunDir = None,
+    resume: cli.Resume = None,
+    checkpoint_every: cli.CheckpointEvery = None,
+    progress: cli.Progress = None,
 ):
     """Train a matmul-bound MLP with autocast (fp32, bf16, fp16), or compare all three."""
     options = dict(locals())
-    config = plain_config(options)
-    if compare_all:
+    if compare_precisions:
         if resume is not None:
             raise typer.BadParameter("--compare always starts fresh runs", param_hint="--resume")
         run_dir, _ = prepare_run_dir(RECIPE, run_dir, None)
-        compare(options, run_dir, config, max_slowdown)
+        compare(options, run_dir, max_slowdown)
         return
-    run_dir, resume_path = prepare_run_dir(RECIPE, run_dir, resume)
-    train(options, precision, run_dir, resume_path, config)
+    train(options, precision)
 
 
 if __name__ == "__main__":
-    run_recipe(main)
+    cli.run_recipe(main)

@@ -23,30 +23,11 @@ from torch import nn
 from torch.utils.data import TensorDataset
 from torchvision.utils import make_grid
 
-from common.checkpoint import load_checkpoint, load_model_state, restore_training_state, training_state
-from common.cli import (
-    BatchSize,
-    CheckpointEvery,
-    Compile,
-    DataDir,
-    Device,
-    Epochs,
-    MaxSteps,
-    NumWorkers,
-    Precision,
-    Progress,
-    RecipeError,
-    Resume,
-    RunDir,
-    Seed,
-    positive_float,
-    run_recipe,
-)
+from common import cli
+from common.checkpoint import load_checkpoint, load_model_state
 from common.data import MNIST_MEAN, MNIST_STD, load_mnist, make_loader
 from common.loop import evaluate, train_step
-from common.resume import already_finished, resume_position
-from common.rundir import plain_config, prepare_run_dir
-from common.runtime import make_grad_scaler, prepare_model, resolve_device, seed_everything
+from common.runtime import make_grad_scaler, resolve_device, seed_everything
 from common.tracking import Run
 
 RECIPE = "mnist_onecycle"
@@ -91,17 +72,29 @@ def load_backbone(model: DigitNet, path: Path) -> None:
 # Data
 
 
-def mnist_datasets(data_dir: Path) -> tuple[TensorDataset, TensorDataset]:
-    # Whole data set as two tensors: a batch is one indexing operation, no per-image decoding or PIL.
-    return TensorDataset(*load_mnist(data_dir, train=True)), TensorDataset(*load_mnist(data_dir, train=False))
+def mnist_datasets(data_dir: Path, val_size: int | None, seed: int) -> list[TensorDataset]:
+    """Training and validation splits of MNIST's 60,000 training digits, and its 10,000 test digits.
+
+    The validation digits (a seeded draw) choose best.pt; the test set is scored once, at the end, so that its
+    figure is not one the run was selected on. Each split sits in two tensors: a batch is one indexing
+    operation, with no per-image decoding or PIL.
+    """
+    images, labels = load_mnist(data_dir, train=True)
+    val_size = min(5000, len(labels) // 12) if val_size is None else val_size  # 5,000 of 60,000; less of less
+    if not 0 < val_size < len(labels):
+        raise typer.BadParameter(f"must be below {len(labels)}, the number of training digits", param_hint="--val-size")
+    order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(seed))
+    train, val = order[val_size:], order[:val_size]
+    return [TensorDataset(images[train], labels[train]), TensorDataset(images[val], labels[val]),
+            TensorDataset(*load_mnist(data_dir, train=False))]
 
 
 @torch.no_grad()
-def misclassified_grid(model: nn.Module, test_set: TensorDataset, device: torch.device, limit: int = 64):
-    """An image grid of up to ``limit`` test digits the model gets wrong, for TensorBoard."""
+def misclassified_grid(model: nn.Module, val_set: TensorDataset, device: torch.device, limit: int = 64):
+    """An image grid of up to ``limit`` validation digits the model gets wrong, for TensorBoard."""
     was_training = model.training
     model.eval()
-    images, labels = test_set.tensors[0][:2000], test_set.tensors[1][:2000]
+    images, labels = val_set.tensors[0][:2000], val_set.tensors[1][:2000]
     predictions = model(images.to(device).contiguous(memory_format=torch.channels_last)).argmax(1).cpu()
     model.train(was_training)
     wrong = images[predictions != labels][:limit]
@@ -115,10 +108,10 @@ def misclassified_grid(model: nn.Module, test_set: TensorDataset, device: torch.
 
 
 def main(
-    epochs: Epochs = 3,
-    max_steps: MaxSteps = None,
-    batch_size: BatchSize = 64,
-    max_lr: Annotated[float, typer.Option("--max-lr", "--lr", callback=positive_float,
+    epochs: cli.Epochs = 3,
+    max_steps: cli.MaxSteps = None,
+    batch_size: cli.BatchSize = 64,
+    max_lr: Annotated[float, typer.Option("--max-lr", "--lr", callback=cli.positive_float,
                                           help="Peak learning rate of the one-cycle schedule.")] = 0.1,
     momentum: Annotated[
         float, typer.Option(min=0.0, max=0.999, help="Peak SGD (Nesterov) momentum; the cycle dips it to 0.85.")
@@ -126,37 +119,39 @@ def main(
     weight_decay: Annotated[float, typer.Option(min=0.0, help="L2 penalty on all weights.")] = 5e-4,
     label_smoothing: Annotated[float, typer.Option(min=0.0, max=0.5, help="Cross-entropy label smoothing.")] = 0.1,
     width: Annotated[int, typer.Option(min=1, help="Channels of the first conv layer (later ones 2x-8x).")] = 16,
+    val_size: Annotated[int | None, typer.Option(
+        min=1, help="Training digits held out to choose best.pt [default: 5,000, or 1/12 of fewer].")] = None,
     finetune: Annotated[
         Path | None, typer.Option(help="Start from this checkpoint's conv layers, with a fresh linear head.")
     ] = None,
     backbone_lr_scale: Annotated[
         float, typer.Option(min=0.0, max=1.0, help="With --finetune: the conv layers' rate as a share of --max-lr.")
     ] = 0.1,
-    seed: Seed = 0,
-    device: Device = "auto",
-    precision: Precision = "fp32",
-    compile: Compile = False,
-    num_workers: NumWorkers = 0,
-    data_dir: DataDir = Path("data"),
-    run_dir: RunDir = None,
-    resume: Resume = None,
-    checkpoint_every: CheckpointEvery = None,
-    progress: Progress = None,
+    seed: cli.Seed = 0,
+    device: cli.Device = "auto",
+    precision: cli.Precision = "fp32",
+    compile: cli.Compile = False,
+    num_workers: cli.NumWorkers = 0,
+    data_dir: cli.DataDir = Path("data"),
+    run_dir: cli.RunDir = None,
+    resume: cli.Resume = None,
+    checkpoint_every: cli.CheckpointEvery = None,
+    progress: cli.Progress = None,
 ):
     """Train a small CNN on MNIST with the one-cycle learning-rate schedule."""
-    config = plain_config(locals())
-    run_dir, resume_path = prepare_run_dir(RECIPE, run_dir, resume)
-    checkpoint = load_checkpoint(resume_path, RECIPE) if resume_path else None
+    run = Run(RECIPE, locals(), may_change={"finetune"})  # the run directory, and the checkpoint to resume from
     seed_everything(seed)
     device = resolve_device(device)
 
-    train_set, test_set = mnist_datasets(data_dir)
+    train_set, val_set, test_set = mnist_datasets(data_dir, val_size, seed)
     # In-memory tensors: worker processes would only add inter-process copies (hence 0 by default).
     train_loader = make_loader(train_set, batch_size, train=True, seed=seed, num_workers=num_workers, device=device)
-    test_loader = make_loader(test_set, 1000, train=False, num_workers=num_workers, device=device)
+    val_loader = make_loader(val_set, 1000, train=False, num_workers=num_workers, device=device)
 
     # channels_last (NHWC) is the layout oneDNN and cuDNN convolutions run fastest in
-    model = DigitNet(width).to(memory_format=torch.channels_last)
+    model = DigitNet(width).to(device, memory_format=torch.channels_last)
+    if finetune and not run.resuming:
+        load_backbone(model, finetune)
     # Two parameter groups, so that fine-tuning can move the pretrained backbone gently (a small rate) while
     # the new head learns fast. Trained from scratch, both get --max-lr.
     backbone_lr = max_lr * backbone_lr_scale if finetune else max_lr
@@ -164,81 +159,40 @@ def main(
         [{"params": model.features.parameters()}, {"params": model.head.parameters()}],
         lr=max_lr, momentum=momentum, nesterov=momentum > 0, weight_decay=weight_decay,
     )
-    steps_per_epoch = len(train_loader)
-    if steps_per_epoch == 0:
-        raise RecipeError(f"--batch-size {batch_size} is larger than the training set ({len(train_set)} images)")
     # The schedule spans all epochs; --max-steps only stops early, so a run cut short and resumed follows
-    # the same learning-rate curve as one that never stopped.
-    schedule_steps = epochs * steps_per_epoch
-    # OneCycleLR also cycles momentum, opposite to the rate: down to 0.85 while the rate climbs, back up after.
+    # the same learning-rate curve as one that never stopped. OneCycleLR also cycles momentum, opposite to
+    # the rate: down to 0.85 while the rate climbs, back up after.
     scheduler = torch.optim.lr_scheduler.OneCycleLR(
-        optimizer, max_lr=[backbone_lr, max_lr], total_steps=schedule_steps,
+        optimizer, max_lr=[backbone_lr, max_lr], total_steps=epochs * len(train_loader),
         cycle_momentum=momentum > 0, base_momentum=min(0.85, momentum), max_momentum=momentum,
     )
     scaler = make_grad_scaler(device, precision)
     loss_fn = nn.CrossEntropyLoss(label_smoothing=label_smoothing)
     eval_loss_fn = nn.CrossEntropyLoss()  # report the plain loss, comparable across smoothing settings
-
-    if finetune and not checkpoint:
-        load_backbone(model, finetune)
-    model = prepare_model(model, device, compile=compile)
-    step, best_acc = 0, 0.0
-    if checkpoint:  # after the move to the device: optimizer state loads onto the parameters' device
-        restore_training_state(
-            checkpoint, resume_path, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler,
-            loader_generator=train_loader.generator, steps_per_epoch=steps_per_epoch,
-        )
-        step, best_acc = checkpoint["step"], checkpoint["best_acc"]
-
-    total_steps = min(schedule_steps, max_steps or schedule_steps)
-    if already_finished(step, total_steps, run_dir):
-        return
-    run = Run(RECIPE, config, run_dir, total_steps=total_steps, start_step=step,
-              checkpoint_every=checkpoint_every, progress=progress, model=model, optimizer=optimizer)
-    run.print(f"run_dir {run_dir} | device {device} | {len(train_set)} train / {len(test_set)} test digits"
-              f"{f' | resumed at step {step}' if checkpoint else ''}")
+    if compile:
+        model = torch.compile(model)
+    run.start(model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, loader=train_loader,
+              epochs=epochs)
+    run.print(f"{len(train_set)} train / {len(val_set)} validation / {len(test_set)} test digits")
     if finetune:
         run.print(f"fine-tuning from {finetune}: backbone peak lr {backbone_lr:g}, head peak lr {max_lr:g}")
 
-    def state() -> dict:
-        return training_state(
-            RECIPE, config, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler,
-            step=step, epoch=step // steps_per_epoch, loader_generator=train_loader.generator,
-            steps_per_epoch=steps_per_epoch, best_acc=best_acc, width=width,
-        )
-
-    metrics = {}
-    start_epoch, done_in_epoch = resume_position(step, total_steps, steps_per_epoch)
-    for epoch in range(start_epoch, epochs):
-        # A resumed run rebuilds this epoch's shuffle and skips the batches it already trained on.
-        skip = done_in_epoch * batch_size if epoch == start_epoch else 0
-        train_loader.sampler.set_epoch(epoch, skip=skip)
-        for images, labels in train_loader:
-            if step >= total_steps:  # --max-steps, or resumed at the last step: on to evaluation
-                break
-            lr = scheduler.get_last_lr()[-1]  # the head's rate for this step (train_step then advances it)
+    for epoch in run.epochs():
+        train_loader.sampler.set_epoch(epoch)  # a new shuffle every epoch
+        for images, labels in run.batches(train_loader):
+            current_lr = scheduler.get_last_lr()[-1]  # the head's rate for this step (train_step then advances it)
             stats = train_step(model, optimizer, loss_fn, [(images, labels)], device=device,
                                precision=precision, scaler=scaler, scheduler=scheduler)
-            step += 1
-            run.log_train(step, stats, lr=lr, items=len(labels))
-            if run.checkpoint_due(step) and step % steps_per_epoch:  # an epoch's end: saved after its evaluation
-                run.save_checkpoint(state())
+            run.log_train(stats, lr=current_lr, items=len(labels))
+        val = evaluate(model, val_loader, eval_loss_fn, device=device, precision=precision)
+        if run.writer and (grid := misclassified_grid(model, val_set, device)) is not None:
+            run.writer.add_image("val/misclassified", grid, run.step)
+        run.log_eval(val, score=val["acc"])  # best.pt is the best validation accuracy
 
-        val = evaluate(model, test_loader, eval_loss_fn, device=device, precision=precision)
-        metrics = {"val_loss": val["loss"], "val_acc": val["acc"]}
-        run.log_eval(step, val, note=f"epoch {epoch + 1}/{epochs}  ")
-        grid = misclassified_grid(model, test_set, device)
-        if run.writer and grid is not None:
-            run.writer.add_image("val/misclassified", grid, step)
-        if val["acc"] > best_acc:
-            best_acc = val["acc"]
-            run.save_checkpoint(state(), "best.pt")
-        run.save_checkpoint(state())
-        if step >= total_steps:
-            break
-
-    run.finish(step, {**metrics, "best_val_acc": best_acc})
+    test = evaluate(model, make_loader(test_set, 1000, train=False, device=device), eval_loss_fn, device=device,
+                    precision=precision)
+    run.finish({"test_loss": test["loss"], "test_acc": test["acc"]})
 
 
 if __name__ == "__main__":
-    run_recipe(main)
+    cli.run_recipe(main)

@@ -28,29 +28,11 @@ import typer
 from torch import nn
 from torch.utils.data import Dataset
 
-from common.checkpoint import load_checkpoint, load_model_state, restore_training_state, training_state
-from common.cli import (
-    CheckpointEvery,
-    Compile,
-    DataDir,
-    Device,
-    Epochs,
-    MaxSteps,
-    NumWorkers,
-    Precision,
-    Progress,
-    RecipeError,
-    Resume,
-    RunDir,
-    Seed,
-    positive_float,
-    run_recipe,
-)
+from common import cli
+from common.checkpoint import load_checkpoint, load_model_state
 from common.data import download, make_loader
 from common.loop import StepStats, evaluate, to_device, train_step
-from common.resume import already_finished, resume_position
-from common.rundir import plain_config, prepare_run_dir
-from common.runtime import make_grad_scaler, prepare_model, resolve_device, seed_everything
+from common.runtime import make_grad_scaler, resolve_device, seed_everything
 from common.tracking import Run
 
 RECIPE = "tabular_mlp"
@@ -74,22 +56,22 @@ ADULT_COLUMNS = [
 def read_csv(path: Path) -> tuple[list[str], list[list[str]]]:
     """Header and rows of a CSV file, with every problem a user can cause reported as a RecipeError."""
     if not path.is_file():
-        raise RecipeError(f"--csv {path}: no such file")
+        raise cli.RecipeError(f"--csv {path}: {'is a directory' if path.is_dir() else 'no such file'}")
     try:
         with open(path, newline="", encoding="utf-8-sig") as f:  # -sig: Excel starts its CSVs with a BOM
             rows = [row for row in csv.reader(f) if row]
     except UnicodeDecodeError as err:
-        raise RecipeError(f"{path} is not UTF-8 text (byte {err.start}); re-save it as UTF-8") from None
+        raise cli.RecipeError(f"{path} is not UTF-8 text (byte {err.start}); re-save it as UTF-8") from None
     except csv.Error as err:
-        raise RecipeError(f"{path} is not a readable CSV file: {err}") from None
+        raise cli.RecipeError(f"{path} is not a readable CSV file: {err}") from None
     if not rows:
-        raise RecipeError(f"{path} is empty; it needs a header row and at least one data row")
+        raise cli.RecipeError(f"{path} is empty; it needs a header row and at least one data row")
     header, rows = [name.strip() for name in rows[0]], rows[1:]
     if not rows:
-        raise RecipeError(f"{path} has a header but no data rows")
+        raise cli.RecipeError(f"{path} has a header but no data rows")
     ragged = next((i for i, row in enumerate(rows) if len(row) != len(header)), None)
     if ragged is not None:
-        raise RecipeError(f"{path}: row {ragged + 2} has {len(rows[ragged])} fields, the header has {len(header)}")
+        raise cli.RecipeError(f"{path}: row {ragged + 2} has {len(rows[ragged])} fields, the header has {len(header)}")
     return header, rows
 
 
@@ -99,15 +81,15 @@ def load_adult(data_dir: Path) -> tuple[list[str], list[list[str]], list[list[st
     for name, (md5, expected_rows) in ADULT_FILES.items():
         try:
             path = download(ADULT_URL + name, data_dir / "adult" / name, md5)
-        except RecipeError as err:
-            raise RecipeError(f"{err}; or train on your own table with --csv FILE --target COLUMN") from None
+        except cli.RecipeError as err:
+            raise cli.RecipeError(f"{err}; or train on your own table with --csv FILE --target COLUMN") from None
         lines = path.read_text(encoding="utf-8").splitlines()
         if name == "adult.test":
             lines = lines[1:]  # its first line is "|1x3 Cross validator", not data
         # no header, ", " separators, and test labels end with a dot (">50K.")
         rows = [[field.strip().rstrip(".") for field in line.split(",")] for line in lines if line.strip()]
         if len(rows) != expected_rows or any(len(row) != len(ADULT_COLUMNS) for row in rows):
-            raise RecipeError(f"{path} is not the published {name} (rows or columns differ); delete it")
+            raise cli.RecipeError(f"{path} is not the published {name} (rows or columns differ); delete it")
         tables[name] = rows
     return ADULT_COLUMNS, tables["adult.data"], tables["adult.test"]
 
@@ -126,7 +108,7 @@ def fit_features(header: list[str], rows: list[list[str]], target: str, task: st
     columns = {name: [row[i].strip() for row in rows] for i, name in enumerate(header)}
     labels = [v for v in columns.pop(target) if v not in MISSING]
     if len(set(labels)) < 2:
-        raise RecipeError(f"target column {target!r} holds {len(set(labels))} distinct value(s) besides missing "
+        raise cli.RecipeError(f"target column {target!r} holds {len(set(labels))} distinct value(s) besides missing "
                           "ones: there is nothing to learn")
     numeric_labels = [as_float(v) for v in labels]
     if task == "auto":
@@ -137,7 +119,7 @@ def fit_features(header: list[str], rows: list[list[str]], target: str, task: st
     if task == "classification":
         spec["classes"] = sorted(set(labels))
     elif None in numeric_labels:
-        raise RecipeError(f"--task regression needs a numeric target, but {target!r} holds text")
+        raise cli.RecipeError(f"--task regression needs a numeric target, but {target!r} holds text")
     else:
         spec["target_mean"], spec["target_std"] = float(np.mean(numeric_labels)), float(np.std(numeric_labels) or 1)
     for name, values in columns.items():
@@ -156,7 +138,7 @@ def encode(spec: dict, header: list[str], rows: list[list[str]], *, with_target:
     needed = [*spec["numeric"], *spec["categorical"], *([spec["target"]] if with_target else [])]
     absent = [name for name in needed if name not in index]
     if absent:
-        raise RecipeError(f"the table lacks column(s) the model was trained on: {', '.join(absent)}")
+        raise cli.RecipeError(f"the table lacks column(s) the model was trained on: {', '.join(absent)}")
     numeric = np.zeros((len(rows), len(spec["numeric"])), dtype=np.float32)
     for j, (name, (mean, std)) in enumerate(spec["numeric"].items()):
         values = [row[index[name]].strip() for row in rows]
@@ -177,7 +159,7 @@ def encode(spec: dict, header: list[str], rows: list[list[str]], *, with_target:
     else:
         values = [as_float(v) for v in raw]
         if None in values:
-            raise RecipeError(f"target column {spec['target']!r} has missing or non-numeric values")
+            raise cli.RecipeError(f"target column {spec['target']!r} has missing or non-numeric values")
         target = ((np.array(values) - spec["target_mean"]) / spec["target_std"]).astype(np.float32)
     return numeric, categorical, target
 
@@ -285,9 +267,10 @@ def make_optimizer(name: str, model: nn.Module, lr: float, weight_decay: float) 
     return torch.optim.LBFGS(model.parameters(), lr=lr, max_iter=20, history_size=10, line_search_fn="strong_wolfe")
 
 
-def lbfgs_step(model, optimizer, loss_fn, batch, device) -> StepStats:
-    """LBFGS evaluates the loss several times per step (line search), so it takes a closure."""
-    *inputs, target = to_device(batch, device)
+def lbfgs_step(model, optimizer, loss_fn, micro_batches, *, device, **_) -> StepStats:
+    """``train_step`` for LBFGS, which evaluates the loss several times per step (its line search), so it
+    takes a closure; one full batch, in fp32 (the line search compares losses too closely for autocast)."""
+    *inputs, target = to_device(micro_batches[0], device)
 
     def closure():
         optimizer.zero_grad(set_to_none=True)
@@ -295,7 +278,7 @@ def lbfgs_step(model, optimizer, loss_fn, batch, device) -> StepStats:
         loss.backward()
         return loss
 
-    return StepStats(optimizer.step(closure).detach(), None, None)
+    return StepStats(optimizer.step(closure).detach())
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -326,7 +309,7 @@ def predict(checkpoint_path: Path, csv_path: Path, output: Path, device: torch.d
             writer.writerow([*header, *columns])
             writer.writerows([*row, *extra] for row, extra in zip(rows, values, strict=True))
     except OSError as err:
-        raise RecipeError(f"cannot write {output}: {err.strerror}") from None
+        raise cli.RecipeError(f"cannot write {output}: {err.strerror}") from None
     return len(rows)
 
 
@@ -342,12 +325,11 @@ def main(
         typer.Option(help="auto: classification for a text target or a few integer values, else regression."),
     ] = "auto",
     val_frac: Annotated[float, typer.Option(min=0.01, max=0.9, help="Share of rows held out for validation.")] = 0.2,
-    epochs: Epochs = 10,
-    max_steps: MaxSteps = None,
+    epochs: cli.Epochs = 10,
+    max_steps: cli.MaxSteps = None,
     batch_size: Annotated[int | None, typer.Option(min=1, help="Rows per step [default: 256; lbfgs: all].")] = None,
-    lr: Annotated[
-        float | None, typer.Option(callback=positive_float, help="Learning rate [default: 3e-3; sgd 0.05; lbfgs 1].")
-    ] = None,
+    lr: Annotated[float | None, typer.Option(
+        callback=cli.positive_float, help="Learning rate [default: 3e-3; sgd 0.05; lbfgs 1].")] = None,
     optimizer_name: Annotated[
         Literal["adamw", "adam", "sgd", "lbfgs"],
         typer.Option("--optimizer", help="lbfgs trains full-batch: for small tables only."),
@@ -355,7 +337,7 @@ def main(
     weight_decay: Annotated[
         float, typer.Option(min=0.0, help="Weight decay on weight matrices (decoupled in adamw, L2 in adam/sgd).")
     ] = 0.01,
-    max_grad_norm: Annotated[float, typer.Option(callback=positive_float, help="Gradient clipping norm.")] = 1.0,
+    max_grad_norm: Annotated[float, typer.Option(callback=cli.positive_float, help="Gradient clipping norm.")] = 1.0,
     hidden: Annotated[int, typer.Option(min=1, help="Width of the hidden layers.")] = 256,
     depth: Annotated[int, typer.Option(min=1, help="Number of hidden layers.")] = 3,
     dropout: Annotated[float, typer.Option(min=0.0, max=0.9, help="Dropout after each hidden layer.")] = 0.1,
@@ -363,16 +345,16 @@ def main(
         Path | None, typer.Option("--predict", help="Only predict: rows of this CSV, with the model from --resume.")
     ] = None,
     output: Annotated[Path | None, typer.Option(help="Predictions file [default: PREDICT.predictions.csv].")] = None,
-    seed: Seed = 0,
-    device: Device = "auto",
-    precision: Precision = "fp32",
-    compile: Compile = False,
-    num_workers: NumWorkers = 0,
-    data_dir: DataDir = Path("data"),
-    run_dir: RunDir = None,
-    resume: Resume = None,
-    checkpoint_every: CheckpointEvery = None,
-    progress: Progress = None,
+    seed: cli.Seed = 0,
+    device: cli.Device = "auto",
+    precision: cli.Precision = "fp32",
+    compile: cli.Compile = False,
+    num_workers: cli.NumWorkers = 0,
+    data_dir: cli.DataDir = Path("data"),
+    run_dir: cli.RunDir = None,
+    resume: cli.Resume = None,
+    checkpoint_every: cli.CheckpointEvery = None,
+    progress: cli.Progress = None,
 ):
     """Train an MLP on a CSV table (default: UCI Adult census income), or predict with a trained one."""
     if predict_csv is not None:
@@ -383,13 +365,15 @@ def main(
         n = predict(Path(resume), predict_csv, output, resolve_device(device))
         print(f"done: predictions={n} output={output}")
         return
+    if optimizer_name == "lbfgs":
+        if precision != "fp32":
+            raise typer.BadParameter("lbfgs needs fp32: its line search compares losses too closely for autocast",
+                                     param_hint="--precision")
+        if batch_size is not None:
+            raise typer.BadParameter("lbfgs trains on the whole table at once; leave --batch-size out",
+                                     param_hint="--batch-size")
     lr = lr or DEFAULT_LR[optimizer_name]
-    if optimizer_name == "lbfgs" and precision != "fp32":
-        raise typer.BadParameter("lbfgs needs fp32: its line search compares losses too closely for autocast",
-                                 param_hint="--precision")
-    config = plain_config(locals())
-    run_dir, resume_path = prepare_run_dir(RECIPE, run_dir, resume)
-    checkpoint = load_checkpoint(resume_path, RECIPE) if resume_path else None
+    run = Run(RECIPE, locals(), may_change={"predict_csv", "output"})
     seed_everything(seed)
     device = resolve_device(device)
 
@@ -403,30 +387,24 @@ def main(
         header, rows, test_rows = load_adult(data_dir)
         target = target or "income"
     if target not in header:
-        raise RecipeError(f"target column {target!r} is not in the table (columns: {', '.join(header)})")
+        raise cli.RecipeError(f"target column {target!r} is not in the table (columns: {', '.join(header)})")
     order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(seed)).tolist()
     n_val = max(1, round(val_frac * len(rows)))
     if len(rows) - n_val < 2:
-        raise RecipeError(f"{len(rows)} rows are too few to split off {val_frac:.0%} for validation")
+        raise cli.RecipeError(f"{len(rows)} rows are too few to split off {val_frac:.0%} for validation")
     train_rows, val_rows = [rows[i] for i in order[n_val:]], [rows[i] for i in order[:n_val]]
-    spec = checkpoint["features"] if checkpoint else fit_features(header, train_rows, target, task)
+    spec = run.checkpoint["features"] if run.resuming else fit_features(header, train_rows, target, task)
     classification = spec["task"] == "classification"
     train_set = TabularDataset(*encode(spec, header, train_rows))
     val_set = TabularDataset(*encode(spec, header, val_rows))
-    if optimizer_name == "lbfgs":
-        if batch_size is not None:
-            raise typer.BadParameter("lbfgs trains on the whole table at once; leave --batch-size out",
-                                     param_hint="--batch-size")
-        batch_size = len(train_set)
-    batch_size = batch_size or min(256, len(train_set))  # a small table still gets full batches
-    config |= {"target": target, "batch_size": batch_size}  # as resolved
+    batch_size = len(train_set) if optimizer_name == "lbfgs" else batch_size or min(256, len(train_set))
+    run.config |= {"target": target, "batch_size": batch_size}  # as resolved
     train_loader = make_loader(train_set, batch_size, train=True, seed=seed, num_workers=num_workers, device=device)
     val_loader = make_loader(val_set, 1024, train=False, num_workers=num_workers, device=device)
-    steps_per_epoch = len(train_loader)
-    if steps_per_epoch == 0:
-        raise RecipeError(f"--batch-size {batch_size} is larger than the training split ({len(train_set)} rows)")
 
-    model = build_model(spec, hidden, depth, dropout)
+    model = build_model(spec, hidden, depth, dropout).to(device)
+    if compile:
+        model = torch.compile(model)
     optimizer = make_optimizer(optimizer_name, model, lr, weight_decay)
     # Per-epoch schedule: drop the learning rate 10x at 50% and again at 75% of the epochs. With few epochs the
     # two coincide (MultiStepLR would then apply both drops at once) or fall on epoch 0 (a drop before training).
@@ -435,30 +413,12 @@ def main(
     scaler = make_grad_scaler(device, precision)
     # a -1 target (a class unseen in training) is skipped, not trained on
     loss_fn = nn.CrossEntropyLoss(ignore_index=-1) if classification else nn.MSELoss()
-
-    model = prepare_model(model, device, compile=compile)
-    step, best = 0, None
-    if checkpoint:  # after the move to the device: optimizer state loads onto the parameters' device
-        restore_training_state(checkpoint, resume_path, model=model, optimizer=optimizer, scheduler=scheduler,
-                               scaler=scaler, loader_generator=train_loader.generator, steps_per_epoch=steps_per_epoch)
-        step, best = checkpoint["step"], checkpoint["best"]
-
-    total_steps = min(epochs * steps_per_epoch, max_steps or epochs * steps_per_epoch)
-    if already_finished(step, total_steps, run_dir):
-        return
-    run = Run(RECIPE, config, run_dir, total_steps=total_steps, start_step=step,
-              checkpoint_every=checkpoint_every, progress=progress, model=model, optimizer=optimizer)
+    step_fn = lbfgs_step if optimizer_name == "lbfgs" else train_step
+    run.start(model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, loader=train_loader,
+              epochs=epochs, extra={"features": spec})
     kind = f"{len(spec['classes'])} classes" if classification else "regression"
-    resumed = f" | resumed at step {step}" if checkpoint else ""
-    run.print(f"run_dir {run_dir} | device {device} | {len(train_set)} train / {len(val_set)} val rows | "
-              f"{len(spec['numeric'])} numeric + {len(spec['categorical'])} categorical columns | {kind}{resumed}")
-
-    def state() -> dict:
-        return training_state(
-            RECIPE, config, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, step=step,
-            epoch=step // steps_per_epoch, loader_generator=train_loader.generator, steps_per_epoch=steps_per_epoch,
-            features=spec, best=best,
-        )
+    run.print(f"{len(train_set)} train / {len(val_set)} val rows | {len(spec['numeric'])} numeric + "
+              f"{len(spec['categorical'])} categorical columns | {kind}")
 
     def validate(loader) -> dict[str, float]:
         metrics = evaluate(model, loader, loss_fn, device=device, precision=precision, accuracy=classification)
@@ -466,41 +426,23 @@ def main(
             metrics["rmse"] = math.sqrt(metrics["loss"]) * spec["target_std"]
         return metrics
 
-    metrics = {}
-    start_epoch, done_in_epoch = resume_position(step, total_steps, steps_per_epoch)
-    for epoch in range(start_epoch, epochs):
-        train_loader.sampler.set_epoch(epoch, skip=done_in_epoch * batch_size if epoch == start_epoch else 0)
-        for batch in train_loader:
-            if step >= total_steps:  # --max-steps, or resumed at the last step: on to evaluation
-                break
-            if optimizer_name == "lbfgs":
-                stats = lbfgs_step(model, optimizer, loss_fn, batch, device)
-            else:
-                stats = train_step(model, optimizer, loss_fn, [batch], device=device, precision=precision,
-                                   scaler=scaler, max_grad_norm=max_grad_norm)
-            step += 1
-            run.log_train(step, stats, lr=scheduler.get_last_lr()[0], items=len(batch[-1]))
-            if step % steps_per_epoch == 0:
+    for epoch in run.epochs():
+        train_loader.sampler.set_epoch(epoch)
+        for batch in run.batches(train_loader):
+            current_lr = scheduler.get_last_lr()[0]
+            stats = step_fn(model, optimizer, loss_fn, [batch], device=device, precision=precision, scaler=scaler,
+                            max_grad_norm=max_grad_norm)
+            run.log_train(stats, lr=current_lr, items=len(batch[-1]))
+            if run.step % run.steps_per_epoch == 0:
                 scheduler.step()  # a per-epoch schedule: once, after the epoch's last optimizer step
-            if run.checkpoint_due(step) and step % steps_per_epoch:  # an epoch's end: saved after its evaluation
-                run.save_checkpoint(state())
-
         val = validate(val_loader)
-        metrics = {f"val_{k}": v for k, v in val.items()}
-        run.log_eval(step, val, note=f"epoch {epoch + 1}/{epochs}  ")
-        score = val["acc"] if classification else -val["rmse"]
-        if best is None or score > best:
-            best = score
-            run.save_checkpoint(state(), "best.pt")
-        run.save_checkpoint(state())
-        if step >= total_steps:
-            break
+        run.log_eval(val, score=val["acc"] if classification else -val["rmse"])
 
+    test = {}
     if test_rows is not None:  # Adult's official test file, scored once at the end
         test = validate(make_loader(TabularDataset(*encode(spec, header, test_rows)), 1024, train=False))
-        metrics.update({f"test_{k}": v for k, v in test.items()})
-    run.finish(step, metrics)
+    run.finish({f"test_{k}": v for k, v in test.items()})
 
 
 if __name__ == "__main__":
-    run_recipe(main)
+    cli.run_recipe(main)

@@ -32,38 +32,11 @@ import typer
 from torch import nn
 from torch.utils.data import IterableDataset, get_worker_info
 
-from common.checkpoint import load_checkpoint, load_model_state, restore_training_state, training_state
-from common.cli import (
-    BatchSize,
-    CheckpointEvery,
-    Compile,
-    DataDir,
-    Device,
-    LearningRate,
-    MaxSteps,
-    NumWorkers,
-    Precision,
-    Progress,
-    RecipeError,
-    Resume,
-    RunDir,
-    Seed,
-    Steps,
-    run_recipe,
-)
+from common import cli
+from common.checkpoint import load_checkpoint, load_model_state
 from common.data import make_loader
-from common.loop import evaluate, train_step
-from common.resume import already_finished
-from common.rundir import plain_config, prepare_run_dir
-from common.runtime import (
-    AUTOCAST_DTYPES,
-    make_grad_scaler,
-    measure_matmul_flops,
-    prepare_model,
-    resolve_device,
-    seed_everything,
-    unwrap,
-)
+from common.loop import StepStats, evaluate
+from common.runtime import AUTOCAST_DTYPES, autocast, measure_matmul_flops, resolve_device, seed_everything, unwrap
 from common.tracking import Run
 
 RECIPE = "tiny_transformer"
@@ -208,14 +181,14 @@ def stdlib_corpus() -> bytes:
 
 def read_text(path: Path) -> bytes:
     if not path.is_file():
-        raise RecipeError(f"--text {path}: no such file")
+        raise cli.RecipeError(f"--text {path}: {'is a directory' if path.is_dir() else 'no such file'}")
     data = path.read_bytes()
     if not data.strip():
-        raise RecipeError(f"--text {path} is empty")
+        raise cli.RecipeError(f"--text {path} is empty")
     try:
         data.decode("utf-8")
     except UnicodeDecodeError as err:
-        raise RecipeError(f"--text {path} is not UTF-8 text (byte {err.start}); re-save it as UTF-8") from None
+        raise cli.RecipeError(f"--text {path} is not UTF-8 text (byte {err.start}); re-save it as UTF-8") from None
     return data
 
 
@@ -227,7 +200,7 @@ def encode(data: bytes, vocab: str | None) -> torch.Tensor:
     text = data.decode("utf-8")
     unknown = sorted(set(text) - index.keys())
     if unknown:
-        raise RecipeError(f"characters not in the model's vocabulary: {''.join(unknown[:20])!r}")
+        raise cli.RecipeError(f"characters not in the model's vocabulary: {''.join(unknown[:20])!r}")
     return torch.tensor([index[ch] for ch in text], dtype=torch.int16 if len(vocab) < 2**15 else torch.int32)
 
 
@@ -309,14 +282,19 @@ def main(
     vocab_kind: Annotated[
         Literal["bytes", "chars"], typer.Option("--vocab", help="Tokens: bytes (256) or the characters seen.")
     ] = "bytes",
-    steps: Steps = 1200,
-    max_steps: MaxSteps = None,
-    batch_size: BatchSize = 32,
+    steps: cli.Steps = 1200,
+    max_steps: cli.MaxSteps = None,
+    batch_size: cli.BatchSize = 32,
     grad_accum: Annotated[int, typer.Option(min=1, help="Micro-batches accumulated per optimizer step.")] = 1,
-    lr: LearningRate = 2e-3,
+    lr: cli.LearningRate = 2e-3,
     min_lr_ratio: Annotated[float, typer.Option(min=0.0, max=1.0, help="Final rate as a share of --lr.")] = 0.1,
     warmup_steps: Annotated[int, typer.Option(min=0, help="Steps of linear warmup.")] = 100,
     weight_decay: Annotated[float, typer.Option(min=0.0, help="AdamW weight decay on matrices.")] = 0.1,
+    beta1: Annotated[float, typer.Option(callback=cli.decay_rate, help="AdamW's first-moment decay, in [0, 1).")] = 0.9,
+    beta2: Annotated[float, typer.Option(
+        callback=cli.decay_rate,
+        help="AdamW's second-moment decay, in [0, 1): raise it (0.99) for small batches, whose gradients are noisy."),
+    ] = 0.95,
     max_grad_norm: Annotated[float, typer.Option(min=0.0, help="Gradient clipping norm (0: off).")] = 1.0,
     n_layer: Annotated[int, typer.Option(min=1, help="Transformer blocks.")] = 4,
     n_head: Annotated[int, typer.Option(min=1, help="Attention heads (must divide --n-embd).")] = 4,
@@ -334,16 +312,15 @@ def main(
     prompt: Annotated[str, typer.Option(help="Text the samples continue.")] = "",
     sample_only: Annotated[bool, typer.Option("--sample-only", help="Only generate, from --resume.")] = False,
     peak_flops: Annotated[float | None, typer.Option(min=1.0, help="Peak FLOP/s for MFU [default: measured].")] = None,
-    seed: Seed = 0,
-    device: Device = "auto",
-    precision: Precision = "fp32",
-    compile: Compile = False,
-    num_workers: NumWorkers = 0,
-    data_dir: DataDir = Path("data"),  # every recipe takes it; this one downloads nothing
-    run_dir: RunDir = None,
-    resume: Resume = None,
-    checkpoint_every: CheckpointEvery = None,
-    progress: Progress = None,
+    seed: cli.Seed = 0,
+    device: cli.Device = "auto",
+    precision: cli.Precision = "fp32",
+    compile: cli.Compile = False,
+    num_workers: cli.NumWorkers = 0,
+    run_dir: cli.RunDir = None,
+    resume: cli.Resume = None,
+    checkpoint_every: cli.CheckpointEvery = None,
+    progress: cli.Progress = None,
 ):
     """Train a tiny GPT on text (default: the Python standard library), or sample from a trained one."""
     if n_embd % n_head:
@@ -357,95 +334,80 @@ def main(
         print(sample_text(model, checkpoint["vocab"], prompt, sample_tokens, temperature, top_k, seed,
                           next(model.parameters()).device))
         return
-    config = plain_config(locals())
-    run_dir, resume_path = prepare_run_dir(RECIPE, run_dir, resume)
-    checkpoint = load_checkpoint(resume_path, RECIPE) if resume_path else None
+    run = Run(RECIPE, locals(), unit="tokens", may_change={"eval_batches", "sample_tokens", "temperature", "top_k",
+                                                           "prompt", "peak_flops"})
     seed_everything(seed)
     device = resolve_device(device)
 
     # Data: the last 10% of the corpus is the validation split
     corpus = read_text(text) if text else stdlib_corpus()
-    if checkpoint:
-        vocab = checkpoint["vocab"]
+    if run.resuming:
+        vocab = run.checkpoint["vocab"]
     else:
         vocab = None if vocab_kind == "bytes" else "".join(sorted(set(corpus.decode("utf-8"))))
     tokens = encode(corpus, vocab)
     split = int(0.9 * len(tokens))
     train_tokens, val_tokens = tokens[:split], tokens[split:]
     if len(val_tokens) <= block_size:
-        raise RecipeError(f"the text has {len(tokens)} tokens: too short for --block-size {block_size} "
-                          f"(its last 10%, the validation split, needs more than one block)")
-    step = checkpoint["step"] if checkpoint else 0
-    train_stream = RandomWindows(train_tokens, block_size, batch_size, seed, start=step * grad_accum)
-    train_loader = make_loader(train_stream, None, train=True, seed=seed, num_workers=num_workers, device=device)
+        raise cli.RecipeError(f"the text has {len(tokens)} tokens: too short for --block-size {block_size} "
+                              f"(its last 10%, the validation split, needs more than one block)")
     val_stream = RandomWindows(val_tokens, block_size, batch_size, seed + 1)
     val_batches = [val_stream.batch(i) for i in range(eval_batches)]  # the same batches at every evaluation
 
     model_config = GPTConfig(256 if vocab is None else len(vocab), block_size, n_layer, n_head, n_embd, dropout,
                              attention)
-    model = GPT(model_config)
+    model = GPT(model_config).to(device)
+    flops_per_token = model.flops_per_token()
+    if compile:
+        model = torch.compile(model)
     # fused: one kernel for the whole update instead of a dozen per tensor (about 5x faster on a CPU)
-    optimizer = torch.optim.AdamW(parameter_groups(model, weight_decay), lr=lr, betas=(0.9, 0.95),
+    optimizer = torch.optim.AdamW(parameter_groups(model, weight_decay), lr=lr, betas=(beta1, beta2),
                                   fused=device.type in ("cuda", "cpu"))
     scheduler = warmup_cosine(optimizer, warmup_steps, steps, min_lr_ratio)
-    scaler = make_grad_scaler(device, precision)
-    flops_per_token = model.flops_per_token()
-    model = prepare_model(model, device, compile=compile)
-    if checkpoint:  # after the move to the device: optimizer state loads onto the parameters' device
-        restore_training_state(checkpoint, resume_path, model=model, optimizer=optimizer, scheduler=scheduler,
-                               scaler=scaler)
+    scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")  # fp16 only, as in mixed_precision
+    run.start(model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, steps=steps,
+              eval_every=eval_every, extra={"vocab": vocab, "model_config": asdict(model_config)})
+    # The stream's position follows from the step: a resumed run draws the batches it had not reached.
+    train_stream = RandomWindows(train_tokens, block_size, batch_size, seed, start=run.step * grad_accum)
+    batches = iter(make_loader(train_stream, None, train=True, seed=seed, num_workers=num_workers, device=device))
     peak_flops = peak_flops or measure_matmul_flops(device, AUTOCAST_DTYPES.get(precision, torch.float32))
+    run.print(f"{len(train_tokens):,} train / {len(val_tokens):,} val tokens | vocab {model_config.vocab_size} | "
+              f"{sum(p.numel() for p in model.parameters()):,} parameters | peak {peak_flops / 1e9:.0f} GFLOP/s")
 
-    total_steps = min(steps, max_steps or steps)
-    if already_finished(step, total_steps, run_dir):
-        return
-    run = Run(RECIPE, config, run_dir, total_steps=total_steps, start_step=step, checkpoint_every=checkpoint_every,
-              progress=progress, model=model, optimizer=optimizer, throughput_unit="tokens")
     unit = "byte" if vocab is None else "char"
-    run.print(f"run_dir {run_dir} | device {device} | {len(train_tokens):,} train / {len(val_tokens):,} val tokens "
-              f"| vocab {model_config.vocab_size} | {sum(p.numel() for p in model.parameters()):,} parameters | "
-              f"peak {peak_flops / 1e9:.0f} GFLOP/s{f' | resumed at step {step}' if checkpoint else ''}")
+    for _ in run.epochs():  # rounds of --eval-every steps, each ending in an evaluation
+        for _ in run.steps():
+            current_lr = scheduler.get_last_lr()[0]
+            # Gradient accumulation: grad_accum micro-batches, each loss divided by their number, add up to the
+            # gradient of one batch grad_accum times larger, in the memory of one micro-batch.
+            step_loss = torch.zeros((), device=device)
+            for _ in range(grad_accum):
+                x, y = (t.to(device, non_blocking=True) for t in next(batches))
+                with autocast(device, precision):
+                    loss = lm_loss(model(x), y) / grad_accum
+                scaler.scale(loss).backward()  # gradients add up in .grad until zero_grad
+                step_loss += loss.detach().float()
+            scaler.unscale_(optimizer)  # fp16: clip the true gradients, not the scaled ones
+            grad_norm = nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm or math.inf)
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad(set_to_none=True)
+            scheduler.step()
+            skipped = ~torch.isfinite(grad_norm) if scaler.is_enabled() else None
+            tokens = grad_accum * batch_size * block_size
+            run.log_train(StepStats(step_loss, grad_norm, skipped), lr=current_lr, items=tokens)
 
-    def state() -> dict:
-        return training_state(RECIPE, config, model=model, optimizer=optimizer, scheduler=scheduler,
-                              scaler=scaler, step=step, epoch=0, vocab=vocab, model_config=asdict(model_config),
-                              best_val_loss=best_val_loss)
-
-    def evaluate_and_sample() -> dict[str, float]:
         val = evaluate(model, val_batches, lm_loss, device=device, precision=precision)
         val[f"bits_per_{unit}"] = val["loss"] / math.log(2)
         mfu = flops_per_token * run.throughput / peak_flops
-        run.log_eval(step, val, note=f"mfu {mfu:.1%}  ")
+        run.log_eval(val, score=-val["loss"], note=f"mfu {mfu:.1%}  ")
         sample = sample_text(model, vocab, prompt, sample_tokens, temperature, top_k, seed, device)
-        run.print(f"--- sample at step {step} ---\n{sample}\n---")
+        run.print(f"--- sample at step {run.step} ---\n{sample}\n---")
         if run.writer:
-            run.writer.add_scalar("perf/mfu", mfu, step)
-            run.writer.add_text("sample", "    " + sample.replace("\n", "\n    "), step)  # indented: verbatim
-        return {f"val_{k}": v for k, v in val.items()} | {"mfu": mfu}
-
-    batches = iter(train_loader)
-    metrics = {}
-    best_val_loss = checkpoint["best_val_loss"] if checkpoint else math.inf
-    while step < total_steps:
-        lr_now = scheduler.get_last_lr()[0]
-        micro_batches = [next(batches) for _ in range(grad_accum)]
-        stats = train_step(model, optimizer, lm_loss, micro_batches, device=device, precision=precision,
-                           scaler=scaler, scheduler=scheduler, max_grad_norm=max_grad_norm or None)
-        step += 1
-        run.log_train(step, stats, lr=lr_now, items=grad_accum * batch_size * block_size)
-        if step % eval_every == 0 or step == total_steps:
-            metrics = evaluate_and_sample()
-            if metrics["val_loss"] < best_val_loss:
-                best_val_loss = metrics["val_loss"]
-                run.save_checkpoint(state(), "best.pt")
-            run.save_checkpoint(state())
-        elif run.checkpoint_due(step):
-            run.save_checkpoint(state())
-
-    if not metrics:  # resumed at its last step, stopped before its final evaluation
-        metrics = evaluate_and_sample()
-    run.finish(step, metrics)
+            run.writer.add_scalar("perf/mfu", mfu, run.step)
+            run.writer.add_text("sample", "    " + sample.replace("\n", "\n    "), run.step)  # indented: verbatim
+    run.finish({"mfu": flops_per_token * run.throughput / peak_flops})
 
 
 if __name__ == "__main__":
-    run_recipe(main)
+    cli.run_recipe(main)

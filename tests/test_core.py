@@ -1,10 +1,14 @@
 """The shared core: precision, the training step, evaluation, checkpoints, loaders, run directories."""
 
+import contextlib
+import errno
 import hashlib
 import io
 import math
 import os
 import signal
+import subprocess
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -18,7 +22,7 @@ from torch.utils.data import TensorDataset
 from common import checkpoint as ckpt
 from common.cli import RecipeError
 from common.data import download, make_loader
-from common.loop import evaluate, train_step
+from common.loop import StepStats, evaluate, train_step
 from common.rundir import StopRequest, prepare_run_dir
 from common.runtime import make_grad_scaler, resolve_device, unwrap
 from common.tracking import Run
@@ -96,6 +100,36 @@ def test_gradient_accumulation_equals_one_big_batch():
     assert stats.loss.item() == pytest.approx(LOSS(tiny_model()(x), y).item(), rel=1e-5)
 
 
+@pytest.mark.parametrize("loss_fn", [LOSS, nn.CrossEntropyLoss(ignore_index=-1)], ids=["sizes", "ignored targets"])
+def test_unequal_micro_batches_step_like_their_concatenation(loss_fn):
+    x, y = tiny_data(4).tensors
+    if loss_fn.ignore_index == -1:  # the 3-sample micro-batch has one target that counts, the 1-sample one all
+        y = torch.tensor([-1, y[1].item(), -1, y[3].item()])
+    one, split = tiny_model(), tiny_model()
+    opt_one, opt_split = (torch.optim.SGD(m.parameters(), lr=0.5) for m in (one, split))
+    train_step(one, opt_one, loss_fn, [(x, y)], device=CPU)
+    stats = train_step(split, opt_split, loss_fn, [(x[:3], y[:3]), (x[3:], y[3:])], device=CPU)
+    for a, b in zip(one.parameters(), split.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)  # a plain mean of the two losses is 30% off
+    assert stats.loss.item() == pytest.approx(loss_fn(tiny_model()(x), y).item(), rel=1e-5)
+
+
+def test_evaluate_counts_only_the_targets_the_loss_counts():
+    loss_fn = nn.CrossEntropyLoss(ignore_index=-1)
+    x, y = tiny_data(40).tensors
+    y = y.clone()
+    y[:10] = -1  # a whole first batch of unknown labels, and some in the others
+    y[15] = y[33] = -1
+    model = tiny_model().eval()
+    metrics = evaluate(model, [(x[i:i + 10], y[i:i + 10]) for i in range(0, 40, 10)], loss_fn, device=CPU)
+    with torch.no_grad():
+        logits = model(x)
+    valid = y != -1
+    assert math.isfinite(metrics["loss"])
+    assert metrics["loss"] == pytest.approx(loss_fn(logits, y).item(), rel=1e-6)
+    assert metrics["acc"] == pytest.approx((logits.argmax(1) == y)[valid].float().mean().item())
+
+
 def test_clipping_bounds_the_update_and_reports_the_norm():
     model = tiny_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
@@ -145,7 +179,7 @@ def test_resumed_epoch_skips_exactly_what_was_seen():
     loader = make_loader(data, 10, train=True, seed=3)
     loader.sampler.set_epoch(2)
     full = [batch[0].tolist() for batch in loader]
-    loader.sampler.set_epoch(2, skip=4 * 10)
+    loader.sampler.skip = 4 * 10  # what Run.batches sets for a run resumed after 4 steps of this epoch
     assert [batch[0].tolist() for batch in loader] == full[4:]
 
 
@@ -168,7 +202,8 @@ def run_steps(setup, start, stop):
     step = start
     epoch, skip = divmod(start, len(loader))
     while step < stop:
-        loader.sampler.set_epoch(epoch, skip=skip * 8)
+        loader.sampler.set_epoch(epoch)
+        loader.sampler.skip = skip * 8
         for batch in loader:
             train_step(model, optimizer, LOSS, [batch], device=CPU, precision="fp16", scaler=scaler,
                        scheduler=scheduler)
@@ -184,18 +219,17 @@ def test_checkpoint_round_trip_continues_bit_identically(tmp_path):
     run_steps(setup, 0, 11)  # stops mid-epoch (8 steps per epoch)
     model, optimizer, scheduler, scaler, loader = setup
     path = tmp_path / "last.pt"
-    ckpt.save_checkpoint(path, ckpt.training_state("test", {"a": 1}, model=model, optimizer=optimizer,
-                                                   scheduler=scheduler, scaler=scaler, step=11, epoch=1,
-                                                   loader_generator=loader.generator))
+    saved = ckpt.TrainingState("test", {"a": 1}, model, optimizer, scheduler, scaler, loader.generator, step=11)
+    ckpt.save_checkpoint(path, saved.state_dict())
     run_steps(setup, 11, 17)
     uninterrupted = {k: v.clone() for k, v in model.state_dict().items()}
 
     torch.manual_seed(123)  # disturb the global RNG: the checkpoint must restore it
     fresh = training_setup()
     state = ckpt.load_checkpoint(path, "test")
-    ckpt.restore_training_state(state, path, model=fresh[0], optimizer=fresh[1], scheduler=fresh[2],
-                                scaler=fresh[3], loader_generator=fresh[4].generator)
-    assert state["step"] == 11 and state["config"] == {"a": 1}
+    restored = ckpt.TrainingState("test", {"a": 1}, *fresh[:4], fresh[4].generator)
+    restored.load_state_dict(state, path)
+    assert restored.step == 11 and state["config"] == {"a": 1}
     run_steps(fresh, 11, 17)
     assert_same_weights(uninterrupted, fresh[0].state_dict())
     assert fresh[2].get_last_lr() == scheduler.get_last_lr()
@@ -261,8 +295,7 @@ def test_checkpoint_of_another_recipe_is_refused(tmp_path):
 def test_saved_model_is_unwrapped(tmp_path):
     compiled = torch.compile(tiny_model(), backend="eager")
     assert unwrap(compiled) is compiled._orig_mod
-    state = ckpt.training_state("t", {}, model=compiled, optimizer=torch.optim.SGD(compiled.parameters(), lr=1),
-                                scheduler=None, scaler=None, step=0, epoch=0)
+    state = ckpt.TrainingState("t", {}, compiled, torch.optim.SGD(compiled.parameters(), lr=1)).state_dict()
     assert all(not k.startswith(("_orig_mod.", "module.")) for k in state["model"])
 
 
@@ -283,17 +316,25 @@ def test_run_dir_with_checkpoints_is_not_overwritten(tmp_path):
     assert prepare_run_dir("t", tmp_path / "new", "auto") == (tmp_path / "new", None)
 
 
-def test_run_logs_scalars_and_stops_on_a_non_finite_loss(tmp_path):
-    from common.loop import StepStats
+def started_run(run_dir: Path, steps: int, log_every: int = 10, **options) -> Run:
+    """A Run over a tiny model, started for ``steps`` steps (evaluated at the end only)."""
+    model = tiny_model()
+    run = Run("t", {"run_dir": run_dir, "progress": False, **options}, log_every=log_every)
+    run.start(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), steps=steps)
+    return run
 
-    run = Run("t", {"lr": 0.1}, tmp_path, total_steps=100, log_every=5)
-    for step in range(1, 8):
-        loss = torch.tensor(float("nan") if step == 7 else 1.0 / step)
-        if step < 7:
-            run.log_train(step, StepStats(loss, None, None), lr=0.1 * step, items=4)
-    run.log_eval(6, {"loss": 0.5, "acc": 0.75})
-    run.save_checkpoint({"model": {}, "recipe": "t", "step": 6})
-    run.log_train(7, StepStats(loss, None, None), lr=0.7, items=4)
+
+def stats(loss: float, grad_norm: float | None = None, skipped: bool | None = None) -> StepStats:
+    return StepStats(torch.tensor(loss), None if grad_norm is None else torch.tensor(grad_norm),
+                     None if skipped is None else torch.tensor(skipped))
+
+
+def test_run_logs_scalars_and_stops_on_a_non_finite_loss(tmp_path):
+    run = started_run(tmp_path, steps=100, log_every=5)
+    for step in range(1, 7):
+        run.log_train(stats(1.0 / step), lr=0.1 * step, items=4)
+    run.log_eval({"loss": 0.5, "acc": 0.75})  # also saves last.pt at step 6
+    run.log_train(stats(float("nan")), lr=0.7, items=4)
     with pytest.raises(RecipeError, match=r"loss is nan at step 7; the last good checkpoint is .*last\.pt"):
         run.flush()
     run.close()
@@ -301,33 +342,91 @@ def test_run_logs_scalars_and_stops_on_a_non_finite_loss(tmp_path):
     assert [s for s, _ in scalars["train/loss"]] == [1, 2, 3, 4, 5, 6]
     assert scalars["train/lr"][2][1] == pytest.approx(0.3)
     assert scalars["val/acc"] == [(6, 0.75)]
+    assert torch.load(tmp_path / "checkpoints" / "last.pt", weights_only=True)["step"] == 6
 
 
 def test_fp16_skipped_steps_are_counted_not_fatal(tmp_path):
-    from common.loop import StepStats
-
-    run = Run("t", {}, tmp_path, total_steps=2, progress=False)
-    run.log_train(1, StepStats(torch.tensor(float("inf")), torch.tensor(float("inf")), torch.tensor(True)),
-                  lr=0.1, items=1)
-    run.log_train(2, StepStats(torch.tensor(0.5), torch.tensor(1.0), torch.tensor(False)), lr=0.1, items=1)
-    summary = run.finish(2, {})
+    run = started_run(tmp_path, steps=2)
+    run.log_train(stats(float("inf"), float("inf"), True), lr=0.1, items=1)
+    run.log_train(stats(0.5, 1.0, False), lr=0.1, items=1)
+    summary = run.finish()
     assert summary["skipped_steps"] == 1 and summary["train_loss"] == 0.5
     assert Path(tmp_path / "metrics.json").is_file()
 
 
+def test_fp16_that_never_steps_stops_with_what_to_try(tmp_path):
+    run = started_run(tmp_path, steps=200)
+    for _ in range(49):
+        run.log_train(stats(float("inf"), float("inf"), True), lr=0.1, items=1)
+    run.log_train(stats(0.5, 1.0, False), lr=0.1, items=1)  # one good step resets the count
+    with pytest.raises(RecipeError, match=r"overflows fp16: the GradScaler skipped 50 steps in a row up to step 100; "
+                                          r"try --precision bf16.*Try a lower --lr"):
+        for _ in range(50):
+            run.log_train(stats(float("inf"), float("inf"), True), lr=0.1, items=1)
+        run.flush()
+
+
+def test_throughput_leaves_out_the_first_window(tmp_path, monkeypatch):
+    clock = iter(range(1000))
+    monkeypatch.setattr(time, "perf_counter", lambda: float(next(clock)))
+    run = started_run(tmp_path, steps=30, log_every=10)
+    for step in range(1, 31):
+        if step == 1:
+            for _ in range(50):  # the first step is slow: start-up, compilation
+                time.perf_counter()
+        run.log_train(stats(1.0), lr=0.1, items=100)
+    assert run.first_window[0] == 1000 and run.first_window[1] > 50
+    steady = (run.items - run.first_window[0]) / (run.train_seconds - run.first_window[1])
+    assert run.throughput == pytest.approx(steady) and run.throughput > 1.5 * run.items / run.train_seconds
+
+
 def test_spoiled_weights_are_never_saved(tmp_path):
     """A step can report a finite loss while its inf/nan gradients spoil the weights: no checkpoint of those."""
-    from common.loop import StepStats
-
-    run = Run("t", {}, tmp_path, total_steps=10, progress=False)
-    good = {"recipe": "t", "step": 1, "model": {"w": torch.ones(2)}}
-    run.log_train(1, StepStats(torch.tensor(0.5), None, None), lr=0.1, items=1)
-    run.save_checkpoint(good)
+    run = started_run(tmp_path, steps=10)
+    run.log_train(stats(0.5), lr=0.1, items=1)
+    run.save()
     before = (tmp_path / "checkpoints" / "last.pt").read_bytes()
-    run.log_train(2, StepStats(torch.tensor(0.4), None, None), lr=0.1, items=1)
-    with pytest.raises(RecipeError, match=r"the weights hold inf/nan after step 2 \(w\); the last good checkpoint"):
-        run.save_checkpoint({"recipe": "t", "step": 2, "model": {"w": torch.tensor([1.0, float("nan")])}})
+    run.log_train(stats(0.4), lr=0.1, items=1)
+    with torch.no_grad():
+        run.state.model[0].weight[0, 0] = float("nan")
+    with pytest.raises(RecipeError, match=r"the weights hold inf/nan after step 2 \(0\.weight\); the last good"):
+        run.save()
     assert (tmp_path / "checkpoints" / "last.pt").read_bytes() == before
+
+
+def can_mount_tmpfs(path: Path) -> bool:
+    path.mkdir()
+    return os.geteuid() == 0 and subprocess.run(["mount", "-t", "tmpfs", "-o", "size=512k", "tmpfs", str(path)],
+                                                capture_output=True).returncode == 0
+
+
+def test_a_full_disk_is_one_line_and_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    disk = tmp_path / "small-disk"
+    mounted = can_mount_tmpfs(disk)
+    try:
+        run = started_run(disk / "run", steps=10)
+        run.log_train(stats(0.5), lr=0.1, items=1)
+        run.save()  # a few KB: fits
+        before = (disk / "run" / "checkpoints" / "last.pt").read_bytes()
+        run.log_train(stats(0.4), lr=0.1, items=1)
+        if mounted:  # a real full disk: fill what is left of it
+            with open(disk / "filler", "wb", buffering=0) as filler, contextlib.suppress(OSError):
+                while True:
+                    filler.write(b"x" * 1024)
+        else:  # no tmpfs here: make the write fail the way a full disk does
+            def no_space(*args, **kwargs):
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            monkeypatch.setattr(torch, "save", no_space)
+        with pytest.raises(RecipeError) as err:
+            run.save()
+        assert str(err.value) == (f"could not write checkpoint {disk / 'run' / 'checkpoints' / 'last.pt'}: No space "
+                                  "left on device; the previous checkpoint (step 1) is intact")
+        assert (disk / "run" / "checkpoints" / "last.pt").read_bytes() == before
+        assert sorted(p.name for p in (disk / "run" / "checkpoints").iterdir()) == ["last.pt"]  # no temporary file
+        run.close()
+    finally:
+        if mounted:
+            subprocess.run(["umount", str(disk)], check=True)
 
 
 def test_download_checks_the_published_checksum(tmp_path, monkeypatch):
@@ -357,16 +456,17 @@ def test_download_checks_the_published_checksum(tmp_path, monkeypatch):
     assert dest.read_bytes() == b"altered"  # what was there is left for the user to inspect
 
 
-def test_first_ctrl_c_asks_for_a_stop_and_the_second_quits_at_once():
+@pytest.mark.parametrize(("signum", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_first_signal_asks_for_a_stop_and_the_second_quits_at_once(signum, code):
     said = []
-    previous = signal.getsignal(signal.SIGINT)
+    previous = signal.getsignal(signum)
     stop = StopRequest(said.append)
     try:
-        signal.raise_signal(signal.SIGINT)  # the handler runs now, in this thread
+        signal.raise_signal(signum)  # the handler runs now, in this thread
         assert stop.requested and "saving a checkpoint after this step" in said[0]
         with pytest.raises(SystemExit) as exit_:
-            signal.raise_signal(signal.SIGINT)
-        assert exit_.value.code == 130
+            signal.raise_signal(signum)
+        assert exit_.value.code == code
     finally:
         stop.restore()
-    assert signal.getsignal(signal.SIGINT) is previous
+    assert signal.getsignal(signum) is previous

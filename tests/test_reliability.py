@@ -177,8 +177,9 @@ INPUT_CASES = {  # recipe inputs, exit 1
     "tabular_mlp": ["missing csv", "empty csv", "header-only csv", "no such target", "one-class target",
                     "resumed with another optimizer", "resumed with adam instead of adamw",
                     "resumed with another batch size"],
-    "tiny_transformer": ["non-utf8 text", "too-short text"],
-    "mnist_onecycle": ["corrupt idx", "resumed with another batch size"],
+    "tiny_transformer": ["non-utf8 text", "too-short text", "resumed with another batch size",
+                         "resumed with another gradient accumulation", "text is a directory"],
+    "mnist_onecycle": ["corrupt idx", "resumed with another batch size", "resumed on other data"],
     "ddp_mlp": ["corrupt idx", "nccl without cuda", "resumed with another batch size"],
     "mixed_precision": ["resumed with another batch size"],
     "compiled_model": ["resumed with another batch size"],
@@ -251,13 +252,21 @@ def bad_arguments(recipe: str, case: str, request, tmp_path: Path, trained) -> t
     if case == "cuda absent":
         return [*resume, "--device", "cuda"], 1, "CUDA is not available"
     if case == "resumed with another schedule":  # the saved schedule would silently override the new length
-        return [*resume, length, "500"], 1, "follows another learning-rate schedule"
+        return [*resume, length, "500"], 1, f"was started with other options ({length} "
     if case == "resumed with another optimizer":
-        return [*resume, "--optimizer", "sgd"], 1, "was saved with other optimizer settings"
+        return [*resume, "--optimizer", "sgd"], 1, "--optimizer adamw there, sgd here"
     if case == "resumed with adam instead of adamw":  # the same settings' names; only their values differ
-        return [*resume, "--optimizer", "adam"], 1, "(group 0 decoupled_weight_decay, group 1 decoupled_weight_decay)"
-    if case == "resumed with another batch size":  # an epoch of other steps: the resume point would be off
-        return [*resume, "--batch-size", "16"], 1, "steps per epoch, this run"
+        return [*resume, "--optimizer", "adam"], 1, "(--optimizer adamw there, adam here)"
+    if case == "resumed with another batch size":  # other batches: the resume point would be off
+        return [*resume, "--batch-size", "16"], 1, "(--batch-size "
+    if case == "resumed with another gradient accumulation":  # the stream's position would point at other data
+        return [*resume, "--grad-accum", "3"], 1, "(--grad-accum 1 there, 3 here)"
+    if case == "resumed on other data":  # the same options, but an epoch of other length
+        other = tmp_path / "other-mnist"
+        write_mnist(other, synthetic_digits(256, 0), synthetic_digits(32, 1))
+        return [*resume, "--data-dir", other], 1, "steps per epoch, this run"
+    if case == "text is a directory":
+        return [*resume, "--text", tmp_path], 1, f"--text {tmp_path}: is a directory"
     if case == "one-class target":
         (tmp_path / "one.csv").write_text("x,label\n" + "".join(f"{i},yes\n" for i in range(40)))
         text = "target column 'label' holds 1 distinct value(s)"
