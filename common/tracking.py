@@ -1,6 +1,6 @@
 """One training run's plumbing, in one object: the run directory and what it holds (config.json, TensorBoard
-events, checkpoints, metrics.json), resuming, the epoch and step bookkeeping, the progress bar and the final
-``done:`` line. Only rank 0 writes files; every rank keeps the same bookkeeping.
+events, checkpoints, metrics.json), resuming, where the loop is, the progress bar and the ``done:`` line.
+Only rank 0 writes files; every rank keeps the same bookkeeping.
 
     run = Run(RECIPE, locals())                  # first line of main: run directory, checkpoint to resume from
     ...                                          # data, model, optimizer, schedule: the recipe's own
@@ -12,9 +12,9 @@ events, checkpoints, metrics.json), resuming, the epoch and step bookkeeping, th
         run.log_eval(evaluate(...), score=...)   # best.pt when the score is the best so far, then last.pt
     run.finish()
 
-Step losses arrive as device tensors and are read back ``log_every`` steps at a time: one device sync per
-window instead of one per step. That read is also where a non-finite loss is caught, and every checkpoint save
-reads first, so a checkpoint never holds weights that a NaN step has already spoiled.
+Step losses stay on the device and are read back ``log_every`` steps at a time: one sync per window instead
+of one per step. That read is also where a non-finite loss is caught, and every save reads first, so a
+checkpoint never holds weights that a NaN step has already spoiled.
 """
 
 import atexit
@@ -45,16 +45,21 @@ class Run:
         self.unit, self.log_every = unit, log_every
         self.rank, self.world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
         self.is_main = self.rank == 0
-        run_dir = [self.options.get("run_dir")]
+        run_dir, resume = [self.options.get("run_dir")], self.options.get("resume")
         if self.world_size > 1:  # rank 0 names a default directory; every rank must use that one
-            run_dir = [prepare_run_dir(recipe, run_dir[0], self.options.get("resume"))[0] if self.is_main else None]
+            run_dir = [prepare_run_dir(recipe, run_dir[0], resume)[0] if self.is_main else None]
             dist.broadcast_object_list(run_dir)
-        self.run_dir, resume_path = prepare_run_dir(recipe, run_dir[0], self.options.get("resume"), self.is_main)
-        self.resume_path = resume_path
-        self.checkpoint = load_checkpoint(resume_path, recipe) if resume_path else None
+        self.run_dir, self.resume_path = prepare_run_dir(recipe, run_dir[0], resume, self.is_main)
+        self.checkpoint = load_checkpoint(self.resume_path, recipe) if self.resume_path else None
         self.config = plain_config(self.options)
-        self.finished, self.state, self.writer, self.stop = False, None, None, None
+        self.finished, self.state, self.writer, self.stop, self.metrics, self.memory = False, None, None, None, {}, {}
+        self.pending: list[tuple[int, StepStats, float, int]] = []  # steps not yet read back from the device
         self.items, self.train_seconds, self.first_window = 0, 0.0, None  # throughput leaves the first window out
+        self.train_loss, self.interval_losses, self.skipped_steps, self.skipped_in_a_row = math.nan, [], 0, 0
+        show = self.options.get("progress")
+        self.progress = Progress(TextColumn("step"), MofNCompleteColumn(), BarColumn(),
+                                 TextColumn("{task.fields[status]}"), TimeRemainingColumn(),
+                                 disable=not ((sys.stdout.isatty() if show is None else show) and self.is_main))
 
     @property
     def resuming(self) -> bool:
@@ -63,6 +68,10 @@ class Run:
     @property
     def step(self) -> int:
         return self.state.step if self.state else 0
+
+    def print(self, message: str) -> None:
+        if self.is_main:
+            self.progress.console.print(message, highlight=False, markup=False, soft_wrap=True)
 
     def start(self, *, model, optimizer, scheduler=None, scaler=None, loader=None, epochs: int | None = None,
               steps: int | None = None, eval_every: int | None = None, extra: dict | None = None) -> None:
@@ -73,7 +82,7 @@ class Run:
         self.total_steps = min(schedule_steps, self.options.get("max_steps") or schedule_steps)
         self.n_epochs, self.per_epoch = math.ceil(schedule_steps / self.steps_per_epoch), bool(epochs)
         self.state = TrainingState(self.recipe, self.config, model, optimizer, scheduler, scaler,
-                                   loader.generator if loader is not None else None, self.steps_per_epoch, extra or {})
+                                   getattr(loader, "generator", None), self.steps_per_epoch, extra or {})
         if self.checkpoint:
             check_same_run(self.checkpoint, self.resume_path, self.config, self.steps_per_epoch, self.may_change,
                            OPTION_NAMES)
@@ -82,14 +91,10 @@ class Run:
         # nor overwrite its results. One stopped between its last checkpoint and metrics.json goes on.
         if self.step >= self.total_steps and finished_step(self.run_dir) == self.step:
             self.finished = True
-            self.print(f"already finished: step {self.step} of {self.total_steps}; nothing trained, {self.run_dir} "
-                       "left as it was (a run cut short by --max-steps goes on with a larger one)")
-            return
+            return self.print(f"already finished: step {self.step} of {self.total_steps}; nothing trained, {self.run_dir}"
+                              " left as it was (a run cut short by --max-steps goes on with a larger one)")
         device = next(model.parameters()).device
         self.started = self.window_start = self.last_step_time = time.perf_counter()
-        self.pending: list[tuple[int, StepStats, float, int]] = []  # steps not yet read back from the device
-        self.interval_losses, self.metrics, self.memory = [], {}, {}
-        self.train_loss, self.skipped_steps, self.skipped_in_a_row = math.nan, 0, 0
         self.last_saved = self.step if self.checkpoint else None
         self.config_json = {**self.config, "run_dir": str(self.run_dir), "torch_version": torch.__version__,
                             "device_used": str(device), "world_size": self.world_size}
@@ -97,23 +102,12 @@ class Run:
             write_json(self.run_dir / "config.json", self.config_json)
             # purge_step hides events a killed run logged after its checkpoint's step, so curves stay single
             self.writer = SummaryWriter(str(self.run_dir), purge_step=self.step + 1 if self.step else None)
-        show = self.options.get("progress")
-        self.progress = Progress(TextColumn("step"), MofNCompleteColumn(), BarColumn(),
-                                 TextColumn("{task.fields[status]}"), TimeRemainingColumn(),
-                                 disable=not ((sys.stdout.isatty() if show is None else show) and self.is_main))
         self.task = self.progress.add_task("train", total=self.total_steps, completed=self.step, status="")
         self.progress.start()
         self.stop = StopRequest(self.print)
         atexit.register(self.close)  # an error that ends the run still flushes TensorBoard's events
         resumed = f" | resumed at step {self.step}" if self.checkpoint else ""
         self.print(f"run_dir {self.run_dir} | device {device} | {self.world_size} process(es){resumed}")
-
-    def print(self, message: str) -> None:
-        if self.is_main:
-            if self.state and not self.finished:
-                self.progress.console.print(message, highlight=False, markup=False, soft_wrap=True)
-            else:
-                print(message, flush=True)
 
     # ---- where the loop is
 
@@ -138,10 +132,8 @@ class Run:
     def batches(self, loader: Iterable) -> Iterator:
         """This epoch's batches still to train: a resumed epoch skips those it already trained on."""
         loader.sampler.skip = self.done_in_epoch * loader.batch_size
-        try:
-            # steps() first: no batch is loaded past the last step
-            for _, batch in zip(self.steps(), loader, strict=False):
-                yield batch
+        try:  # steps() first: no batch is loaded past the last step
+            yield from (batch for _, batch in zip(self.steps(), loader, strict=False))
         finally:
             loader.sampler.skip = 0
 
@@ -149,11 +141,10 @@ class Run:
 
     def log_train(self, stats: StepStats, *, lr: float, items: int) -> None:
         """Count one optimizer step and log it; ``items`` is samples (or tokens) in it, across all ranks.
-        Checkpoints every ``--checkpoint-every`` steps and on a stop request, except at an epoch's end, where
-        ``log_eval`` saves once the epoch is evaluated (so a resume never skips an evaluation)."""
+        Saves every ``--checkpoint-every`` steps and on a stop request, but not at an epoch's end: there
+        ``log_eval`` saves once the epoch is evaluated, so a resume never skips an evaluation."""
         self.state.step += 1
-        step = self.step
-        self.pending.append((step, stats, lr, items))
+        self.pending.append((self.step, stats, lr, items))
         self.last_step_time = time.perf_counter()
         if not self.memory:  # gradients and optimizer state exist from now on
             self.memory = memory_account(self.state.model, self.state.optimizer, stats.loss.device)
@@ -162,65 +153,61 @@ class Run:
             if self.writer:
                 write_json(self.run_dir / "config.json", {**self.config_json, "memory": self.memory})
                 self.writer.add_text("memory", "    " + table.replace("\n", "\n    "))
-        if step % self.log_every == 0 or step >= self.total_steps:
+        if self.step % self.log_every == 0 or self.step >= self.total_steps:
             self.flush(ends_now=True)
         every = self.options.get("checkpoint_every")
-        epoch_end = step % self.steps_per_epoch == 0 or step >= self.total_steps
-        if not epoch_end and (self.stop_agreed() or (every and step % every == 0)):
+        if self.step % self.steps_per_epoch and self.step < self.total_steps and (
+                self.stop_agreed() or (every and self.step % every == 0)):
             self.save()
 
     def flush(self, ends_now: bool = False) -> None:
         """Read pending losses back from the device (one transfer for the whole window), log them, and stop
-        the run at the first non-finite one. ``ends_now``: called right after a step, so the moment the
-        read-back returns (the device has finished the window's work) ends the window's training time;
-        otherwise (after an evaluation) the window ended at the last step."""
+        the run at the first non-finite one. ``ends_now``: called right after a step, so the read-back's return
+        (the device has finished the window's work) ends the window; after an evaluation, its last step does."""
         if not self.pending:
             return
-        missing = torch.tensor(math.nan, device=self.pending[0][1].loss.device)
-        rows = torch.stack([torch.stack([s.loss.float(), missing if s.grad_norm is None else s.grad_norm.float(),
-                                         missing if s.skipped is None else s.skipped.float()])
-                            for _, s, _, _ in self.pending]).tolist()
-        end = time.perf_counter() if ends_now else self.last_step_time
+        nan = torch.tensor(math.nan, device=self.pending[0][1].loss.device)
+        rows = torch.stack([torch.stack([nan if x is None else x.float() for x in stats])
+                            for _, stats, _, _ in self.pending]).tolist()  # (loss, grad norm, skipped) per step
+        seconds = max((time.perf_counter() if ends_now else self.last_step_time) - self.window_start, 1e-9)
         bad = next((i for i, (loss, _, skip) in enumerate(rows) if not math.isfinite(loss) and skip != 1), None)
-        pending, rows = (self.pending, rows) if bad is None else (self.pending[:bad], rows[:bad])
-        seconds, items = max(end - self.window_start, 1e-9), sum(n for *_, n in pending)
+        pending, rows = self.pending[:bad], rows[:bad]  # [:None] is everything
+        items = sum(n for *_, n in pending)
         self.items, self.train_seconds = self.items + items, self.train_seconds + seconds
         self.first_window = self.first_window or (items, seconds)  # start-up and compilation live here
-        good = [loss for loss, _, skip in rows if skip != 1]  # fp16 steps the scaler skipped have no loss
-        for _, _, skip in rows:
-            self.skipped_in_a_row = self.skipped_in_a_row + 1 if skip == 1 else 0
-        self.skipped_steps += len(rows) - len(good)
-        self.interval_losses += good
-        self.train_loss = good[-1] if good else self.train_loss
-        if self.writer:  # the steps before a divergence are logged too: the curve shows it coming
-            for (step, _, lr, _), (loss, grad_norm, skip) in zip(pending, rows, strict=True):
+        for (step, _, lr, _), (loss, grad_norm, skip) in zip(pending, rows, strict=True):
+            self.skipped_in_a_row = self.skipped_in_a_row + 1 if skip == 1 else 0  # fp16: skipped, no loss
+            self.skipped_steps += skip == 1
+            if skip != 1:
+                self.interval_losses.append(loss)
+                self.train_loss = loss
+            if self.writer:  # the steps before a divergence are logged too: the curve shows it coming
+                self.writer.add_scalar("train/lr", lr, step)
                 if skip != 1:
                     self.writer.add_scalar("train/loss", loss, step)
                 if math.isfinite(grad_norm):
                     self.writer.add_scalar("train/grad_norm", grad_norm, step)
-                self.writer.add_scalar("train/lr", lr, step)
-            if pending:
-                self.writer.add_scalar(f"perf/{self.unit}_per_s", items / seconds, pending[-1][0])
+        if self.writer and pending:
+            self.writer.add_scalar(f"perf/{self.unit}_per_s", items / seconds, pending[-1][0])
         if bad is not None:
             raise self.diverged(f"the loss is {self.pending[bad][1].loss.item()} at step {self.pending[bad][0]}")
         if self.skipped_in_a_row >= MAX_SKIPPED_IN_A_ROW:
             raise self.diverged(f"the loss overflows fp16: the GradScaler skipped {self.skipped_in_a_row} steps in "
-                                f"a row up to step {self.pending[-1][0]}; try --precision bf16", lower_lr=True)
+                                f"a row up to step {self.step}; try --precision bf16")
         status = f"loss {self.train_loss:.4f}  lr {self.pending[-1][2]:.2e}  {items / seconds:,.0f} {self.unit}/s"
-        self.progress.update(self.task, completed=self.pending[-1][0], status=status)
+        self.progress.update(self.task, completed=self.step, status=status)
         self.pending.clear()
         self.window_start = time.perf_counter()
 
-    def diverged(self, what: str, lower_lr: bool = True) -> RecipeError:
+    def diverged(self, what: str) -> RecipeError:
         self.close()  # keep what was logged: the writer flushes its events on close
-        path = self.run_dir / "checkpoints" / "last.pt"
-        kept = f"the last good checkpoint is {path}" if self.last_saved is not None else "no checkpoint yet"
-        return RecipeError(f"training diverged: {what}; {kept}.{' Try a lower --lr' * lower_lr}")
+        kept = "no checkpoint yet" if self.last_saved is None else \
+            f"the last good checkpoint is {self.run_dir / 'checkpoints' / 'last.pt'}"
+        return RecipeError(f"training diverged: {what}; {kept}. Try a lower --lr")
 
     @property
     def throughput(self) -> float:
-        """Items per second of training, leaving out the first window (start-up, first compilation) when the
-        run has others."""
+        """Items per second of training, without the first window (start-up, compiling) when there are others."""
         items, seconds = self.items, self.train_seconds
         if self.first_window and seconds > self.first_window[1]:
             items, seconds = items - self.first_window[0], seconds - self.first_window[1]
@@ -228,18 +215,18 @@ class Run:
 
     def log_eval(self, metrics: dict[str, float], *, score: float | None = None, prefix: str = "val",
                  note: str = "") -> None:
-        """Log an evaluation (``{"loss": ..., "acc": ...}``), print one line for the interval, keep best.pt when
-        ``score`` (higher is better: an accuracy, or minus a loss) is the best so far, then save last.pt."""
+        """Log an evaluation (``{"loss": ..., "acc": ...}``) and print a line for the interval; save best.pt when
+        ``score`` (higher is better: an accuracy, or minus a loss) is the best so far; then save last.pt."""
         self.flush()
-        if self.interval_losses:
-            self.train_loss = sum(self.interval_losses) / len(self.interval_losses)
+        self.train_loss = sum(self.interval_losses) / len(self.interval_losses) if self.interval_losses else \
+            self.train_loss
         self.interval_losses = []
         for name, value in metrics.items():
             self.metrics[f"{prefix}_{name}"] = value
             if self.writer:
                 self.writer.add_scalar(f"{prefix}/{name}", value, self.step)
-        shown = "  ".join(f"{prefix}_{k} {v:.4f}" for k, v in metrics.items())
         epoch = f"epoch {self.epoch + 1}/{self.n_epochs}  " if self.per_epoch else ""
+        shown = "  ".join(f"{prefix}_{k} {v:.4f}" for k, v in metrics.items())
         self.print(f"{epoch}{note}step {self.step}/{self.total_steps}  train_loss {self.train_loss:.4f}  {shown}  "
                    f"{self.throughput:,.0f} {self.unit}/s")
         if score is not None and score > self.state.best_score:
@@ -252,7 +239,7 @@ class Run:
 
     def stop_agreed(self) -> bool:
         """Whether a stop was asked for (Ctrl-C, SIGTERM). Every rank must stop at the same step, so with
-        several processes the ranks agree on it (one all-reduce) every ``log_every`` steps."""
+        several processes the ranks agree on it (one all-reduce) every ``log_every`` steps and at the end."""
         if self.world_size == 1:
             return self.stop.requested
         if self.step % self.log_every and self.step < self.total_steps:
@@ -295,10 +282,8 @@ class Run:
         if self.interval_losses:
             self.train_loss = sum(self.interval_losses) / len(self.interval_losses)
         summary = {"recipe": self.recipe, "steps": self.step, "train_loss": self.train_loss, **self.metrics,
-                   **(metrics or {}), f"{self.unit}_per_s": self.throughput,
-                   "wall_s": time.perf_counter() - self.started}
-        if self.state.best_score > -math.inf:
-            summary |= {"best_score": self.state.best_score, "best_step": self.state.best_step}
+                   **(metrics or {}), f"{self.unit}_per_s": self.throughput, "best_score": self.state.best_score,
+                   "best_step": self.state.best_step, "wall_s": time.perf_counter() - self.started}
         if not self.items:  # resumed at its last step only to evaluate: no training figures of its own
             del summary["train_loss"], summary[f"{self.unit}_per_s"]
         if self.skipped_steps:
@@ -311,7 +296,8 @@ class Run:
             finals = {f"hparam/{k}": v for k, v in summary.items() if isinstance(v, int | float)}
             self.writer.add_hparams(hparams, finals, run_name=".")
         self.close()
-        shown = " ".join(f"{k}={format_number(v)}" for k, v in summary.items() if k not in ("recipe", "memory"))
+        shown = " ".join(f"{k}={v:.4g}" if isinstance(v, float) and abs(v) < 1000 else f"{k}={v:.0f}"
+                         if isinstance(v, float) else f"{k}={v}" for k, v in summary.items() if k not in ("recipe", "memory"))
         self.print(f"done: {shown} run_dir={self.run_dir}")
         return summary
 
@@ -322,9 +308,3 @@ class Run:
             self.writer.close()
         if self.stop is not None:
             self.stop.restore()
-
-
-def format_number(value) -> str:
-    if isinstance(value, float):
-        return f"{value:.0f}" if abs(value) >= 1000 else f"{value:.4g}"
-    return str(value)

@@ -76,6 +76,7 @@ class Source:
     tree: ast.Module
     imports: dict[str, Import]  # by Import.key
     core_imports: dict[str, tuple[str, str]]  # name -> (core module, name there)
+    core_modules: dict[str, str]  # `from common import cli`: "cli" -> "cli"
     definitions: dict[str, Definition]
 
 
@@ -152,7 +153,7 @@ def parse(path: Path, label: str) -> Source:
         tree = ast.parse(text, filename=label)
     except SyntaxError as err:
         raise EjectError(f"{label}:{err.lineno}: {err.msg}") from None
-    source = Source(label, text.splitlines(), tree, {}, {}, {})
+    source = Source(label, text.splitlines(), tree, {}, {}, {}, {})
     for node in tree.body:
         if isinstance(node, ast.ImportFrom) and (node.level or node.names[0].name == "*"):
             raise EjectError(f"{label}:{node.lineno}: relative and star imports cannot be merged")
@@ -162,8 +163,11 @@ def parse(path: Path, label: str) -> Source:
                         else Import(alias.name, None, alias.asname))
                 if item.module.split(".")[0] != CORE:
                     source.imports[item.key] = item
+                elif item.module == CORE and item.name and not item.alias:
+                    source.core_modules[item.name] = item.name
                 elif item.name is None or item.alias or item.module == CORE:
-                    raise EjectError(f"{label}:{node.lineno}: import core names as `from {CORE}.MODULE import NAME`")
+                    raise EjectError(f"{label}:{node.lineno}: import core names as `from {CORE}.MODULE import NAME` "
+                                     f"or `from {CORE} import MODULE`")
                 else:
                     source.core_imports[item.name] = (item.module.split(".", 1)[1], item.name)
         elif names := bound_names([node]):
@@ -235,6 +239,7 @@ class Ejection:
             raise EjectError(f"{self.label}:{late.lineno}: move this import to the top of the recipe")
         # definition -> its reads of imports, in the order they were reached
         self.taken: dict[Definition, list[tuple[ast.Name, Import]]] = {}
+        self.module_reads: list[ast.Name] = []  # the `cli` of each `cli.Epochs`, to be cut out
         self.recipe_reads = self.take(self.recipe, self.body)
         self.sections = self.order_sections()
         self.renames = self.check_names()
@@ -255,6 +260,11 @@ class Ejection:
                 return source.imports[".".join(parts[:n])]
         if parts[0] in source.definitions:
             return source.definitions[parts[0]]
+        if parts[0] in source.core_modules and len(parts) > 1:  # cli.Epochs: Epochs in common/cli.py
+            module, name = source.core_modules[parts[0]], parts[1]
+            if (target := self.resolve(self.module(module), name)) is None:
+                raise EjectError(f"{source.label} reads {parts[0]}.{name}, but {CORE}.{module} has no {name}")
+            return target
         if parts[0] not in source.core_imports:
             return None
         module, name = source.core_imports[parts[0]]
@@ -268,6 +278,8 @@ class Ejection:
         for node in nodes:
             for name, path in global_refs(node):
                 target = self.resolve(source, path)
+                if name.id in source.core_modules:  # `cli.Epochs` becomes `Epochs` in the merged file
+                    self.module_reads.append(name)
                 if isinstance(target, Import):
                     import_reads.append((name, target))
                 elif isinstance(target, Definition) and target.source is not self.recipe and target not in self.taken:
@@ -282,7 +294,8 @@ class Ejection:
 
         def visit(source: Source) -> None:
             if source not in order:
-                for module in sorted({module for module, _ in source.core_imports.values()}):
+                modules = {module for module, _ in source.core_imports.values()} | set(source.core_modules.values())
+                for module in sorted(modules & self.modules.keys()):
                     visit(self.module(module))
                 order.append(source)
 
@@ -316,15 +329,26 @@ class Ejection:
                 owners[alias] = (item.meaning, item.module)
         return renames
 
+    def edited(self, lines: list[str], first: int, reads: list[tuple[ast.Name, Import]]) -> str:
+        """``lines`` (the first is line ``first`` of its file) with each read of an aliased import renamed and
+        each ``cli.`` of a core module's name cut out."""
+        last = first + len(lines) - 1
+        edits = [(name, self.renames[item].alias) for name, item in reads if item in self.renames]
+        edits += [(name, None) for name in self.module_reads if first <= name.lineno <= last
+                  and lines[name.lineno - first].encode()[name.col_offset: name.end_col_offset] == name.id.encode()]
+        for name, alias in sorted(edits, key=lambda e: (e[0].lineno, e[0].col_offset), reverse=True):
+            row = lines[name.lineno - first].encode()  # AST column offsets count UTF-8 bytes
+            if alias is None:  # `cli.Epochs` -> `Epochs`
+                lines[name.lineno - first] = (row[: name.col_offset] + row[name.end_col_offset + 1 :]).decode()
+            else:
+                row = row[: name.col_offset] + alias.encode() + row[name.end_col_offset :]
+                lines[name.lineno - first] = row.decode()
+        return "\n".join(lines)
+
     def definition_text(self, definition: Definition) -> str:
         first = first_line(definition)
         lines = definition.source.lines[first - 1 : definition.node.end_lineno]
-        for name, item in sorted(self.taken[definition], key=lambda r: (r[0].lineno, r[0].col_offset), reverse=True):
-            if item in self.renames:  # an import that got an alias: rename this read of it
-                row = lines[name.lineno - first].encode()  # AST column offsets count UTF-8 bytes
-                alias = self.renames[item].alias.encode()
-                lines[name.lineno - first] = (row[: name.col_offset] + alias + row[name.end_col_offset :]).decode()
-        return "\n".join(lines)
+        return self.edited(list(lines), first, self.taken[definition]) if definition.source is not self.recipe else ""
 
     def import_block(self) -> str:
         reads = [*self.recipe_reads, *(read for reads in self.taken.values() for read in reads)]
@@ -345,7 +369,7 @@ class Ejection:
             for previous, definition in zip(definitions, definitions[1:], strict=False):
                 text += "\n" * (blank_lines(previous, definition) + 1) + self.definition_text(definition)
             blocks.append(f"# ---- from {source.label} ----\n\n\n{text}")
-        body = "\n".join(lines[self.body_start :]).strip("\n")
+        body = self.edited(list(lines[self.body_start :]), self.body_start + 1, []).strip("\n")
         blocks.append(f"# ---- from {self.label} ----\n\n\n{body}")
         return head + "\n\n" + "\n\n\n".join(blocks) + "\n"  # isort wants one blank line after the imports
 
