@@ -91,28 +91,45 @@ def load_model_state(model: nn.Module, state_dict: dict, source: Path) -> None:
     model.load_state_dict(state_dict)
 
 
-def rng_state(loader_generator: torch.Generator | None = None) -> dict:
+def rng_state(loader_generator: torch.Generator | None = None, device: torch.device | None = None) -> dict:
     """Every random stream a run draws from, so a resumed run continues with the same numbers.
+
+    ``device``: the training device. On CUDA its generator alone is saved, not every visible GPU's: a run
+    draws only on its own device, and a list per GPU would tie the checkpoint to the machine's GPU count.
+    ``None`` (or a CPU/MPS device): the CPU streams only.
 
     Two limits: under DDP only rank 0 saves, so every rank resumes with rank 0's streams (the recipes draw
     no per-rank random numbers after start-up; add a gather here before adding dropout to ddp_mlp). And the
     loader generator seeds DataLoader workers: with workers, the rest of an epoch resumed part-way gets new
     worker seeds, which matters only for random augmentation inside workers (the order of samples does not
     depend on it; see ResumableSampler)."""
+    on_cuda = device is not None and torch.device(device).type == "cuda"
     return {
         "python": random.getstate(),
         "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else [],
+        "cuda": torch.cuda.get_rng_state(device) if on_cuda else None,
         "loader": loader_generator.get_state() if loader_generator is not None else None,
     }
 
 
-def restore_rng_state(state: dict, loader_generator: torch.Generator | None = None) -> None:
+def restore_rng_state(state: dict, loader_generator: torch.Generator | None = None,
+                      device: torch.device | None = None) -> None:
+    """Put back what ``rng_state`` saved. The CUDA stream goes to ``device``'s generator (``None``: CPU
+    streams only), whatever GPU or how many GPUs the checkpoint was written on."""
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))  # weights_only loading gives lists back
     torch.set_rng_state(state["torch"])
-    if state["cuda"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    cuda = state.get("cuda")
+    if device is not None and torch.device(device).type == "cuda" and cuda is not None:
+        device = torch.device(device)
+        if isinstance(cuda, list | tuple):
+            # Checkpoints before the one-device form held one state per GPU visible to the saving process.
+            # Its own GPU's entry is the one it drew from; with fewer GPUs visible at save time than our
+            # index there is no stream to continue, and the generator keeps its seeded state.
+            index = device.index if device.index is not None else torch.cuda.current_device()
+            cuda = cuda[index] if index < len(cuda) else None
+        if cuda is not None:
+            torch.cuda.set_rng_state(cuda, device)
     if loader_generator is not None and state["loader"] is not None:
         loader_generator.set_state(state["loader"])
 
