@@ -87,24 +87,38 @@ def load_model_state(model: nn.Module, state_dict: dict, source: Path) -> None:
     model.load_state_dict(state_dict)
 
 
-def rng_state(loader_generator: torch.Generator | None = None) -> dict:
-    """Every random stream a run draws from, so a resumed run continues with the same numbers. (The loader
-    generator seeds DataLoader workers: with workers, the rest of an epoch resumed part-way gets new worker
-    seeds, which matters only for random augmentation inside workers, not for the order of samples.)"""
+def rng_state(loader_generator: torch.Generator | None = None, device: torch.device | None = None) -> dict:
+    """Every random stream a run draws from, so a resumed run continues with the same numbers. On CUDA only
+    the training device's generator: a list per visible GPU would tie the checkpoint to the machine's GPU
+    count. (The loader generator seeds DataLoader workers: resumed part-way through an epoch, workers get new
+    seeds, which matters only for random augmentation inside them, not for the order of samples.)"""
+    on_cuda = device is not None and torch.device(device).type == "cuda"
     return {
         "python": random.getstate(),
         "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else [],
+        "cuda": torch.cuda.get_rng_state(device) if on_cuda else None,
         "loader": loader_generator.get_state() if loader_generator is not None else None,
     }
 
 
-def restore_rng_state(state: dict, loader_generator: torch.Generator | None = None) -> None:
+def restore_rng_state(state: dict, loader_generator: torch.Generator | None = None,
+                      device: torch.device | None = None) -> None:
+    """Put back what ``rng_state`` saved. The CUDA stream goes to ``device``'s generator (``None``: CPU
+    streams only), whatever GPU or how many GPUs the checkpoint was written on."""
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))  # weights_only loading gives lists back
     torch.set_rng_state(state["torch"])
-    if state["cuda"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    cuda = state.get("cuda")
+    if device is not None and torch.device(device).type == "cuda" and cuda is not None:
+        device = torch.device(device)
+        if isinstance(cuda, list | tuple):
+            # Checkpoints before the one-device form held one state per GPU visible to the saving process.
+            # Its own GPU's entry is the one it drew from; with fewer GPUs visible at save time than our
+            # index there is no stream to continue, and the generator keeps its seeded state.
+            index = device.index if device.index is not None else torch.cuda.current_device()
+            cuda = cuda[index] if index < len(cuda) else None
+        if cuda is not None:
+            torch.cuda.set_rng_state(cuda, device)
     if loader_generator is not None and state["loader"] is not None:
         loader_generator.set_state(state["loader"])
 
@@ -128,6 +142,10 @@ class TrainingState:
     best_score: float = -math.inf  # higher is better: an accuracy, or minus a loss
     best_step: int = 0
 
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
     def state_dict(self) -> dict:
         return {
             "recipe": self.recipe, "config": self.config, "step": self.step,
@@ -137,7 +155,7 @@ class TrainingState:
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
             "scaler": self.scaler.state_dict() if self.scaler is not None and self.scaler.is_enabled() else None,
-            "rng": rng_state(self.loader_generator),
+            "rng": rng_state(self.loader_generator, self.device),
             **self.extra,
         }
 
@@ -153,5 +171,5 @@ class TrainingState:
                 self.scaler.load_state_dict(state["scaler"])
         except (ValueError, KeyError, RuntimeError, TypeError) as err:
             raise RecipeError(f"checkpoint {source} does not fit this run's optimizer or schedule: {err}") from None
-        restore_rng_state(state["rng"], self.loader_generator)
+        restore_rng_state(state["rng"], self.loader_generator, self.device)
         self.step, self.best_score, self.best_step = state["step"], state["best_score"], state["best_step"]

@@ -51,8 +51,16 @@ MaxSteps = Annotated[
 ]
 BatchSize = Annotated[int, typer.Option(min=1, help="Samples per batch (per process under DDP).")]
 LearningRate = Annotated[float, typer.Option(callback=positive_float, help="Peak learning rate.")]
+# What a seed promises: bitwise repeats on a CPU only. On a GPU, cuDNN's convolutions, SDPA's backward and
+# atomic-add reductions may sum in a different order each run, so numbers agree closely, not bit for bit.
 Seed = Annotated[
-    int, typer.Option(min=0, max=2**31 - 1, help="Seed for python and torch: same seed, device, options: same numbers.")
+    int,
+    typer.Option(
+        min=0,
+        max=2**31 - 1,
+        help="Seed for python and torch. Same seed, device and options: the same numbers on a CPU; on a GPU "
+        "close but not bitwise (cuDNN, SDPA backward) unless deterministic algorithms are enabled.",
+    ),
 ]
 Device = Annotated[
     str, typer.Option(callback=device_name, help="auto (cuda, else mps, else cpu), cpu, cuda, cuda:N or mps.")

@@ -52,11 +52,24 @@ def peak_rss_bytes() -> int:
     return peak if sys.platform == "darwin" else peak * 1024  # macOS reports bytes, Linux kilobytes
 
 
-def with_peaks(account: dict[str, int]) -> dict[str, int]:
-    """The account plus the peaks at the end of a run: the process's memory, and the GPU's when one was used."""
+def reset_peak_memory(device: torch.device) -> None:
+    """Start the GPU's peak-memory figure from here: call once setup (model on the device, compile, the FLOP
+    probe's large matrices) is done, before the first training step, so the peak is the training's own.
+    Without CUDA there is nothing to reset (the process's RSS peak cannot be reset)."""
+    if torch.device(device).type == "cuda" and torch.cuda.is_initialized():
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def with_peaks(account: dict[str, int], device: torch.device | None = None) -> dict[str, int]:
+    """The account plus the peaks at the end of a run: the process's memory, and ``device``'s when it is a
+    GPU. Without ``device`` the figure is the current CUDA device's (``cuda:0`` unless set_device was called):
+    wrong for ``--device cuda:1``, so pass it."""
     peaks = {"peak_rss_bytes": peak_rss_bytes()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        peaks["peak_allocated_bytes"] = torch.cuda.max_memory_allocated()
+    if device is None:  # callers that do not say: the current device, as before
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            peaks["peak_allocated_bytes"] = torch.cuda.max_memory_allocated()
+    elif torch.device(device).type == "cuda":
+        peaks["peak_allocated_bytes"] = torch.cuda.max_memory_allocated(device)
     return {**account, **peaks}
 
 

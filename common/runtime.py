@@ -6,6 +6,7 @@ the backward pass). ``unwrap`` undoes both wrappers for checkpoints.
 """
 
 import random
+import re
 import time
 
 import torch
@@ -65,18 +66,83 @@ def unwrap(model: nn.Module) -> nn.Module:
             return model
 
 
-def measure_matmul_flops(device: torch.device, dtype: torch.dtype = torch.float32, size: int = 1024) -> float:
-    """Achievable matmul FLOP/s on ``device`` in ``dtype``: the peak to judge model FLOP utilisation by."""
-    generator = torch.Generator().manual_seed(0)  # not the global RNG: a resumed run's numbers must not shift
-    a, b = (torch.randn(size, size, generator=generator).to(device, dtype) for _ in range(2))
-    a @ b  # warm-up: first-call allocations and kernel selection
-    synchronize(device)
-    runs, start = 0, time.perf_counter()
-    while runs < 2 or time.perf_counter() - start < 0.25:
-        a @ b
-        runs += 1
+def measure_matmul_flops(device: torch.device, dtype: torch.dtype = torch.float32, size: int | None = None) -> float:
+    """Achievable matmul FLOP/s on ``device`` in ``dtype``, measured: square products of ``size`` (default
+    8192 on CUDA, 1024 elsewhere) run back to back and timed once for the batch, the batch doubled until
+    it lasts 0.2 s. A GPU needs both: a 1024^3 product with a sync after each one leaves an H100 or H200
+    mostly idle (launch and sync overhead), which reads as a peak far below the real one and an MFU several
+    times too high. For MFU prefer ``device_peak_flops``, which knows the datasheet figures of common GPUs.
+
+    fp32 is true fp32 unless TF32 was switched on (``torch.set_float32_matmul_precision("high")`` or
+    ``torch.backends.cuda.matmul.allow_tf32``): PyTorch's default is off, and so are the recipes'."""
+    device = torch.device(device)
+    if size is None:
+        size = 8192 if device.type == "cuda" else 1024
+    # Not the global RNG: a resumed run's numbers must not shift. On CUDA a generator there avoids making
+    # (and copying over) large matrices on the CPU.
+    generator = torch.Generator(device if device.type == "cuda" else "cpu").manual_seed(0)
+    make = dict(generator=generator, device=generator.device)
+    a, b = (torch.randn(size, size, **make).to(device, dtype) for _ in range(2))
+    out = torch.empty_like(a)
+    with torch.no_grad():
+        torch.matmul(a, b, out=out)  # warm-up: first-call allocations and kernel selection
         synchronize(device)
-    return 2 * size**3 * runs / (time.perf_counter() - start)
+        runs = 1
+        while True:
+            start = time.perf_counter()
+            for _ in range(runs):
+                torch.matmul(a, b, out=out)
+            synchronize(device)  # once per batch: the GPU stays busy from one product to the next
+            elapsed = time.perf_counter() - start
+            if elapsed >= 0.2:
+                return 2 * size**3 * runs / elapsed
+            runs *= 2
+
+
+# Dense (no 2:4 sparsity) peaks in FLOP/s from NVIDIA's datasheets, SXM boards unless named. fp32 is the
+# plain CUDA-core figure, tf32 the tensor-core one used for fp32 only when TF32 is switched on. The most
+# specific name comes first: "H100 PCIe" and "H100 NVL" before "H100" (the SXM part is "H100 80GB HBM3").
+# A GPU missing here is measured instead (device_peak_flops says which).
+DATASHEET_PEAKS = [
+    (r"H200 NVL", {"bf16": 835e12, "fp16": 835e12, "tf32": 418e12, "fp32": 60e12}),
+    (r"GH200|H200", {"bf16": 989e12, "fp16": 989e12, "tf32": 494e12, "fp32": 67e12}),
+    (r"H100 NVL", {"bf16": 835e12, "fp16": 835e12, "tf32": 418e12, "fp32": 60e12}),
+    (r"H100 PCIe", {"bf16": 756e12, "fp16": 756e12, "tf32": 378e12, "fp32": 51e12}),
+    (r"H100", {"bf16": 989e12, "fp16": 989e12, "tf32": 494e12, "fp32": 67e12}),
+    (r"A100", {"bf16": 312e12, "fp16": 312e12, "tf32": 156e12, "fp32": 19.5e12}),
+    (r"L40S", {"bf16": 362e12, "fp16": 362e12, "tf32": 183e12, "fp32": 91.6e12}),
+    (r"L4", {"bf16": 121e12, "fp16": 121e12, "tf32": 60e12, "fp32": 30.3e12}),
+]
+_DTYPE_KEYS = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+
+
+def datasheet_peak(device_name: str, dtype: torch.dtype, tf32: bool = False) -> float | None:
+    """The datasheet figure for a GPU name (``torch.cuda.get_device_name``) and dtype, or None if unknown."""
+    key = _DTYPE_KEYS.get(dtype)
+    if key == "fp32" and tf32:
+        key = "tf32"
+    for pattern, figures in DATASHEET_PEAKS:
+        if re.search(rf"(?<![A-Za-z0-9])(?:{pattern})(?![A-Za-z0-9])", device_name) and key in figures:
+            return figures[key]
+    return None
+
+
+def device_peak_flops(device: torch.device, dtype: torch.dtype = torch.float32) -> tuple[float, str]:
+    """The peak FLOP/s to judge MFU by, and where it comes from: a GPU's datasheet figure when its name is
+    known (MFU's usual denominator), else ``measure_matmul_flops`` (an achievable peak: MFU reads higher
+    than against a datasheet). fp32 on CUDA counts TF32 only when it is switched on (off by default)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        tf32 = torch.get_float32_matmul_precision() != "highest"  # also follows allow_tf32
+        figure = datasheet_peak(name, dtype, tf32)
+        kind = "tf32" if dtype == torch.float32 and tf32 else _DTYPE_KEYS.get(dtype, str(dtype))
+        if figure is not None:
+            return figure, f"datasheet: {name}, {kind} dense"
+        where = name
+    else:
+        where = device.type
+    return measure_matmul_flops(device, dtype), f"measured: back-to-back {dtype} matmuls on {where}"
 
 
 def synchronize(device: torch.device) -> None:

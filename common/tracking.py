@@ -31,7 +31,7 @@ from torch.utils.tensorboard import SummaryWriter
 from common.checkpoint import TrainingState, load_checkpoint, save_checkpoint
 from common.cli import OPTION_NAMES, RecipeError
 from common.loop import StepStats
-from common.resources import format_account, memory_account, with_peaks
+from common.resources import format_account, memory_account, reset_peak_memory, with_peaks
 from common.resume import check_same_run, finished_step, resume_position
 from common.rundir import StopRequest, plain_config, prepare_run_dir, write_json
 
@@ -91,8 +91,9 @@ class Run:
         # nor overwrite its results. One stopped between its last checkpoint and metrics.json goes on.
         if self.step >= self.total_steps and finished_step(self.run_dir) == self.step:
             self.finished = True
-            return self.print(f"already finished: step {self.step} of {self.total_steps}; nothing trained, {self.run_dir}"
-                              " left as it was (a run cut short by --max-steps goes on with a larger one)")
+            return self.print(f"already finished: step {self.step} of {self.total_steps}; nothing trained, "
+                              f"{self.run_dir} left as it was (a run cut short by --max-steps goes on with a larger "
+                              "one)")
         device = next(model.parameters()).device
         self.started = self.window_start = self.last_step_time = time.perf_counter()
         self.last_saved = self.step if self.checkpoint else None
@@ -106,6 +107,7 @@ class Run:
         self.progress.start()
         self.stop = StopRequest(self.print)
         atexit.register(self.close)  # an error that ends the run still flushes TensorBoard's events
+        reset_peak_memory(device)  # the peak of training, not of setting up
         resumed = f" | resumed at step {self.step}" if self.checkpoint else ""
         self.print(f"run_dir {self.run_dir} | device {device} | {self.world_size} process(es){resumed}")
 
@@ -289,15 +291,14 @@ class Run:
         if self.skipped_steps:
             summary["skipped_steps"] = self.skipped_steps
         if self.memory:
-            summary["memory"] = with_peaks(self.memory)
+            summary["memory"] = with_peaks(self.memory, self.state.device)
         if self.is_main:
             write_json(self.run_dir / "metrics.json", summary)
             hparams = {k: v if isinstance(v, int | float | str | bool) else str(v) for k, v in self.config.items()}
             finals = {f"hparam/{k}": v for k, v in summary.items() if isinstance(v, int | float)}
             self.writer.add_hparams(hparams, finals, run_name=".")
         self.close()
-        shown = " ".join(f"{k}={v:.4g}" if isinstance(v, float) and abs(v) < 1000 else f"{k}={v:.0f}"
-                         if isinstance(v, float) else f"{k}={v}" for k, v in summary.items() if k not in ("recipe", "memory"))
+        shown = " ".join(f"{k}={format_number(v)}" for k, v in summary.items() if k not in ("recipe", "memory"))
         self.print(f"done: {shown} run_dir={self.run_dir}")
         return summary
 
@@ -308,3 +309,9 @@ class Run:
             self.writer.close()
         if self.stop is not None:
             self.stop.restore()
+
+
+def format_number(value) -> str:
+    if isinstance(value, float):
+        return f"{value:.0f}" if abs(value) >= 1000 else f"{value:.4g}"
+    return str(value)

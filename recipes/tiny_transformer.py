@@ -36,7 +36,7 @@ from common import cli
 from common.checkpoint import load_checkpoint, load_model_state
 from common.data import make_loader
 from common.loop import StepStats, evaluate
-from common.runtime import AUTOCAST_DTYPES, autocast, measure_matmul_flops, resolve_device, seed_everything, unwrap
+from common.runtime import AUTOCAST_DTYPES, autocast, device_peak_flops, resolve_device, seed_everything, unwrap
 from common.tracking import Run
 
 RECIPE = "tiny_transformer"
@@ -365,14 +365,17 @@ def main(
                                   fused=device.type in ("cuda", "cpu"))
     scheduler = warmup_cosine(optimizer, warmup_steps, steps, min_lr_ratio)
     scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")  # fp16 only, as in mixed_precision
+    # MFU's yardstick: the device's peak for this precision (a datasheet figure for known GPUs, else measured)
+    peak_flops, peak_source = (peak_flops, "--peak-flops") if peak_flops else \
+        device_peak_flops(device, AUTOCAST_DTYPES.get(precision, torch.float32))
     run.start(model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, steps=steps,
               eval_every=eval_every, extra={"vocab": vocab, "model_config": asdict(model_config)})
     # The stream's position follows from the step: a resumed run draws the batches it had not reached.
     train_stream = RandomWindows(train_tokens, block_size, batch_size, seed, start=run.step * grad_accum)
     batches = iter(make_loader(train_stream, None, train=True, seed=seed, num_workers=num_workers, device=device))
-    peak_flops = peak_flops or measure_matmul_flops(device, AUTOCAST_DTYPES.get(precision, torch.float32))
     run.print(f"{len(train_tokens):,} train / {len(val_tokens):,} val tokens | vocab {model_config.vocab_size} | "
-              f"{sum(p.numel() for p in model.parameters()):,} parameters | peak {peak_flops / 1e9:.0f} GFLOP/s")
+              f"{sum(p.numel() for p in model.parameters()):,} parameters | peak {peak_flops / 1e9:,.0f} GFLOP/s "
+              f"({peak_source})")
 
     unit = "byte" if vocab is None else "char"
     for _ in run.epochs():  # rounds of --eval-every steps, each ending in an evaluation

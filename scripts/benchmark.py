@@ -2,11 +2,17 @@
 
     python scripts/benchmark.py --out benchmark.json      # about 5 minutes on a 2-core CPU
     python scripts/benchmark.py --quick --out quick.json  # every item, tiny sizes: checks the script runs
+    python scripts/benchmark.py --device cuda ...         # the recipes on a GPU (default: cpu, even there)
 
 Prints a markdown table and writes the same figures as JSON. This machine (like most) is shared and noisy:
 every speed figure is a ratio of two things measured in the same run, interleaved, repeated, and reported as
 the median with the min-max range. Real data is used when present (the official MNIST test set, the Adult
 census table); otherwise those items are skipped with a note. Nothing here is a test: tests never time.
+
+Every recipe run, in a subprocess or in this process, gets --device explicitly: left to `auto`, a recipe
+would pick CUDA where there is one, and the DDP item would start two ranks on one GPU. Items 1 and 2 measure
+the core's own (CPU-side) cost and always run on the CPU. An item that fails is recorded with its error and
+the others still run; the exit status is then 1.
 """
 
 import argparse
@@ -32,11 +38,17 @@ from torch.utils.data import TensorDataset
 
 from common.data import make_loader, synthetic_classification
 from common.loop import train_step
-from common.runtime import measure_matmul_flops
+from common.runtime import device_peak_flops, measure_matmul_flops
 from common.tracking import Run
 from scripts.mnist_files import read_idx, split_test_set, write_mnist
 
 CPU = torch.device("cpu")
+DEVICE = CPU  # where the recipes run: --device, set by main() and passed to every recipe run
+
+
+def device_args() -> list[str]:
+    """The recipes' --device option for DEVICE: always given, never left to the recipe's `auto`."""
+    return ["--device", str(DEVICE)]
 
 
 def load_recipe(name: str):
@@ -227,7 +239,8 @@ def mnist_vs_examples(quick: bool, mnist_dir: Path | None, work: Path) -> dict:
     split_test_set(mnist_dir, split, n_train)
     epochs = 1 if quick else 3
     ours_seconds, out = run_command([sys.executable, "recipes/mnist_onecycle.py", "--epochs", epochs,
-                                     "--data-dir", split, "--run-dir", work / "mnist_run", "--no-progress"])
+                                     "--data-dir", split, "--run-dir", work / "mnist_run", "--no-progress",
+                                     *device_args()])
     ours_acc = float(re.search(r"val_acc=([\d.]+)", out)[1])
     # a process of its own, like ours: both pay the interpreter's and torch's start-up
     code = (f"import sys; sys.path.insert(0, {str(ROOT)!r}); from scripts.benchmark import examples_recipe; "
@@ -276,7 +289,7 @@ class NanoGPT(nn.Module):
         self.lm_head.weight = self.wte.weight
 
     def forward(self, idx):
-        x = self.wte(idx) + self.wpe(torch.arange(idx.size(1)))
+        x = self.wte(idx) + self.wpe(torch.arange(idx.size(1), device=idx.device))
         for block in self.h:
             x = block(x)
         return self.lm_head(self.ln_f(x))
@@ -291,10 +304,10 @@ def tokens_per_second(model: nn.Module, precision: str, steps: int, fused: bool,
     g = torch.Generator().manual_seed(0)
     x, y = torch.randint(256, (batch, block), generator=g), torch.randint(256, (batch, block), generator=g)
     for _ in range(2):  # warm-up (and compilation, when compiled)
-        train_step(model, optimizer, tt.lm_loss, [(x, y)], device=CPU, precision=precision, max_grad_norm=1.0)
+        train_step(model, optimizer, tt.lm_loss, [(x, y)], device=DEVICE, precision=precision, max_grad_norm=1.0)
     started = time.perf_counter()
     for _ in range(steps):
-        stats = train_step(model, optimizer, tt.lm_loss, [(x, y)], device=CPU, precision=precision,
+        stats = train_step(model, optimizer, tt.lm_loss, [(x, y)], device=DEVICE, precision=precision,
                            max_grad_norm=1.0)
     stats.loss.item()
     return steps * batch * block / (time.perf_counter() - started)
@@ -306,19 +319,23 @@ def transformer(quick: bool) -> dict:
 
     def ours():
         torch.manual_seed(0)
-        return tt.GPT(tt.GPTConfig(vocab_size=256, **shape))
+        return tt.GPT(tt.GPTConfig(vocab_size=256, **shape)).to(DEVICE)
 
     def nanogpt():
         torch.manual_seed(0)
-        return NanoGPT(256, **shape)
+        return NanoGPT(256, **shape).to(DEVICE)
 
     steps, repeats = (2, 1) if quick else (15, 3)
     # each as its project sets it up: the recipe fuses AdamW on a CPU; nanoGPT fuses it only on CUDA
     side_by_side = interleaved(repeats, ours=lambda: tokens_per_second(ours(), "fp32", steps, fused=True),
-                               nanogpt=lambda: tokens_per_second(nanogpt(), "fp32", steps, fused=False))
+                               nanogpt=lambda: tokens_per_second(nanogpt(), "fp32", steps,
+                                                                 fused=DEVICE.type == "cuda"))
     ratio = summarise([a / b for a, b in zip(side_by_side["ours"], side_by_side["nanogpt"], strict=True)])
     flops_per_token = ours().flops_per_token()
-    peaks = {"fp32": measure_matmul_flops(CPU, torch.float32), "bf16": measure_matmul_flops(CPU, torch.bfloat16)}
+    # a GPU's datasheet figure where known (MFU's usual denominator), else measured; sources in the JSON
+    peaks_and_sources = {name: device_peak_flops(DEVICE, dtype)
+                         for name, dtype in [("fp32", torch.float32), ("bf16", torch.bfloat16)]}
+    peaks = {name: figure for name, (figure, _) in peaks_and_sources.items()}
     variants = {"fp32 eager": statistics.median(side_by_side["ours"])}
     bf16_steps = 1 if peaks["bf16"] < 0.2 * peaks["fp32"] else steps  # emulated bf16 is very slow: one step
     variants["bf16 eager"] = tokens_per_second(ours(), "bf16", bf16_steps, fused=True)
@@ -333,7 +350,8 @@ def transformer(quick: bool) -> dict:
             "result": f"{ratio['median']:.2f}x nanoGPT ({ratio['min']:.2f}-{ratio['max']:.2f}; nanoGPT "
                       f"{statistics.median(side_by_side['nanogpt']):,.0f} tok/s); {shown}",
             "target": ">= 1.00x nanoGPT", "met": ratio["median"] >= 1.0, "ratio_vs_nanogpt": ratio,
-            "tokens_per_s": variants, "mfu": mfu, "peak_flops": peaks}
+            "tokens_per_s": variants, "mfu": mfu, "peak_flops": peaks,
+            "peak_flops_source": {name: source for name, (_, source) in peaks_and_sources.items()}}
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -342,7 +360,7 @@ def transformer(quick: bool) -> dict:
 
 def mixed_precision(quick: bool) -> dict:
     mp = load_recipe("mixed_precision")
-    options = {"device": "cpu", "width": 128 if quick else 1024, "depth": 3, "batch_size": 64 if quick else 512}
+    options = {"device": str(DEVICE), "width": 128 if quick else 1024, "depth": 3, "batch_size": 64 if quick else 512}
     fp32 = []
     rows = {}
     for precision in ("fp32", "bf16", "fp16"):
@@ -362,7 +380,7 @@ def compiled(quick: bool, work: Path) -> dict:
     quick_args = ["--epochs", 1, "--samples", 4096, "--batch-size", 1024, "--width", 32, "--backend", "eager"]
     args = quick_args if quick else ["--epochs", 5]
     _, out = run_command([sys.executable, "recipes/compiled_model.py", "--compare", *args,
-                          "--run-dir", work / "compile_run", "--no-progress"])
+                          "--run-dir", work / "compile_run", "--no-progress", *device_args()])
     summary = json.loads((work / "compile_run" / "metrics.json").read_text())
     return {"item": "torch.compile: the recipe's gated MLP (64 wide, 8 blocks, batch 16384), steady state",
             "result": f"{summary['speedup']:.2f}x eager after {summary['compile_s']:.1f} s of compiling; "
@@ -376,6 +394,13 @@ def compiled(quick: bool, work: Path) -> dict:
 
 
 def ddp(quick: bool, work: Path) -> dict:
+    item = "DDP: 2 processes over 1 (one thread each, MLP 784-512-512-10)"
+    if DEVICE.type == "cuda" and torch.cuda.device_count() < 2:
+        # two ranks on one GPU would share it and measure nothing about scaling
+        return {"item": item, "result": f"skipped: --device {DEVICE} with {torch.cuda.device_count()} GPU; "
+                                        "DDP needs 2", "target": ">= 1.6x", "met": None}
+    if DEVICE.type == "mps":
+        return {"item": item, "result": "skipped: DDP does not run on MPS", "target": ">= 1.6x", "met": None}
     root = work / "ddp_mnist"
     n = 2048 if quick else 32768
     data = synthetic_classification(n + 512, 784, 10, seed=0)
@@ -383,8 +408,10 @@ def ddp(quick: bool, work: Path) -> dict:
     labels = data.tensors[1].to(torch.uint8).numpy()
     write_mnist(root, (images[:n], labels[:n]), (images[n:], labels[n:]))
     batch = 256 if quick else 2048
+    # under torchrun each rank takes cuda:LOCAL_RANK for --device cuda (a cuda:N index would be overridden)
+    device = ["--device", DEVICE.type]
     common = ["recipes/ddp_mlp.py", "--data-dir", root, "--epochs", 2 if quick else 3, "--batch-size", batch,
-              "--no-progress"]
+              "--no-progress", *device]
     one_thread = {"OMP_NUM_THREADS": "1"}
 
     def throughput(world: int, tag: str) -> float:
@@ -398,7 +425,8 @@ def ddp(quick: bool, work: Path) -> dict:
         runs["one"].append(throughput(1, f"one{i}"))
         runs["two"].append(throughput(2, f"two{i}"))
     ratio = summarise([b / a for a, b in zip(runs["one"], runs["two"], strict=True)])
-    return {"item": f"DDP: 2 processes over 1 (one thread each, gloo, MLP 784-512-512-10, {batch} per process)",
+    backend = "nccl" if DEVICE.type == "cuda" else "gloo"
+    return {"item": f"DDP: 2 processes over 1 (one thread each, {backend}, MLP 784-512-512-10, {batch} per process)",
             "result": f"{ratio['median']:.2f}x ({ratio['min']:.2f}-{ratio['max']:.2f})",
             "target": ">= 1.6x", "met": ratio["median"] >= 1.6, "scaling": ratio,
             "samples_per_s": {k: statistics.median(v) for k, v in runs.items()}}
@@ -415,19 +443,99 @@ def tabular(quick: bool, adult_csv: Path | None, work: Path) -> dict:
                 "met": None}
     extra = ["--epochs", 1] if quick else []
     _, out = run_command([sys.executable, "recipes/tabular_mlp.py", "--csv", adult_csv, "--target", "income",
-                          *extra, "--run-dir", work / "adult_run", "--no-progress"])
+                          *extra, "--run-dir", work / "adult_run", "--no-progress", *device_args()])
     acc = float(re.search(r"val_acc=([\d.]+)", out)[1])
     return {"item": item, "result": f"{acc:.4f}", "target": ">= 0.85", "met": acc >= 0.85, "val_acc": acc}
 
 
+# ------------------------------------------------------------------------------------------------------
+# The machine: does this CPU multiply bf16 natively? Item 5's bf16 target depends on it.
+
+
+def cpu_hardware() -> dict:
+    """The CPU's model name, its bf16 instruction flags (Linux /proc/cpuinfo), and bf16 against fp32 matmul
+    GFLOP/s measured here. Without AVX-512 BF16 or AMX, bf16 is emulated: an Intel AVX-512F CPU without BF16
+    ran it at 0.2x fp32; an AMD EPYC with avx512_bf16 runs it faster than fp32."""
+    model, flags = None, set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():  # one block per core: the first says it
+            key, _, value = (part.strip() for part in line.partition(":"))
+            if key == "model name" and model is None:
+                model = value
+            elif key == "flags" and not flags:
+                flags = set(value.split())
+    except OSError:  # not Linux: no flags; the measurement below still says how bf16 runs
+        pass
+    model = model or platform.processor() or platform.machine()
+    fp32, bf16 = measure_matmul_flops(CPU, torch.float32), measure_matmul_flops(CPU, torch.bfloat16)
+    native = {flag: flag in flags for flag in ("avx512f", "avx512_bf16", "amx_bf16")} if flags else {}
+    return {"cpu_model": model, "cpu_flags": native, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "bf16_native": (native["avx512_bf16"] or native["amx_bf16"]) if native else None,
+            "fp32_gflops": fp32 / 1e9, "bf16_gflops": bf16 / 1e9, "bf16_over_fp32": bf16 / fp32}
+
+
+def describe_hardware(hardware: dict) -> str:
+    native = {True: "native bf16 (" + ", ".join(f for f in ("avx512_bf16", "amx_bf16") if hardware["cpu_flags"][f])
+                    + ")",
+              False: "no native bf16 (neither avx512_bf16 nor amx_bf16: emulated)",
+              None: "bf16 flags unknown (no /proc/cpuinfo)"}[hardware["bf16_native"]]
+    return (f"CPU {hardware['cpu_model']}: {native}; matmul bf16 {hardware['bf16_gflops']:.0f} vs fp32 "
+            f"{hardware['fp32_gflops']:.0f} GFLOP/s ({hardware['bf16_over_fp32']:.2f}x)")
+
+
+def device_name(value: str) -> torch.device:
+    if not re.fullmatch(r"cpu|mps|cuda(:\d+)?", value):
+        raise argparse.ArgumentTypeError(f"{value!r} is not one of cpu, cuda, cuda:N, mps")
+    return torch.device(value)
+
+
+def check_device(device: torch.device) -> str | None:
+    """Why ``device`` cannot be used here, or None."""
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            return f"--device {device}: CUDA is not available on this machine; use --device cpu"
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            return f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s)"
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        return f"--device {device}: MPS is not available on this machine; use --device cpu"
+    return None
+
+
+def one_line(err: BaseException) -> str:
+    text = " ".join(str(err).split())
+    return f"{type(err).__name__}: {text}" if text else type(err).__name__
+
+
+def run_items(items: dict[int, Callable[[], dict]], chosen: list[int]) -> dict[int, dict]:
+    """Each chosen item in turn; one that raises becomes a result that says why, and the rest still run."""
+    results = {}
+    for number in chosen:
+        started = time.perf_counter()
+        try:
+            result = items[number]()
+        except Exception as err:  # noqa: BLE001 - any failure of one item must not lose the others' figures
+            result = {"item": f"item {number}", "result": f"failed: {one_line(err)}", "target": "-", "met": None,
+                      "error": one_line(err)}
+        results[number] = result | {"seconds": time.perf_counter() - started}
+        print(f"[{number}] {results[number]['result']}  ({results[number]['seconds']:.0f} s)", file=sys.stderr)
+    return results
+
+
 def main() -> None:
+    global DEVICE
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, help="write the figures as JSON here")
     parser.add_argument("--quick", action="store_true", help="tiny sizes: checks that every item runs")
     parser.add_argument("--mnist-dir", type=Path, default=ROOT.parent / "shared" / "data" / "mnist")
     parser.add_argument("--adult-csv", type=Path, default=ROOT.parent / "shared" / "data" / "adult" / "adult.csv")
     parser.add_argument("--only", help="comma-separated item numbers, e.g. 1,4")
+    parser.add_argument("--device", type=device_name, default=CPU,
+                        help="where the recipes run: cpu (default, also on a GPU machine), cuda, cuda:N, mps")
     args = parser.parse_args()
+    if problem := check_device(args.device):
+        print(f"error: {problem}", file=sys.stderr)
+        sys.exit(1)
+    DEVICE = args.device
     mnist_dir = args.mnist_dir if (args.mnist_dir / "t10k-images-idx3-ubyte.gz").is_file() else None
     adult_csv = args.adult_csv if args.adult_csv.is_file() else None
     torch.set_num_threads(min(2, os.cpu_count() or 1))
@@ -438,24 +546,34 @@ def main() -> None:
                  3: lambda: mnist_vs_examples(args.quick, mnist_dir, work), 4: lambda: transformer(args.quick),
                  5: lambda: mixed_precision(args.quick), 6: lambda: compiled(args.quick, work),
                  7: lambda: ddp(args.quick, work), 8: lambda: tabular(args.quick, adult_csv, work)}
-        chosen = [int(i) for i in args.only.split(",")] if args.only else list(items)
-        results = {}
-        for number in chosen:
-            started = time.perf_counter()
-            results[number] = items[number]() | {"seconds": time.perf_counter() - started}
-            print(f"[{number}] {results[number]['result']}  ({results[number]['seconds']:.0f} s)", file=sys.stderr)
+        chosen = [int(i) for i in args.only.split(",") if i.isdigit()] if args.only else list(items)
+        unknown = sorted(set(args.only.split(",")) - {str(i) for i in items}) if args.only else []
+        if unknown:
+            parser.error(f"argument --only: no item {', '.join(unknown)} (items are {', '.join(map(str, items))})")
+        hardware = cpu_hardware()
+        if DEVICE.type == "cuda":
+            hardware["gpu"] = torch.cuda.get_device_name(DEVICE)
+        print(describe_hardware(hardware), file=sys.stderr)
+        results = run_items(items, chosen)
 
     machine = (f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
                f"cpu capability {torch.backends.cpu.get_cpu_capability()}")
-    lines = [f"Measured on: {machine}{' (quick mode)' if args.quick else ''}", "",
+    on_device = f"; recipes on {DEVICE}{' (' + hardware['gpu'] + ')' if 'gpu' in hardware else ''}"
+    lines = [f"Measured on: {machine}{on_device}{' (quick mode)' if args.quick else ''}",
+             describe_hardware(hardware), "",
              "| # | item | result | target | met |", "|---|---|---|---|---|"]
     for number, r in results.items():
-        met = {True: "yes", False: "no", None: "n/a"}[r["met"]]
+        met = "FAILED" if "error" in r else {True: "yes", False: "no", None: "n/a"}[r["met"]]
         lines.append(f"| {number} | {r['item']} | {r['result']} | {r['target']} | {met} |")
     print("\n".join(lines))
     if args.out:
-        args.out.write_text(json.dumps({"machine": machine, "quick": args.quick,
-                                        "items": {str(k): v for k, v in results.items()}}, indent=2, default=str))
+        args.out.write_text(json.dumps({"machine": machine, "quick": args.quick, "device": str(DEVICE),
+                                        "hardware": hardware, "items": {str(k): v for k, v in results.items()}},
+                                       indent=2, default=str))
+    failed = [f"{number} ({r['error']})" for number, r in results.items() if "error" in r]
+    if failed:
+        print(f"error: {len(failed)} of {len(results)} items failed: {'; '.join(failed)}", file=sys.stderr)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,10 @@
 
 import json
 import sys
+from pathlib import Path
 
+import pytest
+import torch
 from conftest import run_subprocess
 
 
@@ -22,3 +25,102 @@ def test_quick_benchmark_writes_every_item(tmp_path):
     assert data["items"]["8"]["met"] is None and data["items"]["8"]["result"].startswith("skipped")
     assert data["items"]["1"]["equal_weights"] is True  # the core's step changes no number
     assert data["items"]["4"]["tokens_per_s"]["fp32 eager"] > 0
+
+
+def test_a_failing_item_is_recorded_and_the_others_still_run(tmp_path):
+    """Item 8 fed a table without the Adult census's `income` column fails; item 5 before it still counts."""
+    bad_csv = tmp_path / "adult.csv"
+    bad_csv.write_text("age,colour\n30,red\n40,blue\n")
+    out = tmp_path / "bench.json"
+    result = run_subprocess([sys.executable, "scripts/benchmark.py", "--quick", "--only", "8,5", "--out", out,
+                             "--adult-csv", bad_csv], timeout=600)
+    assert result.code == 1, result.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert data["device"] == "cpu" and sorted(data["items"]) == ["5", "8"]
+    failed, fine = data["items"]["8"], data["items"]["5"]
+    assert "income" in failed["error"] and failed["result"].startswith("failed: ") and failed["met"] is None
+    assert "error" not in fine and fine["speedup"]["fp32"] == 1.0
+    assert "| 8 | item 8 | failed: " in result.stdout and "| FAILED |" in result.stdout
+    assert result.stderr.strip().splitlines()[-1].startswith("error: 1 of 2 items failed: 8 (")
+    assert "Traceback" not in result.stderr
+
+
+def test_hardware_says_whether_the_cpu_multiplies_bf16_natively(tmp_path):
+    out = tmp_path / "bench.json"
+    result = run_subprocess([sys.executable, "scripts/benchmark.py", "--quick", "--only", "8", "--out", out,
+                             "--adult-csv", tmp_path / "absent.csv"], timeout=300)
+    assert result.code == 0, result.stderr[-3000:]
+    hardware = json.loads(out.read_text())["hardware"]
+    assert hardware["cpu_model"] and hardware["fp32_gflops"] > 0 and hardware["bf16_gflops"] > 0
+    flags = Path("/proc/cpuinfo").read_text() if sys.platform == "linux" else ""
+    if flags:
+        assert hardware["cpu_flags"]["avx512_bf16"] == (" avx512_bf16" in flags)
+        assert hardware["cpu_flags"]["amx_bf16"] == (" amx_bf16" in flags)
+        assert hardware["bf16_native"] == (" avx512_bf16" in flags or " amx_bf16" in flags)
+        assert hardware["cpu_model"] in flags  # /proc/cpuinfo's model name, not just "x86_64"
+    assert ("native bf16" in result.stdout) == bool(hardware["bf16_native"])
+
+
+def test_bad_options_are_usage_errors_naming_them(tmp_path):
+    for args, option in ((["--device", "gpu"], "--device"), (["--only", "4,9"], "--only")):
+        result = run_subprocess([sys.executable, "scripts/benchmark.py", *args], timeout=120)
+        assert result.code == 2 and f"argument {option}" in result.stderr, result.stderr
+
+
+def test_an_absent_device_is_one_error_line():
+    if torch.cuda.is_available():
+        return  # the device exists here: nothing to refuse
+    result = run_subprocess([sys.executable, "scripts/benchmark.py", "--device", "cuda"], timeout=120)
+    assert result.code == 1 and result.stderr.strip().splitlines() == [
+        "error: --device cuda: CUDA is not available on this machine; use --device cpu"]
+
+
+@pytest.fixture
+def bench(monkeypatch):
+    """scripts/bench.py in this process, its subprocesses recorded instead of run."""
+    import subprocess
+    from types import SimpleNamespace
+
+    import scripts.benchmark as bench
+
+    calls = []
+
+    def fake_run(args, **kwargs):
+        calls.append(args)
+        return subprocess.CompletedProcess(args, 0, stdout="done: val_acc=0.9000 samples_per_s=100.0\n", stderr="")
+
+    monkeypatch.setattr(bench, "subprocess", SimpleNamespace(run=fake_run))  # this module's, not everyone's
+    monkeypatch.setattr(bench, "calls", calls, raising=False)
+    return bench
+
+
+def test_every_recipe_subprocess_gets_the_device(bench, monkeypatch, tmp_path):
+    csv = tmp_path / "adult.csv"
+    csv.write_text("x\n")
+    bench.tabular(True, csv, tmp_path)  # the default: cpu, said explicitly
+    monkeypatch.setattr(bench, "DEVICE", torch.device("cuda", 1))
+    bench.tabular(True, csv, tmp_path)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    bench.ddp(True, tmp_path)  # one process and two, twice each in quick mode: once each
+    devices = [args[args.index("--device") + 1] for args in bench.calls]
+    assert devices == ["cpu", "cuda:1", "cuda", "cuda"]  # under torchrun each rank picks cuda:LOCAL_RANK
+
+
+def test_ddp_is_skipped_with_one_gpu_not_run_as_two_ranks_on_it(bench, monkeypatch, tmp_path):
+    monkeypatch.setattr(bench, "DEVICE", torch.device("cuda"))
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    result = bench.ddp(True, tmp_path)
+    assert result["met"] is None and result["result"].startswith("skipped: --device cuda with 1 GPU")
+    assert bench.calls == []
+
+
+def test_run_items_keeps_going_after_a_failure(bench):
+    def broken():
+        raise RuntimeError("recipes/x.py failed:\n  ['error: no such file']")
+
+    results = bench.run_items({1: lambda: {"item": "a", "result": "1", "target": "-", "met": True},
+                                   2: broken, 3: lambda: {"item": "c", "result": "3", "target": "-", "met": False}},
+                                  [1, 2, 3])
+    assert [r["met"] for r in results.values()] == [True, None, False]
+    assert results[2]["error"] == "RuntimeError: recipes/x.py failed: ['error: no such file']"
+    assert "error" not in results[1] and "error" not in results[3]

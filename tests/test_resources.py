@@ -96,3 +96,52 @@ def test_every_run_reports_its_account(run_inprocess, table_csv, tmp_path):
     accumulator = EventAccumulator(str(tmp_path), size_guidance={"tensors": 0})
     accumulator.Reload()
     assert "memory/text_summary" in accumulator.Tags()["tensors"]
+
+
+class FakeGpuMemory:
+    """torch.cuda's peak-memory functions on a pretend machine: GPU i peaked at (i + 1) GB."""
+
+    def __init__(self, monkeypatch):
+        self.asked, self.reset = [], []
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+        monkeypatch.setattr(torch.cuda, "max_memory_allocated", self.peak)
+        monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: self.reset.append(device))
+
+    def peak(self, device=None):
+        self.asked.append(device)
+        index = 0 if device is None or torch.device(device).index is None else torch.device(device).index
+        return (index + 1) * 10**9
+
+
+def test_peaks_are_read_on_the_training_device(monkeypatch):
+    from common.resources import with_peaks
+
+    gpu = FakeGpuMemory(monkeypatch)
+    account = with_peaks({"parameters": 1}, torch.device("cuda", 1))
+    assert account["peak_allocated_bytes"] == 2 * 10**9 and gpu.asked == [torch.device("cuda", 1)]
+    assert account["parameters"] == 1 and account["peak_rss_bytes"] > 0
+
+
+def test_a_cpu_run_reports_no_gpu_peak_even_where_cuda_is_up(monkeypatch):
+    from common.resources import reset_peak_memory, with_peaks
+
+    gpu = FakeGpuMemory(monkeypatch)
+    assert "peak_allocated_bytes" not in with_peaks({}, CPU)
+    reset_peak_memory(CPU)
+    assert gpu.asked == [] and gpu.reset == []
+
+
+def test_reset_peak_memory_resets_the_training_device(monkeypatch):
+    from common.resources import reset_peak_memory
+
+    gpu = FakeGpuMemory(monkeypatch)
+    reset_peak_memory(torch.device("cuda", 1))
+    assert gpu.reset == [torch.device("cuda", 1)]
+
+
+def test_memory_account_reads_the_peak_of_its_device(monkeypatch):
+    model, optimizer = model_after_one_step(lambda p: torch.optim.SGD(p, lr=0.1))
+    gpu = FakeGpuMemory(monkeypatch)
+    account = memory_account(model, optimizer, torch.device("cuda", 2))
+    assert account["peak_allocated_bytes"] == 3 * 10**9 and gpu.asked == [torch.device("cuda", 2)]

@@ -1,0 +1,121 @@
+"""Plot runs side by side from their TensorBoard event files: one subplot per quantity, one line per run.
+
+    python scripts/plot_runs.py runs/tiny_transformer/20250101-120000 runs/tiny_transformer/20250102-090000 \
+        --out compare.png
+
+Quantities, each drawn when some run logged it: loss (train/loss solid, val/loss dashed), accuracy
+(val/acc, train/acc), bits per byte or character (val/bits_per_byte, val/bits_per_char) and the learning
+rate (train/lr). The PNG is small (a few tens of KB) so that it can go into an issue or a README.
+
+Exit status: 0 on success, 1 with one line ``error: ...`` when a run directory is missing or holds no event
+files (or nothing to plot), 2 on a usage error.
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+# (subplot title, y label, [(tag or tag suffix, line style)]): a tag ending in "*" matches by prefix
+QUANTITIES = [
+    ("loss", "loss", [("train/loss", "-"), ("val/loss", "--")]),
+    ("accuracy", "accuracy", [("train/acc", "-"), ("val/acc", "--")]),
+    ("bits", "bits per token", [("train/bits_per_*", "-"), ("val/bits_per_*", "--")]),
+    ("learning rate", "lr", [("train/lr", "-")]),
+]
+
+
+class PlotError(Exception):
+    """A problem with the input: shown as one line, exit 1."""
+
+
+def read_scalars(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
+    """Every scalar in a run directory's event files, as {tag: [(step, value), ...]} sorted by step."""
+    if not run_dir.is_dir():
+        raise PlotError(f"{run_dir} does not exist or is not a directory")
+    if not any(run_dir.glob("events.out.tfevents.*")):
+        raise PlotError(f"{run_dir} holds no TensorBoard event files (events.out.tfevents.*): is it a run directory?")
+    # imported here: a usage error should not wait for tensorboard's import
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    accumulator = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})  # 0: keep every point
+    try:
+        accumulator.Reload()
+    except Exception as err:  # noqa: BLE001 - a corrupt file of any kind is the same one-line error
+        raise PlotError(f"cannot read the event files in {run_dir}: {err}") from None
+    scalars = {}
+    for tag in accumulator.Tags()["scalars"]:
+        # a resumed run logs some steps twice: keep the last value of each step
+        points = {e.step: e.value for e in accumulator.Scalars(tag)}
+        scalars[tag] = sorted(points.items())
+    return scalars
+
+
+def matching(scalars: dict, pattern: str) -> list[str]:
+    if pattern.endswith("*"):
+        return sorted(tag for tag in scalars if tag.startswith(pattern[:-1]))
+    return [pattern] if pattern in scalars else []
+
+
+def labels(run_dirs: list[Path]) -> list[str]:
+    """Each run's folder name, with its parent's when two runs share a name."""
+    names = [d.resolve().name for d in run_dirs]
+    return [f"{d.resolve().parent.name}/{d.resolve().name}" if names.count(d.resolve().name) > 1 else d.resolve().name
+            for d in run_dirs]
+
+
+def plot(run_dirs: list[Path], out: Path) -> list[str]:
+    """Draw the figure; returns the titles of the subplots drawn."""
+    runs = [(label, read_scalars(d)) for label, d in zip(labels(run_dirs), run_dirs, strict=True)]
+    present = [q for q in QUANTITIES if any(matching(s, tag) for _, s in runs for tag, _ in q[2])]
+    if not present:
+        raise PlotError("none of the runs logged train/loss, val/loss, an accuracy, bits per token or train/lr")
+
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display on servers and in tests
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(present), figsize=(3.6 * len(present), 3.0), dpi=80, squeeze=False)
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for ax, (title, ylabel, tags) in zip(axes[0], present, strict=True):
+        for i, (label, scalars) in enumerate(runs):
+            for pattern, style in tags:
+                for tag in matching(scalars, pattern):
+                    steps, values = zip(*scalars[tag], strict=True)
+                    split = tag.split("/")[0]
+                    ax.plot(steps, values, style, color=colours[i % len(colours)], linewidth=1.2,
+                            marker="o" if len(steps) == 1 else None, label=f"{label} {split}")
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("step", fontsize=9)
+        ax.set_ylabel(ylabel, fontsize=9)
+        ax.tick_params(labelsize=8)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, format="png")
+    plt.close(fig)
+    return [title for title, _, _ in present]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("run_dirs", nargs="+", type=Path, metavar="RUN_DIR", help="run directories to compare")
+    parser.add_argument("--out", type=Path, required=True, metavar="FILE.png", help="the PNG to write")
+    args = parser.parse_args(argv)
+    if args.out.suffix.lower() != ".png":
+        parser.error(f"argument --out: {args.out} must end in .png")
+    try:
+        drawn = plot(args.run_dirs, args.out)
+    except PlotError as err:
+        print(f"error: {' '.join(str(err).split())}", file=sys.stderr)
+        return 1
+    except OSError as err:  # e.g. --out in a folder we may not write
+        print(f"error: cannot write {args.out}: {err.strerror or err}", file=sys.stderr)
+        return 1
+    print(f"wrote {args.out}: {', '.join(drawn)} for {len(args.run_dirs)} run(s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,72 @@
+"""The peak FLOP/s that MFU is judged by: datasheet figures by GPU name (faked here, on a CPU), the
+measured fallback, and the source said with the figure."""
+
+import pytest
+import torch
+
+import common.runtime as runtime
+from common.runtime import datasheet_peak, device_peak_flops, measure_matmul_flops
+
+
+@pytest.mark.parametrize("name, dtype, tf32, expected", [
+    ("NVIDIA H200", torch.bfloat16, False, 989e12),
+    ("NVIDIA H100 80GB HBM3", torch.float16, False, 989e12),  # the SXM part
+    ("NVIDIA H100 80GB HBM3", torch.float32, False, 67e12),  # true fp32: no tensor cores
+    ("NVIDIA H100 80GB HBM3", torch.float32, True, 494e12),
+    ("NVIDIA H100 PCIe", torch.bfloat16, False, 756e12),  # not the SXM figure
+    ("NVIDIA H200 NVL", torch.bfloat16, False, 835e12),
+    ("NVIDIA A100-SXM4-80GB", torch.bfloat16, False, 312e12),
+    ("NVIDIA A100 80GB PCIe", torch.float32, False, 19.5e12),
+    ("NVIDIA L4", torch.bfloat16, False, 121e12),
+    ("NVIDIA L40S", torch.bfloat16, False, 362e12),  # not L4's
+    ("NVIDIA A10G", torch.bfloat16, False, None),  # not A100's: unknown, so measured
+    ("Tesla T4", torch.float16, False, None),
+    ("NVIDIA H100 80GB HBM3", torch.float64, False, None),
+])
+def test_datasheet_figures_by_device_name(name, dtype, tf32, expected):
+    assert datasheet_peak(name, dtype, tf32) == expected
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    def install(name: str):
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+        monkeypatch.setattr(runtime, "measure_matmul_flops", lambda device, dtype: 1.5e12)
+    return install
+
+
+def test_a_known_gpu_gets_its_datasheet_figure_and_says_so(fake_gpu):
+    fake_gpu("NVIDIA H200")
+    assert device_peak_flops(torch.device("cuda", 0), torch.bfloat16) == (989e12, "datasheet: NVIDIA H200, bf16 dense")
+    assert device_peak_flops(torch.device("cuda", 0), torch.float32) == (67e12, "datasheet: NVIDIA H200, fp32 dense")
+
+
+def test_fp32_counts_tf32_only_when_it_is_switched_on(fake_gpu):
+    fake_gpu("NVIDIA H100 80GB HBM3")
+    assert torch.get_float32_matmul_precision() == "highest"  # PyTorch's default: TF32 off
+    try:
+        torch.set_float32_matmul_precision("high")
+        assert device_peak_flops(torch.device("cuda"), torch.float32) == (494e12, "datasheet: NVIDIA H100 80GB HBM3, "
+                                                                           "tf32 dense")
+    finally:
+        torch.set_float32_matmul_precision("highest")
+
+
+def test_an_unknown_gpu_is_measured_and_says_so(fake_gpu):
+    fake_gpu("NVIDIA A10G")
+    flops, source = device_peak_flops(torch.device("cuda"), torch.bfloat16)
+    assert flops == 1.5e12 and source == "measured: back-to-back torch.bfloat16 matmuls on NVIDIA A10G"
+
+
+def test_the_cpu_is_measured():
+    flops, source = device_peak_flops(torch.device("cpu"), torch.float32)
+    assert flops > 0 and source == "measured: back-to-back torch.float32 matmuls on cpu"
+
+
+def test_measure_keeps_its_signature_and_leaves_the_global_rng_alone():
+    torch.manual_seed(3)
+    expected = torch.rand(2)
+    torch.manual_seed(3)
+    assert measure_matmul_flops(torch.device("cpu"), torch.float32) > 0  # tiny_transformer's call
+    assert measure_matmul_flops(torch.device("cpu"), torch.float32, 256) > 0  # the former size argument
+    assert torch.equal(torch.rand(2), expected)

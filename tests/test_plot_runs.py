@@ -1,0 +1,74 @@
+"""scripts/plot_runs.py: a small valid PNG from real event files; bad input is one error line."""
+
+import sys
+
+from conftest import run_subprocess
+from torch.utils.tensorboard import SummaryWriter
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def make_run(run_dir, lr=0.1, with_val=True, bits=False):
+    writer = SummaryWriter(str(run_dir))
+    for step in range(1, 21):
+        writer.add_scalar("train/loss", 2.0 / step, step)
+        writer.add_scalar("train/lr", lr * (1 - step / 25), step)
+        if with_val and step % 5 == 0:
+            writer.add_scalar("val/loss", 2.2 / step, step)
+            writer.add_scalar("val/bits_per_byte" if bits else "val/acc", 0.5 + step / 50, step)
+    writer.close()
+    return run_dir
+
+
+def plot(*args):
+    return run_subprocess([sys.executable, "scripts/plot_runs.py", *map(str, args)], timeout=120)
+
+
+def test_two_runs_make_a_small_valid_png(tmp_path):
+    a, b = make_run(tmp_path / "a"), make_run(tmp_path / "b", lr=0.05, bits=True)
+    out = tmp_path / "plots" / "compare.png"
+    result = plot(a, b, "--out", out)
+    assert result.code == 0, result.stderr
+    data = out.read_bytes()
+    assert data[:8] == PNG_MAGIC and data[12:16] == b"IHDR"
+    assert 1000 < len(data) < 150_000
+    assert result.stdout.strip() == f"wrote {out}: loss, accuracy, bits, learning rate for 2 run(s)"
+
+
+def test_only_the_quantities_logged_are_drawn(tmp_path):
+    out = tmp_path / "train_only.png"
+    result = plot(make_run(tmp_path / "a", with_val=False), "--out", out)
+    assert result.code == 0, result.stderr
+    assert result.stdout.strip() == f"wrote {out}: loss, learning rate for 1 run(s)"
+    assert out.read_bytes()[:8] == PNG_MAGIC
+
+
+def test_bad_input_is_one_error_line(tmp_path):
+    good, empty = make_run(tmp_path / "good"), tmp_path / "empty"
+    empty.mkdir()
+    (empty / "metrics.json").write_text("{}")
+    for bad, message in ((tmp_path / "absent", f"error: {tmp_path / 'absent'} does not exist or is not a directory"),
+                         (empty, f"error: {empty} holds no TensorBoard event files (events.out.tfevents.*): "
+                                 "is it a run directory?")):
+        out = tmp_path / "x.png"
+        result = plot(good, bad, "--out", out)
+        assert result.code == 1 and result.stderr.strip().splitlines() == [message]
+        assert not out.exists()
+
+
+def test_a_run_with_nothing_to_plot_is_an_error(tmp_path):
+    writer = SummaryWriter(str(tmp_path / "other"))
+    writer.add_scalar("perf/tokens_per_s", 100.0, 1)
+    writer.close()
+    result = plot(tmp_path / "other", "--out", tmp_path / "x.png")
+    assert result.code == 1 and result.stderr.strip().startswith("error: none of the runs logged train/loss")
+
+
+def test_usage_errors_exit_2_naming_the_option(tmp_path):
+    run = make_run(tmp_path / "a")
+    no_out = plot(run)
+    assert no_out.code == 2 and "--out" in no_out.stderr
+    not_png = plot(run, "--out", tmp_path / "x.jpg")
+    assert not_png.code == 2 and "argument --out: " in not_png.stderr and ".png" in not_png.stderr
+    no_runs = plot("--out", tmp_path / "x.png")
+    assert no_runs.code == 2 and "RUN_DIR" in no_runs.stderr
