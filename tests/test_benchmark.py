@@ -13,7 +13,7 @@ def test_quick_benchmark_writes_every_item(tmp_path):
     assert result.code == 0, result.stderr[-3000:]
     data = json.loads(out.read_text())
     assert data["quick"] is True and "torch" in data["machine"]
-    assert sorted(data["items"], key=int) == [str(i) for i in range(1, 9)]
+    assert sorted(data["items"], key=int) == [str(i) for i in range(1, 10)]
     for number, item in data["items"].items():
         assert {"item", "result", "target", "met", "seconds"} <= item.keys(), number
         assert item["met"] in (True, False, None)
@@ -22,3 +22,4 @@ def test_quick_benchmark_writes_every_item(tmp_path):
     assert data["items"]["8"]["met"] is None and data["items"]["8"]["result"].startswith("skipped")
     assert data["items"]["1"]["equal_weights"] is True  # the core's step changes no number
     assert data["items"]["4"]["tokens_per_s"]["fp32 eager"] > 0
+    assert data["items"]["9"]["same_tokens"] is True and data["items"]["9"]["kv_cache_speedup"]["median"] > 0
