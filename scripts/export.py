@@ -285,8 +285,6 @@ def export_checkpoint(checkpoint: Path, out_dir: Path, overwrite: bool = False) 
         raise ExportError(f"OUT_DIR {out_dir} is a file, not a folder")
     if out_dir.is_dir() and any(out_dir.iterdir()) and not overwrite:
         raise ExportError(f"OUT_DIR {out_dir} already holds files; choose a new folder or add --overwrite")
-    if not out_dir.parent.is_dir():
-        raise ExportError(f"cannot write {out_dir}: the folder {out_dir.parent} does not exist")
     state = read_checkpoint(checkpoint)
     recipe = state["recipe"]
     try:
@@ -296,9 +294,11 @@ def export_checkpoint(checkpoint: Path, out_dir: Path, overwrite: bool = False) 
     except (KeyError, TypeError) as err:
         raise ExportError(f"{checkpoint} lacks what rebuilding its {recipe} model needs ({err})") from None
 
+    created = make_parents(out_dir)
     try:
         tmp = Path(tempfile_dir(out_dir))
     except OSError as err:
+        remove_empty(created)
         raise ExportError(f"cannot write to {out_dir.parent}: {err.strerror}") from None
     try:
         try:
@@ -323,8 +323,32 @@ def export_checkpoint(checkpoint: Path, out_dir: Path, overwrite: bool = False) 
         replace_dir(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
+        remove_empty(created)
         raise
     return info
+
+
+def make_parents(out_dir: Path) -> list[Path]:
+    """Create the missing folders above ``out_dir``; returns them, so that a failed export removes them again."""
+    missing = [p for p in out_dir.absolute().parents if not p.exists()][::-1]  # from the top down
+    blocked = next((p for p in out_dir.absolute().parents if p.exists() and not p.is_dir()), None)
+    if blocked is not None:
+        raise ExportError(f"cannot write {out_dir}: {blocked} is a file, not a folder")
+    created = []
+    try:
+        for folder in missing:
+            folder.mkdir()
+            created.append(folder)
+    except OSError as err:
+        remove_empty(created)
+        raise ExportError(f"cannot write {out_dir}: {err.strerror}") from None
+    return created
+
+
+def remove_empty(folders: list[Path]) -> None:
+    for folder in reversed(folders):
+        with contextlib.suppress(OSError):
+            folder.rmdir()
 
 
 def tempfile_dir(out_dir: Path) -> str:

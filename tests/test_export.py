@@ -2,6 +2,8 @@
 
 import json
 import random
+import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -200,8 +202,9 @@ def bad_case(case: str, checkpoints: dict, tmp_path: Path) -> tuple[list, str]:
     if case == "out dir is a file":
         out.write_text("a file")
         return [good, out], "is a file, not a folder"
-    if case == "out dir in a missing folder":
-        return [good, tmp_path / "missing" / "out"], "does not exist"
+    if case == "out dir under a file":
+        (tmp_path / "a-file").write_text("a file")
+        return [good, tmp_path / "a-file" / "sub" / "out"], "a-file is a file, not a folder"
     if case == "checkpoint is a folder":
         (tmp_path / "folder.pt").mkdir()
         return [tmp_path / "folder.pt", out], "is not a file"
@@ -210,7 +213,7 @@ def bad_case(case: str, checkpoints: dict, tmp_path: Path) -> tuple[list, str]:
 
 BAD_CASES = ["missing checkpoint", "random bytes", "truncated checkpoint", "another program's checkpoint",
              "a bare state_dict", "pickle payload", "weights of another shape", "extras missing",
-             "out dir is a file", "out dir in a missing folder", "checkpoint is a folder"]
+             "out dir is a file", "out dir under a file", "checkpoint is a folder"]
 
 
 @pytest.mark.parametrize("case", BAD_CASES)
@@ -244,7 +247,8 @@ def test_an_export_that_disagrees_fails_and_leaves_nothing(checkpoints, tmp_path
         return exportable
 
     monkeypatch.setitem(export.BUILDERS, "ddp_mlp", diverging)
-    assert export.main([str(checkpoints["ddp_mlp"]), str(tmp_path / "out")]) == 1
+    # OUT_DIR in folders that do not exist yet: they are made, and removed again when the export fails
+    assert export.main([str(checkpoints["ddp_mlp"]), str(tmp_path / "new" / "deeper" / "out")]) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "disagrees with the checkpoint's: largest difference 1" in err, err
     assert list(tmp_path.iterdir()) == []
@@ -261,10 +265,36 @@ def test_usage_errors_exit_2(args, text, capsys):
     assert err.startswith("error: ") and err.count("\n") == 1 and text in err, err
 
 
-def test_the_command_line_runs_as_a_script(checkpoints, tmp_path):
-    proc = subprocess.run([sys.executable, "scripts/export.py", str(checkpoints["mixed_precision"]),
-                           str(tmp_path / "out")], cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "Traceback" not in proc.stderr
-    assert proc.stdout.strip().splitlines()[-1].startswith("done: exported")
-    assert "mixed_precision: eager vs torch.export max difference" in proc.stdout
+def test_the_readme_deploy_section_runs_as_written(checkpoints, tmp_path):
+    """Every command and Python block of the README's Deploy section, in order, in a folder of its own; the
+    placeholders get real files: the checkpoint, a folder of digit images and a photo. The Python blocks run
+    with -I from that folder: only torch (or onnxruntime) is needed."""
+    from torchvision.io import write_jpeg, write_png
+
+    section = (ROOT / "README.md").read_text().split("## Deploy\n", 1)[1].split("\n## ", 1)[0]
+    blocks = re.findall(r"```(bash|python)\n(.*?)```", section, flags=re.S)
+    assert [kind for kind, _ in blocks] == ["bash", "python", "python", "bash"]
+    digit = torch.zeros(1, 28, 28, dtype=torch.uint8)
+    digit[:, 6:22, 12:16] = 255  # a "1"
+    (tmp_path / "my_digits").mkdir()
+    write_png(digit, str(tmp_path / "my_digits" / "one.png"))
+    write_jpeg(255 - digit, str(tmp_path / "photo.jpg"))
+    placeholder = "runs/mnist_onecycle/RUN/checkpoints/best.pt"
+    outputs = []
+    for kind, code in blocks:
+        if kind == "python":
+            commands = [[sys.executable, "-I", "-c", code]]
+        else:
+            commands = [[sys.executable, str(ROOT / words[1]), *words[2:]]  # scripts/, recipes/ of this clone
+                        for words in (shlex.split(line) for line in code.strip().splitlines())]
+        for command in commands:
+            command = [str(checkpoints["mnist_onecycle"]) if word == placeholder else word for word in command]
+            proc = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+            assert proc.returncode == 0, f"{command}\n{proc.stderr[-3000:]}"
+            outputs.append(proc.stdout)
+    assert (tmp_path / "exported" / "mnist" / "model.pt2").is_file()
+    assert "mnist_onecycle: eager vs torch.export max difference" in outputs[0]  # the script's report
+    assert outputs[0].strip().splitlines()[-1].startswith("done: exported")
+    predictions = outputs[-1].strip().splitlines()
+    assert [line.split()[0] for line in predictions[:-1]] == ["my_digits/one.png", "photo.jpg"]
+    assert predictions[-1] == "done: predictions=2"
