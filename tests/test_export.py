@@ -95,6 +95,23 @@ def test_eager_exported_program_and_onnxruntime_agree(recipe, checkpoints, expor
     torch.testing.assert_close(torch.from_numpy(onnx_out), expected, rtol=0, atol=1e-4)
 
 
+def test_a_character_level_einsum_transformer_exports_with_its_vocabulary(run_inprocess, request, tmp_path):
+    """The einsum attention is exported as the same math in SDPA, and checked against the einsum model."""
+    args = [*smoke_args("tiny_transformer", request), "--vocab", "chars", "--attention", "einsum"]
+    assert run_inprocess("tiny_transformer", *args, "--run-dir", tmp_path / "run").code == 0
+    checkpoint = tmp_path / "run" / "checkpoints" / "last.pt"
+    assert export.main([str(checkpoint), str(tmp_path / "out")]) == 0
+    info = json.loads((tmp_path / "out" / "model.json").read_text())
+    state = torch.load(checkpoint, weights_only=True)
+    assert info["vocab"] == state["vocab"] and info["vocab_size"] == len(state["vocab"]) < 256
+    assert info["model_config"]["attention"] == "einsum" and info["exported_attention"] == "sdpa"
+    batch = inputs("tiny_transformer", info)
+    with torch.no_grad():
+        expected = eager_model("tiny_transformer", checkpoint)(*batch.values())
+        program = torch.export.load(tmp_path / "out" / "model.pt2").module()(*batch.values())
+    torch.testing.assert_close(program, expected, rtol=0, atol=1e-4)
+
+
 def test_model_json_says_how_to_prepare_the_inputs(checkpoints, exported):
     for recipe in MNIST_LIKE:
         info = json.loads((exported[recipe] / "model.json").read_text())
