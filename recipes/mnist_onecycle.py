@@ -6,6 +6,7 @@ that decodes and normalises the data set once instead of once per image per epoc
 with the best checkpoint kept; misclassified test digits shown in TensorBoard.
 
     python recipes/mnist_onecycle.py --epochs 3
+    python recipes/mnist_onecycle.py --predict photos/ --resume runs/mnist_onecycle/.../checkpoints/best.pt
 
 A good result: about 99.3% test accuracy after 3 epochs on the full data set. On 8,000 real digits it beats
 pytorch/examples' MNIST recipe in both accuracy and time (see the README's Performance table).
@@ -18,9 +19,11 @@ from typing import Annotated
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `python recipes/NAME.py` from a clone
 
 import torch
+import torch.nn.functional as F
 import typer
 from torch import nn
 from torch.utils.data import TensorDataset
+from torchvision.io import ImageReadMode, decode_image, read_file
 from torchvision.utils import make_grid
 
 from common import cli
@@ -31,6 +34,7 @@ from common.runtime import make_grad_scaler, resolve_device, seed_everything
 from common.tracking import Run
 
 RECIPE = "mnist_onecycle"
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -104,6 +108,91 @@ def misclassified_grid(model: nn.Module, val_set: TensorDataset, device: torch.d
 
 
 # ----------------------------------------------------------------------------------------------------
+# Prediction on image files
+
+
+def image_files(paths: list[Path]) -> list[Path]:
+    """The images to read: files as given, folders as their .png/.jpg/.jpeg files in sorted order."""
+    files = []
+    for path in paths:
+        if path.is_dir():
+            found = sorted(p for p in path.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES and p.is_file())
+            if not found:
+                raise cli.RecipeError(f"--predict {path}: the folder holds no .png, .jpg or .jpeg files")
+            files += found
+        elif path.is_file():
+            files.append(path)
+        else:
+            raise cli.RecipeError(f"--predict {path}: no such file or folder")
+    return files
+
+
+def to_mnist_format(image: torch.Tensor) -> torch.Tensor:
+    """A (1, H, W) uint8 grayscale image of one digit -> (1, 28, 28) floats in [0, 1] framed like MNIST's.
+
+    MNIST digits are white on black, their 20x20 bounding box centred in a 28x28 frame. A photo or scan of
+    dark ink on white paper has a light border, so it is inverted first. A 28x28 image is taken to be framed
+    already (as MNIST's own are, whatever the digit's place); a larger one is cropped to the digit's bounding
+    box, scaled so that its longer side is 20 pixels (keeping its aspect ratio) and centred."""
+    x = image.float() / 255
+    border = torch.cat([x[0, 0], x[0, -1], x[0, :, 0], x[0, :, -1]])
+    if border.mean() > 0.5:  # light background: dark ink on paper
+        x, border = 1 - x, 1 - border
+    if x.shape[-2:] == (28, 28):
+        return x
+    # Paper is rarely pure white nor ink pure black: stretch background..ink to 0..1 before finding the digit.
+    background, ink = border.median(), x.max()
+    x = ((x - background) / (ink - background).clamp(min=1e-6)).clamp(0, 1)
+    rows, cols = torch.nonzero(x[0] > 0.25, as_tuple=True)
+    if len(rows) == 0:
+        return torch.zeros(1, 28, 28)  # a blank image: nothing to centre
+    digit = x[:, rows.min() : rows.max() + 1, cols.min() : cols.max() + 1]
+    h, w = digit.shape[-2:]
+    scale = 20 / max(h, w)
+    size = (max(1, round(h * scale)), max(1, round(w * scale)))
+    digit = F.interpolate(digit[None], size=size, mode="bilinear", antialias=True, align_corners=False)[0]
+    frame = torch.zeros(1, 28, 28)
+    top, left = (28 - size[0]) // 2, (28 - size[1]) // 2
+    frame[:, top : top + size[0], left : left + size[1]] = digit.clamp(0, 1)
+    return frame
+
+
+def read_digit(path: Path) -> torch.Tensor:
+    """An image file -> (1, 28, 28) in MNIST's format; any file that is not a readable image is a RecipeError."""
+    try:
+        image = decode_image(read_file(str(path)), mode=ImageReadMode.GRAY)  # (1, H, W) uint8, any colour type
+    except (RuntimeError, ValueError):
+        raise cli.RecipeError(f"{path} is not a readable PNG or JPEG image") from None
+    return to_mnist_format(image)
+
+
+@torch.no_grad()
+def predict_digits(checkpoint_path: Path, paths: list[Path], device: torch.device) -> list[tuple[Path, int, float]]:
+    """(file, digit, probability) for every image in ``paths``, with the model of ``checkpoint_path``."""
+    checkpoint = load_checkpoint(checkpoint_path, RECIPE)
+    model = DigitNet(checkpoint["config"]["width"]).to(device).eval()
+    load_model_state(model, checkpoint["model"], checkpoint_path)
+    files = image_files(paths)
+    images = (torch.stack([read_digit(f) for f in files]) - MNIST_MEAN) / MNIST_STD  # as load_mnist normalises
+    probabilities = torch.cat([model(batch.to(device)).softmax(-1).cpu() for batch in images.split(1000)])
+    confidence, digits = probabilities.max(-1)
+    return list(zip(files, digits.tolist(), confidence.tolist(), strict=True))
+
+
+def predict_command(images: list[Path], more_images: list[Path], resume: str | None, device: str) -> None:
+    """--predict: print one line per image (file, digit, probability), then the done line."""
+    if not images:
+        raise typer.BadParameter(f"{more_images[0]}: image files are given with --predict", param_hint="IMAGE")
+    if resume is None or resume == "auto":
+        raise typer.BadParameter("give the checkpoint to predict with, e.g. --resume .../best.pt",
+                                 param_hint="--resume")
+    results = predict_digits(Path(resume), [*images, *more_images], resolve_device(device))
+    for path, digit, probability in results:
+        print(f"{path} {digit} {probability:.4f}")
+    print(f"done: predictions={len(results)}")
+
+
+# ----------------------------------------------------------------------------------------------------
 # Training
 
 
@@ -127,6 +216,14 @@ def main(
     backbone_lr_scale: Annotated[
         float, typer.Option(min=0.0, max=1.0, help="With --finetune: the conv layers' rate as a share of --max-lr.")
     ] = 0.1,
+    predict: Annotated[
+        list[Path] | None,
+        typer.Option(help="Only predict: these PNG/JPEG digit images, or folders of them, with the model from "
+                          "--resume; prints file, digit and probability. More images may follow as arguments."),
+    ] = None,
+    more_images: Annotated[
+        list[Path] | None, typer.Argument(metavar="IMAGE", help="More images for --predict.", show_default=False)
+    ] = None,
     seed: cli.Seed = 0,
     device: cli.Device = "auto",
     precision: cli.Precision = "fp32",
@@ -138,7 +235,10 @@ def main(
     checkpoint_every: cli.CheckpointEvery = None,
     progress: cli.Progress = None,
 ):
-    """Train a small CNN on MNIST with the one-cycle learning-rate schedule."""
+    """Train a small CNN on MNIST with the one-cycle learning-rate schedule, or predict digits in images."""
+    if predict or more_images:
+        predict_command(predict or [], more_images or [], resume, device)
+        return
     run = Run(RECIPE, locals(), may_change={"finetune"})  # the run directory, and the checkpoint to resume from
     seed_everything(seed)
     device = resolve_device(device)

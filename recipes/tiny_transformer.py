@@ -70,21 +70,32 @@ class CausalSelfAttention(nn.Module):
         mask = torch.tril(torch.ones(config.block_size, config.block_size, dtype=torch.bool))
         self.register_buffer("causal_mask", mask, persistent=False)  # True where position i may see j
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: dict | None = None) -> torch.Tensor:
+        """``cache``: only while generating, this layer's keys and values of the earlier positions
+        (``{"k", "v"}``, empty at first); the new ones are appended to it, so ``x`` may hold only new tokens."""
         B, T, C = x.shape
         q, k, v = self.qkv(x).split(C, dim=2)
         # (B, T, C) -> (B, nh, T, hs): each head attends over its own slice of the channels
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        if cache is not None:
+            # A token's key and value depend only on it and the tokens before it, so those of earlier
+            # positions are exactly what a full recompute would give again: keep them, compute only the new.
+            if cache:
+                k, v = torch.cat([cache["k"], k], dim=2), torch.cat([cache["v"], v], dim=2)
+            cache["k"], cache["v"] = k, v
+        S = k.size(2)  # positions attended to: T, or with a cache the earlier ones too; the queries are the last T
         if self.attention == "einsum":
-            scores = torch.einsum("bhid,bhjd->bhij", q, k) / math.sqrt(q.size(-1))  # (B, nh, T, T)
-            scores = scores.masked_fill(~self.causal_mask[:T, :T], float("-inf"))  # no peeking ahead
+            scores = torch.einsum("bhid,bhjd->bhij", q, k) / math.sqrt(q.size(-1))  # (B, nh, T, S)
+            scores = scores.masked_fill(~self.causal_mask[S - T : S, :S], float("-inf"))  # no peeking ahead
             weights = self.attn_dropout(scores.softmax(dim=-1))
             y = torch.einsum("bhij,bhjd->bhid", weights, v)  # (B, nh, T, hs)
         else:
             # The same computation in one fused kernel. is_causal=True applies exactly causal_mask's
-            # pattern without materialising it, which lets GPUs use FlashAttention.
-            y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0,
-                                               is_causal=True)
+            # pattern without materialising it, which lets GPUs use FlashAttention. is_causal aligns the
+            # mask to the top left, so queries that are only the last T of S positions need the mask's rows.
+            mask = None if S == T else self.causal_mask[S - T : S, :S]
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                               dropout_p=self.dropout if self.training else 0.0)
         # (B, nh, T, hs) -> (B, T, C). transpose made y non-contiguous, so .view would fail; reshape copies.
         y = y.transpose(1, 2).reshape(B, T, C)
         return self.resid_dropout(self.proj(y))
@@ -111,8 +122,8 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(config.n_embd, bias=False)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x))
+    def forward(self, x: torch.Tensor, cache: dict | None = None) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), cache)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -139,12 +150,16 @@ class GPT(nn.Module):
         if isinstance(module, nn.Linear | nn.Embedding):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        """(B, T) token ids -> (B, T, vocab_size) logits for the next token at every position."""
-        T = idx.size(1)
-        x = self.drop(self.wte(idx) + self.wpe(torch.arange(T, device=idx.device)))  # (B, T, C)
-        for block in self.blocks:
-            x = block(x)
+    def forward(self, idx: torch.Tensor, caches: list[dict] | None = None) -> torch.Tensor:
+        """(B, T) token ids -> (B, T, vocab_size) logits for the next token at every position.
+
+        ``caches`` (generation only): one dict per block holding the keys and values of the positions before
+        ``idx``, which then continues them (its first token is at position len(cache)), see ``generate``."""
+        start = caches[0]["k"].size(2) if caches and caches[0] else 0
+        positions = torch.arange(start, start + idx.size(1), device=idx.device)
+        x = self.drop(self.wte(idx) + self.wpe(positions))  # (B, T, C)
+        for i, block in enumerate(self.blocks):
+            x = block(x, caches[i] if caches is not None else None)
         return self.lm_head(self.ln_f(x))
 
     def flops_per_token(self) -> float:
@@ -156,16 +171,44 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def generate(self, idx: torch.Tensor, new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
-                 generator: torch.Generator | None = None) -> torch.Tensor:
+                 generator: torch.Generator | None = None, use_cache: bool = True) -> torch.Tensor:
+        """Append ``new_tokens`` sampled tokens to ``idx`` (B, T); top_k=1 is greedy decoding.
+
+        With the KV cache (the default) each step feeds only the newest token through the model, attending
+        to the keys and values kept from earlier steps. The model never saw positions past block_size, and
+        its position embeddings are absolute, so a full cache cannot simply drop its oldest entry (every
+        kept key would then sit at the wrong position). When the context is full it jumps instead: the
+        cache is recomputed from the last block_size // 2 tokens, and filled again from there. So the
+        context slides in jumps and always holds between block_size // 2 and block_size tokens; within
+        block_size tokens the result is exactly that of use_cache=False.
+
+        use_cache=False is the plain version: every step recomputes the whole context, the last block_size
+        tokens (a window that slides by one), from scratch.
+        """
+        if not use_cache:
+            for _ in range(new_tokens):
+                context = idx[:, -self.config.block_size :]  # the model never saw positions past block_size
+                idx = torch.cat([idx, self.sample_next(self(context)[:, -1, :], temperature, top_k, generator)], 1)
+            return idx
+        caches, fed = None, 0  # fed: tokens of idx the cache holds (a new cache starts at position 0)
         for _ in range(new_tokens):
-            context = idx[:, -self.config.block_size :]  # the model never saw positions past block_size
-            logits = self(context)[:, -1, :] / temperature
-            if top_k is not None:
-                kth_best = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
-                logits = logits.masked_fill(logits < kth_best, float("-inf"))
-            next_token = torch.multinomial(logits.softmax(dim=-1), 1, generator=generator)
-            idx = torch.cat([idx, next_token], dim=1)
+            if caches is None or caches[0]["k"].size(2) == self.config.block_size:  # none yet, or full: refill
+                keep = self.config.block_size if caches is None else self.config.block_size // 2
+                caches, fed = [{} for _ in self.blocks], max(0, idx.size(1) - keep)
+            logits = self(idx[:, fed:], caches)[:, -1, :]  # all of the context at a refill, else the newest token
+            fed = idx.size(1)
+            idx = torch.cat([idx, self.sample_next(logits, temperature, top_k, generator)], dim=1)
         return idx
+
+    @staticmethod
+    def sample_next(logits: torch.Tensor, temperature: float, top_k: int | None,
+                    generator: torch.Generator | None) -> torch.Tensor:
+        """(B, vocab) logits of the next token -> (B, 1) tokens drawn from them."""
+        logits = logits / temperature
+        if top_k is not None:
+            kth_best = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
+            logits = logits.masked_fill(logits < kth_best, float("-inf"))
+        return torch.multinomial(logits.softmax(dim=-1), 1, generator=generator)
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ def test_quick_benchmark_writes_every_item(tmp_path):
     assert result.code == 0, result.stderr[-3000:]
     data = json.loads(out.read_text())
     assert data["quick"] is True and "torch" in data["machine"]
-    assert sorted(data["items"], key=int) == [str(i) for i in range(1, 9)]
+    assert sorted(data["items"], key=int) == [str(i) for i in range(1, 10)]
     for number, item in data["items"].items():
         assert {"item", "result", "target", "met", "seconds"} <= item.keys(), number
         assert item["met"] in (True, False, None)
@@ -25,6 +25,7 @@ def test_quick_benchmark_writes_every_item(tmp_path):
     assert data["items"]["8"]["met"] is None and data["items"]["8"]["result"].startswith("skipped")
     assert data["items"]["1"]["equal_weights"] is True  # the core's step changes no number
     assert data["items"]["4"]["tokens_per_s"]["fp32 eager"] > 0
+    assert data["items"]["9"]["same_tokens"] is True and data["items"]["9"]["kv_cache_speedup"]["median"] > 0
 
 
 def test_a_failing_item_is_recorded_and_the_others_still_run(tmp_path):
@@ -62,7 +63,7 @@ def test_hardware_says_whether_the_cpu_multiplies_bf16_natively(tmp_path):
 
 
 def test_bad_options_are_usage_errors_naming_them(tmp_path):
-    for args, option in ((["--device", "gpu"], "--device"), (["--only", "4,9"], "--only")):
+    for args, option in ((["--device", "gpu"], "--device"), (["--only", "4,10"], "--only")):
         result = run_subprocess([sys.executable, "scripts/benchmark.py", *args], timeout=120)
         assert result.code == 2 and f"argument {option}" in result.stderr, result.stderr
 

@@ -12,9 +12,11 @@ README = (ROOT / "README.md").read_text()
 CODE_BLOCKS = re.findall(r"```bash\n(.*?)```", README, flags=re.S)
 BLOCK_COMMANDS = [line.strip() for block in CODE_BLOCKS for line in block.splitlines() if line.strip()]
 TABLE_COMMANDS = re.findall(r"\| `((?:python|torchrun) [^`]*recipes/[^`]+)` \|", README)
-# Every command that runs a recipe on one machine; the two-machine commands are run by tests/test_ddp.py.
+# Every command that trains a recipe on one machine; the two-machine commands are run by tests/test_ddp.py,
+# the Deploy section's prediction (it needs a checkpoint and images) by tests/test_export.py.
 RECIPE_COMMANDS = sorted({c for c in BLOCK_COMMANDS + TABLE_COMMANDS
-                          if re.match(r"(python|torchrun) .*recipes/\w+\.py", c) and "--nnodes" not in c})
+                          if re.match(r"(python|torchrun) .*recipes/\w+\.py", c) and "--nnodes" not in c
+                          and "--predict" not in c})
 
 
 def test_readme_shows_the_two_newcomer_commands():

@@ -105,14 +105,54 @@ def test_checkpoint_round_trip_restores_the_model_exactly(tmp_path):
     assert torch.equal(model.eval()(idx), fresh.eval()(idx))
 
 
-def test_generation_crops_the_context_to_block_size():
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_generation_crops_the_context_to_block_size(use_cache):
     model = tiny_gpt().eval()
     seen = []
-    model.wpe.register_forward_hook(lambda module, inputs, out: seen.append(inputs[0].numel()))
+    model.wpe.register_forward_hook(lambda module, inputs, out: seen.append(inputs[0].tolist()))
     out = model.generate(torch.zeros((1, 10), dtype=torch.long), 6, top_k=5,
-                         generator=torch.Generator().manual_seed(0))
+                         generator=torch.Generator().manual_seed(0), use_cache=use_cache)
     assert out.shape == (1, 16)
-    assert max(seen) == 12  # never more positions than block_size
+    assert max(max(positions) for positions in seen) == 11  # never a position past block_size
+    if use_cache:  # the prompt, then one new token a step; full at 12: refilled from the last 6
+        assert seen == [list(range(10)), [10], [11], list(range(6)), [6], [7]]
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "einsum"])
+def test_greedy_generation_is_the_same_with_and_without_the_kv_cache(attention):
+    model = tiny_gpt(attention).eval()
+    prompt = torch.randint(50, (3, 4), generator=torch.Generator().manual_seed(1))
+    # up to a full context (block_size 12) plus the token it predicts: both see exactly the same tokens
+    cached = model.generate(prompt, 9, top_k=1, use_cache=True)
+    plain = model.generate(prompt, 9, top_k=1, use_cache=False)
+    assert cached.shape == (3, 13)
+    assert torch.equal(cached, plain)
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "einsum"])
+def test_kv_cache_beyond_block_size_equals_recomputing_its_documented_context(attention):
+    """Past block_size the cache jumps (refilled from the last block_size // 2 tokens when full): every
+    greedy token must be the one a full recompute over that same context picks."""
+    model = tiny_gpt(attention).eval()
+    block = model.config.block_size
+    prompt = torch.randint(50, (2, 15), generator=torch.Generator().manual_seed(2))  # longer than the block
+    out = model.generate(prompt, 30, top_k=1)
+    assert out.shape == (2, 45)
+    start = prompt.size(1) - block
+    for i in range(prompt.size(1), out.size(1)):
+        if i - start > block:  # the context would not fit: the cache is refilled
+            start = i - block // 2
+        expected = model(out[:, start:i])[:, -1].argmax(-1)
+        assert torch.equal(out[:, i], expected), f"token {i}"
+        assert block // 2 <= i - start <= block
+
+
+def test_cached_attention_matches_the_full_attention_position_by_position():
+    model = tiny_gpt("einsum").eval()
+    idx = torch.randint(50, (2, 12))
+    caches = [{} for _ in model.blocks]
+    parts = [model(idx[:, :5], caches), *(model(idx[:, t : t + 1], caches) for t in range(5, 12))]
+    torch.testing.assert_close(torch.cat(parts, dim=1), model(idx), rtol=1e-5, atol=1e-5)
 
 
 def test_random_windows_targets_are_inputs_shifted_by_one():

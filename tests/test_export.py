@@ -1,0 +1,317 @@
+"""scripts/export.py: every recipe's checkpoint -> model.pt2, model.onnx and model.json that agree with it."""
+
+import json
+import random
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import onnxruntime
+import pytest
+import torch
+from conftest import RECIPES, ROOT, load_recipe, smoke_args
+
+from common.checkpoint import load_model_state
+from scripts import export
+
+MNIST_LIKE = {"mnist_onecycle", "ddp_mlp"}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory, request) -> dict[str, Path]:
+    """recipe -> a checkpoint of its few-second smoke run (trained once for the module)."""
+    from common.cli import run_recipe
+
+    paths = {}
+    for recipe in RECIPES:
+        run_dir = tmp_path_factory.mktemp(f"trained_{recipe}")
+        try:
+            run_recipe(load_recipe(recipe).main, [*smoke_args(recipe, request), "--run-dir", str(run_dir),
+                                                  "--no-progress"])
+        except SystemExit as exit_:
+            assert exit_.code in (0, None)
+        paths[recipe] = run_dir / "checkpoints" / "last.pt"
+    return paths
+
+
+@pytest.fixture(scope="module")
+def exported(checkpoints, tmp_path_factory) -> dict[str, Path]:
+    """recipe -> the folder scripts/export.py wrote for its checkpoint."""
+    root = tmp_path_factory.mktemp("exported")
+    for recipe, checkpoint in checkpoints.items():
+        assert export.main([str(checkpoint), str(root / recipe)]) == 0, recipe
+    return {recipe: root / recipe for recipe in checkpoints}
+
+
+def eager_model(recipe: str, checkpoint: Path) -> torch.nn.Module:
+    """The checkpoint's model rebuilt here, independently of the script."""
+    state = torch.load(checkpoint, weights_only=True)
+    module, config = load_recipe(recipe), state["config"]
+    model = {
+        "mnist_onecycle": lambda: module.DigitNet(config["width"]),
+        "ddp_mlp": lambda: module.MLP(config["hidden"]),
+        "tabular_mlp": lambda: module.build_model(state["features"], config["hidden"], config["depth"],
+                                                  config["dropout"]),
+        "tiny_transformer": lambda: module.GPT(module.GPTConfig(**state["model_config"])),
+        "mixed_precision": lambda: module.MLP(width=config["width"], depth=config["depth"]),
+        "compiled_model": lambda: module.GatedMLP(config["width"], config["depth"]),
+    }[recipe]()
+    load_model_state(model, state["model"], checkpoint)
+    return model.eval()
+
+
+def inputs(recipe: str, info: dict, batch: int = 7) -> dict[str, torch.Tensor]:
+    """A batch of another size than the script's (3 and 5), shaped as model.json says."""
+    g = torch.Generator().manual_seed(123)
+    if recipe == "tiny_transformer":  # and a sequence length of its own: that dimension is dynamic too
+        return {"idx": torch.randint(info["vocab_size"], (batch, info["block_size"] - 3), generator=g)}
+    if recipe == "tabular_mlp":
+        sizes = torch.tensor([len(v) for v in info["preprocessing"]["features"]["categorical"].values()])
+        return {"numeric": torch.randn(batch, info["input"]["numeric"]["shape"][1], generator=g),
+                "categorical": (torch.rand(batch, len(sizes), generator=g) * sizes).long()}
+    (name, spec), = info["input"].items()
+    return {name: torch.randn(batch, *spec["shape"][1:], generator=g)}
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_eager_exported_program_and_onnxruntime_agree(recipe, checkpoints, exported):
+    out = exported[recipe]
+    assert sorted(p.name for p in out.iterdir()) == ["model.json", "model.onnx", "model.pt2"]
+    info = json.loads((out / "model.json").read_text())
+    assert info["recipe"] == recipe
+    assert info["check"]["batch"] == 5 and max(info["check"]["max_abs_diff"].values()) <= 1e-4
+
+    batch = inputs(recipe, info)
+    with torch.no_grad():
+        expected = eager_model(recipe, checkpoints[recipe])(*batch.values())
+        program = torch.export.load(out / "model.pt2").module()(*batch.values())
+    session = onnxruntime.InferenceSession(str(out / "model.onnx"), providers=["CPUExecutionProvider"])
+    assert [i.name for i in session.get_inputs()] == list(batch)
+    (onnx_out,) = session.run(None, {name: t.numpy() for name, t in batch.items()})
+    assert program.shape == expected.shape == onnx_out.shape and expected.shape[0] == 7
+    torch.testing.assert_close(program, expected, rtol=0, atol=1e-4)
+    torch.testing.assert_close(torch.from_numpy(onnx_out), expected, rtol=0, atol=1e-4)
+
+
+def test_a_character_level_einsum_transformer_exports_with_its_vocabulary(run_inprocess, request, tmp_path):
+    """The einsum attention is exported as the same math in SDPA, and checked against the einsum model."""
+    args = [*smoke_args("tiny_transformer", request), "--vocab", "chars", "--attention", "einsum"]
+    assert run_inprocess("tiny_transformer", *args, "--run-dir", tmp_path / "run").code == 0
+    checkpoint = tmp_path / "run" / "checkpoints" / "last.pt"
+    assert export.main([str(checkpoint), str(tmp_path / "out")]) == 0
+    info = json.loads((tmp_path / "out" / "model.json").read_text())
+    state = torch.load(checkpoint, weights_only=True)
+    assert info["vocab"] == state["vocab"] and info["vocab_size"] == len(state["vocab"]) < 256
+    assert info["model_config"]["attention"] == "einsum" and info["exported_attention"] == "sdpa"
+    batch = inputs("tiny_transformer", info)
+    with torch.no_grad():
+        expected = eager_model("tiny_transformer", checkpoint)(*batch.values())
+        program = torch.export.load(tmp_path / "out" / "model.pt2").module()(*batch.values())
+    torch.testing.assert_close(program, expected, rtol=0, atol=1e-4)
+
+
+def test_model_json_says_how_to_prepare_the_inputs(checkpoints, exported):
+    for recipe in MNIST_LIKE:
+        info = json.loads((exported[recipe] / "model.json").read_text())
+        assert info["input"]["images"]["shape"] == ["batch", 1, 28, 28]
+        assert info["preprocessing"]["mean"] == 0.1307 and info["preprocessing"]["std"] == 0.3081
+        assert info["classes"] == list(range(10))
+
+    info = json.loads((exported["tabular_mlp"] / "model.json").read_text())
+    state = torch.load(checkpoints["tabular_mlp"], weights_only=True)
+    features = json.loads(json.dumps(state["features"]))  # tuples -> lists, as JSON holds them
+    assert info["preprocessing"]["features"] == features
+    assert info["input"]["numeric"] == {"shape": ["batch", 2], "dtype": "float32", "columns": ["age", "income"]}
+    assert info["input"]["categorical"] == {"shape": ["batch", 2], "dtype": "int64", "columns": ["colour", "city"]}
+    assert info["classes"] == ["no", "yes"]
+
+    info = json.loads((exported["tiny_transformer"] / "model.json").read_text())
+    assert info["vocab"] is None and info["vocab_size"] == 256  # byte-level: tokens are the bytes 0-255
+    assert info["block_size"] == 16 and info["model_config"]["n_layer"] == 2
+
+
+BARE = """
+import importlib.util, json, sys, torch
+assert not any(p.endswith(("recipes", "common")) or p == {root!r} for p in sys.path), sys.path
+assert importlib.util.find_spec("common") is None  # the project's core cannot even be found here
+batches, paths = torch.load("inputs.pt"), json.load(open("paths.json"))
+outputs = {{recipe: torch.export.load(path).module()(*batches[recipe]) for recipe, path in paths.items()}}
+torch.save(outputs, "outputs.pt")
+print(json.dumps(sorted(m for m in sys.modules if m.split(".")[0] in ("common", "scripts") or "recipe" in m)))
+"""
+
+
+def test_model_pt2_runs_in_a_process_with_only_torch(checkpoints, exported, tmp_path):
+    """python -I (no site-packages paths from the environment, no script folder) from a folder of its own:
+    neither common/ nor any recipe can be imported there, and none is needed."""
+    batches = {recipe: list(inputs(recipe, json.loads((out / "model.json").read_text()), batch=2).values())
+               for recipe, out in exported.items()}
+    torch.save(batches, tmp_path / "inputs.pt")
+    (tmp_path / "paths.json").write_text(json.dumps({r: str(out / "model.pt2") for r, out in exported.items()}))
+    proc = subprocess.run([sys.executable, "-I", "-c", BARE.format(root=str(ROOT))], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == []  # nothing of this project was imported
+    outputs = torch.load(tmp_path / "outputs.pt")
+    for recipe, batch in batches.items():
+        with torch.no_grad():
+            expected = eager_model(recipe, checkpoints[recipe])(*batch)
+        torch.testing.assert_close(outputs[recipe], expected, rtol=0, atol=1e-4)
+
+
+def test_overwrite_replaces_an_earlier_export(checkpoints, tmp_path, capsys):
+    out = tmp_path / "out"
+    assert export.main([str(checkpoints["ddp_mlp"]), str(out)]) == 0
+    assert export.main([str(checkpoints["compiled_model"]), str(out)]) == 1
+    assert "already holds files" in capsys.readouterr().err
+    assert json.loads((out / "model.json").read_text())["recipe"] == "ddp_mlp"
+    assert export.main([str(checkpoints["compiled_model"]), str(out), "--overwrite"]) == 0
+    assert json.loads((out / "model.json").read_text())["recipe"] == "compiled_model"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no temporary folder left
+    assert "done: exported" in capsys.readouterr().out
+
+
+class Payload:
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        import os
+
+        return (os.system, (f"touch {self.marker}",))
+
+
+def bad_case(case: str, checkpoints: dict, tmp_path: Path) -> tuple[list, str]:
+    """Arguments for ``case`` (OUT_DIR is tmp_path/out unless the case is about it) and the error's text."""
+    good, bad = checkpoints["ddp_mlp"], tmp_path / "bad.pt"
+    out = tmp_path / "out"
+    if case == "missing checkpoint":
+        return [tmp_path / "nope.pt", out], "nope.pt does not exist"
+    if case == "random bytes":
+        bad.write_bytes(random.Random(0).randbytes(3000))
+        return [bad, out], "corrupt, truncated, or not a PyTorch checkpoint"
+    if case == "truncated checkpoint":
+        bad.write_bytes(good.read_bytes()[: good.stat().st_size // 2])
+        return [bad, out], "corrupt, truncated, or not a PyTorch checkpoint"
+    if case == "another program's checkpoint":
+        torch.save({"state_dict": torch.nn.Linear(2, 2).state_dict(), "epoch": 3}, bad)
+        return [bad, out], "is not a checkpoint of a recipe of this project"
+    if case == "a bare state_dict":
+        torch.save(torch.nn.Linear(2, 2).state_dict(), bad)
+        return [bad, out], "is not a checkpoint of a recipe of this project"
+    if case == "pickle payload":
+        state = torch.load(good, weights_only=True)
+        state["extra"] = Payload(tmp_path / "payload-ran")
+        torch.save(state, bad)
+        return [bad, out], "refuses to run"
+    if case == "weights of another shape":
+        state = torch.load(good, weights_only=True)
+        state["config"]["hidden"] *= 2  # the options promise a wider model than the weights hold
+        torch.save(state, bad)
+        return [bad, out], "does not fit this model (wrong shape: net.1.bias"
+    if case == "extras missing":
+        state = torch.load(good, weights_only=True)
+        del state["config"]["hidden"]
+        torch.save(state, bad)
+        return [bad, out], "lacks what rebuilding its ddp_mlp model needs ('hidden')"
+    if case == "out dir is a file":
+        out.write_text("a file")
+        return [good, out], "is a file, not a folder"
+    if case == "out dir under a file":
+        (tmp_path / "a-file").write_text("a file")
+        return [good, tmp_path / "a-file" / "sub" / "out"], "a-file is a file, not a folder"
+    if case == "checkpoint is a folder":
+        (tmp_path / "folder.pt").mkdir()
+        return [tmp_path / "folder.pt", out], "is not a file"
+    raise AssertionError(case)
+
+
+BAD_CASES = ["missing checkpoint", "random bytes", "truncated checkpoint", "another program's checkpoint",
+             "a bare state_dict", "pickle payload", "weights of another shape", "extras missing",
+             "out dir is a file", "out dir under a file", "checkpoint is a folder"]
+
+
+@pytest.mark.parametrize("case", BAD_CASES)
+def test_bad_input_is_one_line_and_writes_nothing(case, checkpoints, tmp_path, capsys):
+    args, text = bad_case(case, checkpoints, tmp_path)
+    before = sorted(p.name for p in tmp_path.iterdir())
+    capsys.readouterr()
+    assert export.main([str(a) for a in args]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and text in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == before  # no OUT_DIR, no temporary folder
+    assert not (tmp_path / "payload-ran").exists()
+
+
+def test_an_export_that_disagrees_fails_and_leaves_nothing(checkpoints, tmp_path, capsys, monkeypatch):
+    """A model whose traced graph computes something else than its eager forward: the check must catch it."""
+
+    class Diverging(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, images):
+            return self.inner(images) + (1.0 if torch.compiler.is_exporting() else 0.0)
+
+    build = export.BUILDERS["ddp_mlp"]
+
+    def diverging(state, path):
+        exportable = build(state, path)
+        exportable.model = Diverging(exportable.model)
+        return exportable
+
+    monkeypatch.setitem(export.BUILDERS, "ddp_mlp", diverging)
+    # OUT_DIR in folders that do not exist yet: they are made, and removed again when the export fails
+    assert export.main([str(checkpoints["ddp_mlp"]), str(tmp_path / "new" / "deeper" / "out")]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "disagrees with the checkpoint's: largest difference 1" in err, err
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(("args", "text"), [([], "the following arguments are required"),
+                                            (["only.pt"], "the following arguments are required: out_dir"),
+                                            (["a.pt", "out", "--level", "9"], "unrecognized arguments")])
+def test_usage_errors_exit_2(args, text, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        export.main(args)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and text in err, err
+
+
+def test_the_readme_deploy_section_runs_as_written(checkpoints, tmp_path):
+    """Every command and Python block of the README's Deploy section, in order, in a folder of its own; the
+    placeholders get real files: the checkpoint, a folder of digit images and a photo. The Python blocks run
+    with -I from that folder: only torch (or onnxruntime) is needed."""
+    from torchvision.io import write_jpeg, write_png
+
+    section = (ROOT / "README.md").read_text().split("## Deploy\n", 1)[1].split("\n## ", 1)[0]
+    blocks = re.findall(r"```(bash|python)\n(.*?)```", section, flags=re.S)
+    assert [kind for kind, _ in blocks] == ["bash", "python", "python", "bash"]
+    digit = torch.zeros(1, 28, 28, dtype=torch.uint8)
+    digit[:, 6:22, 12:16] = 255  # a "1"
+    (tmp_path / "my_digits").mkdir()
+    write_png(digit, str(tmp_path / "my_digits" / "one.png"))
+    write_jpeg(255 - digit, str(tmp_path / "photo.jpg"))
+    placeholder = "runs/mnist_onecycle/RUN/checkpoints/best.pt"
+    outputs = []
+    for kind, code in blocks:
+        if kind == "python":
+            commands = [[sys.executable, "-I", "-c", code]]
+        else:
+            commands = [[sys.executable, str(ROOT / words[1]), *words[2:]]  # scripts/, recipes/ of this clone
+                        for words in (shlex.split(line) for line in code.strip().splitlines())]
+        for command in commands:
+            command = [str(checkpoints["mnist_onecycle"]) if word == placeholder else word for word in command]
+            proc = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+            assert proc.returncode == 0, f"{command}\n{proc.stderr[-3000:]}"
+            outputs.append(proc.stdout)
+    assert (tmp_path / "exported" / "mnist" / "model.pt2").is_file()
+    assert "mnist_onecycle: eager vs torch.export max difference" in outputs[0]  # the script's report
+    assert outputs[0].strip().splitlines()[-1].startswith("done: exported")
+    predictions = outputs[-1].strip().splitlines()
+    assert [line.split()[0] for line in predictions[:-1]] == ["my_digits/one.png", "photo.jpg"]
+    assert predictions[-1] == "done: predictions=2"

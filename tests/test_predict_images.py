@@ -1,0 +1,138 @@
+"""recipes/mnist_onecycle.py --predict: digits in PNG and JPEG files, white on black or dark ink on paper."""
+
+import pytest
+import torch
+from conftest import load_recipe, synthetic_digits
+from torchvision.io import write_jpeg, write_png
+
+RECIPE = "mnist_onecycle"
+mnist = load_recipe(RECIPE)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory, mnist_dir):
+    """A model that knows the synthetic digits of conftest.py (class k: a bright square at k's place)."""
+    from common.cli import run_recipe
+
+    run_dir = tmp_path_factory.mktemp("mnist_predict")
+    try:
+        run_recipe(mnist.main, ["--epochs", "4", "--batch-size", "32", "--width", "8", "--data-dir", str(mnist_dir),
+                                "--run-dir", str(run_dir), "--no-progress"])
+    except SystemExit as exit_:
+        assert exit_.code in (0, None)
+    return run_dir / "checkpoints" / "last.pt"
+
+
+def one_digit_per_class(seed: int = 7) -> list[tuple[int, torch.Tensor]]:
+    """(label, (1, 28, 28) uint8 image) for each of the ten classes, drawn fresh (not the training digits)."""
+    images, labels = synthetic_digits(200, seed=seed)
+    first = {int(label): i for i, label in reversed(list(enumerate(labels)))}
+    return [(k, torch.from_numpy(images[first[k]]).unsqueeze(0)) for k in range(10)]
+
+
+def parse(stdout: str) -> dict[str, tuple[int, float]]:
+    """The prediction lines (``FILE DIGIT PROBABILITY``) by file name; the last line is the done line."""
+    lines = stdout.strip().splitlines()
+    assert lines[-1] == f"done: predictions={len(lines) - 1}"
+    return {path.rsplit("/", 1)[-1]: (int(digit), float(p)) for path, digit, p in (line.split() for line in lines[:-1])}
+
+
+def test_digits_white_on_black_and_dark_on_paper_are_classified(checkpoint, run_inprocess, tmp_path):
+    folder = tmp_path / "digits"
+    folder.mkdir()
+    for label, image in one_digit_per_class():
+        write_png(image, str(folder / f"{label}-white.png"))
+        write_png(255 - image, str(folder / f"{label}-paper.png"))  # dark ink on white paper
+        write_jpeg(255 - image, str(folder / f"{label}-paper.jpg"), quality=95)
+    (folder / "notes.txt").write_text("not an image: skipped, the folder's images are .png/.jpg/.jpeg")
+
+    result = run_inprocess(RECIPE, "--predict", folder, "--resume", checkpoint)
+    assert result.code == 0, result.stderr
+    predictions = parse(result.stdout)
+    expected = sorted(p.name for p in folder.iterdir() if p.suffix != ".txt")
+    assert list(predictions) == expected  # a folder: its image files, sorted
+    for name, (digit, probability) in predictions.items():
+        assert digit == int(name.split("-")[0]), name
+        assert 0.1 < probability <= 1.0
+
+
+def test_files_and_folders_in_the_order_given(checkpoint, run_inprocess, tmp_path):
+    digits = dict(one_digit_per_class())
+    (tmp_path / "more").mkdir()
+    write_png(digits[3], str(tmp_path / "b.png"))
+    write_png(digits[8], str(tmp_path / "more" / "z.png"))
+    write_png(digits[1], str(tmp_path / "more" / "a.PNG"))
+    write_png(digits[5], str(tmp_path / "c.png"))
+    # --predict once, more images as arguments after it; or the option repeated
+    for args in (["--predict", tmp_path / "b.png", tmp_path / "more", tmp_path / "c.png"],
+                 ["--predict", tmp_path / "b.png", "--predict", tmp_path / "more", "--predict", tmp_path / "c.png"]):
+        result = run_inprocess(RECIPE, *args, "--resume", checkpoint)
+        assert result.code == 0, result.stderr
+        lines = result.stdout.strip().splitlines()
+        assert [line.split()[0] for line in lines[:-1]] == [str(tmp_path / p) for p in
+                                                            ("b.png", "more/a.PNG", "more/z.png", "c.png")]
+        assert [int(line.split()[1]) for line in lines[:-1]] == [3, 1, 8, 5]
+
+
+def test_a_photo_is_inverted_cropped_and_centred_like_mnist():
+    """Dark ink (a 40x20 stroke) on light grey paper in a 120x90 photo -> white on black, the bounding box
+    scaled to 20 pixels high and centred in 28x28."""
+    photo = torch.full((1, 120, 90), 200, dtype=torch.uint8)
+    photo[0, 10:50, 60:80] = 30  # top right, far from the centre
+    x = mnist.to_mnist_format(photo)
+    assert x.shape == (1, 28, 28) and x.dtype == torch.float32
+    rows, cols = torch.nonzero(x[0] > 0.5, as_tuple=True)
+    assert (rows.min().item(), rows.max().item()) == (4, 23)  # 20 rows, 4 above and below
+    assert (cols.min().item(), cols.max().item()) == (9, 18)  # 10 columns: the aspect ratio kept, centred
+    assert x[0, :4].max() == 0 and x[0, 24:].max() == 0  # black background
+    assert x.max() == 1.0  # the ink at full brightness
+
+
+def test_a_28x28_image_is_kept_as_it_is_framed():
+    _, image = one_digit_per_class()[6]
+    assert torch.equal(mnist.to_mnist_format(image), image.float() / 255)
+    assert torch.allclose(mnist.to_mnist_format(255 - image), image.float() / 255)
+
+
+@pytest.mark.parametrize("case", ["not an image", "empty file", "empty folder", "missing file", "text only folder"])
+def test_bad_images_are_one_line_errors(case, checkpoint, run_inprocess, tmp_path):
+    if case == "not an image":
+        (tmp_path / "digit.png").write_text("this is text, not a PNG")
+        target, text = tmp_path / "digit.png", "digit.png is not a readable PNG or JPEG image"
+    elif case == "empty file":
+        (tmp_path / "digit.jpg").write_bytes(b"")
+        target, text = tmp_path / "digit.jpg", "digit.jpg is not a readable PNG or JPEG image"
+    elif case == "empty folder":
+        (tmp_path / "none").mkdir()
+        target, text = tmp_path / "none", "the folder holds no .png, .jpg or .jpeg files"
+    elif case == "text only folder":
+        (tmp_path / "docs").mkdir()
+        (tmp_path / "docs" / "readme.txt").write_text("hi")
+        target, text = tmp_path / "docs", "the folder holds no .png, .jpg or .jpeg files"
+    else:
+        target, text = tmp_path / "nope.png", "nope.png: no such file or folder"
+    result = run_inprocess(RECIPE, "--predict", target, "--resume", checkpoint)
+    assert result.code == 1
+    assert result.stderr.startswith("error: ") and result.stderr.count("\n") == 1 and text in result.stderr, \
+        result.stderr
+    assert "Traceback" not in result.stdout + result.stderr
+
+
+def test_a_checkpoint_of_another_recipe_is_refused(run_inprocess, table_csv, tmp_path):
+    image = tmp_path / "d.png"
+    write_png(one_digit_per_class()[0][1], str(image))
+    result = run_inprocess("tabular_mlp", "--csv", table_csv, "--target", "label", "--epochs", 1,
+                           "--run-dir", tmp_path / "run", "--no-progress")
+    assert result.code == 0, result.stderr
+    result = run_inprocess(RECIPE, "--predict", image, "--resume", tmp_path / "run" / "checkpoints" / "last.pt")
+    assert result.code == 1 and "written by recipe 'tabular_mlp', not 'mnist_onecycle'" in result.stderr
+
+
+@pytest.mark.parametrize(("args", "text"), [
+    (["--predict", "d.png"], "Invalid value for --resume"),
+    (["--predict", "d.png", "--resume", "auto"], "Invalid value for --resume"),
+    (["stray.png"], "image files are given with --predict"),
+])
+def test_usage_errors(args, text, run_inprocess):
+    result = run_inprocess(RECIPE, *args)
+    assert result.code == 2 and text in result.stderr, result.stderr
