@@ -113,11 +113,12 @@ def core_overhead(quick: bool) -> dict:
     def shared() -> tuple[float, nn.Module]:
         model, optimizer = setup()
         with tempfile.TemporaryDirectory() as run_dir:
-            run = Run("bench", {}, Path(run_dir), total_steps=steps, progress=False)
+            run = Run("bench", {"run_dir": Path(run_dir), "progress": False})
+            run.start(model=model, optimizer=optimizer, steps=steps)
             started = time.perf_counter()
-            for step, batch in enumerate(batches, 1):
+            for batch in batches:
                 stats = train_step(model, optimizer, loss_fn, [batch], device=CPU)
-                run.log_train(step, stats, lr=0.05, items=64)
+                run.log_train(stats, lr=0.05, items=64)
             run.flush()
             seconds = time.perf_counter() - started
             run.close()
