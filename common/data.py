@@ -9,6 +9,7 @@ import hashlib
 import signal
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -65,12 +66,14 @@ def make_loader(
     seed: int = 0,
     num_workers: int = 0,
     device: torch.device = torch.device("cpu"),
+    collate_fn: Callable | None = None,
 ) -> DataLoader:
     """A DataLoader for training (shuffled, also on CPU; full batches only) or evaluation (in order,
     sharded across ranks without padding so that every sample counts exactly once).
 
     Training loaders use a ``ResumableSampler``: call ``loader.sampler.set_epoch(epoch)`` every epoch.
     An IterableDataset is expected to yield whole batches and to order (and shard) them itself.
+    ``collate_fn`` replaces the default one, e.g. to pass on batches that a ``__getitems__`` already built.
     """
     worker_init_fn = _ignore_sigint if num_workers > 0 else None
     # Its own generator for worker seeds: every new iterator draws one, and drawing from the global RNG
@@ -94,6 +97,7 @@ def make_loader(
         persistent_workers=num_workers > 0,  # no worker start-up cost every epoch
         generator=generator,
         worker_init_fn=worker_init_fn,
+        collate_fn=collate_fn,
     )
 
 
