@@ -439,10 +439,11 @@ def adult_like_table(path: Path, rows: int, seed: int = 0) -> Path:
     columns = {name: rng.integers(low, high, rows) for name, (low, high) in numbers.items()}
     codes = {name: rng.integers(0, k, rows) for name, k in texts.items()}
     score = (columns["age"] - 40) / 12 + (columns["education_num"] - 10) / 3 + (codes["marital"] == 1) * 1.5
-    for name, k in texts.items():
-        words = np.array([f"{name}-{i}" for i in range(k)] + ["?"])  # "?": Adult's missing value
-        columns[name] = words[np.where(rng.random(rows) < 0.01, k, codes[name])]
-    columns["income"] = np.where(score + rng.normal(0, 1, rows) > 1, ">50K", "<=50K")
+    for name, k in texts.items():  # dictionary arrays: an index per cell, each word once
+        words = pa.array([f"{name}-{i}" for i in range(k)] + ["?"])  # "?": Adult's missing value
+        columns[name] = pa.DictionaryArray.from_arrays(np.where(rng.random(rows) < 0.01, k, codes[name]), words)
+    income = (score + rng.normal(0, 1, rows) > 1).astype(np.int8)
+    columns["income"] = pa.DictionaryArray.from_arrays(income, pa.array(["<=50K", ">50K"]))
     pacsv.write_csv(pa.table(columns), path, pacsv.WriteOptions(quoting_style="none"))
     return path
 
