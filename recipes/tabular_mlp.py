@@ -245,7 +245,7 @@ class TabularDataset(Dataset):
     def __len__(self) -> int:
         return len(self.target)
 
-    def __getitem__(self, idx: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def __getitem__(self, idx: int | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return self.numeric[idx], self.categorical[idx], self.target[idx]
 
     def __getitems__(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
