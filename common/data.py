@@ -10,7 +10,7 @@ import itertools
 import signal
 import urllib.error
 import urllib.request
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
@@ -62,6 +62,7 @@ def make_loader(
     num_workers: int = 0,
     device: torch.device = torch.device("cpu"),
     sampler: Sampler | Iterable[int] | None = None,
+    collate_fn: Callable | None = None,
 ) -> DataLoader:
     """A DataLoader for training (shuffled, also on CPU; full batches only) or evaluation (in order).
 
@@ -69,6 +70,7 @@ def make_loader(
     recipe passes its own, sharded one); either way it is wrapped in a ``ResumableSampler``: call
     ``loader.sampler.set_epoch(epoch)`` every epoch. An IterableDataset is expected to yield whole batches
     and to order them itself.
+    ``collate_fn`` replaces the default one, e.g. to pass on batches that a ``__getitems__`` already built.
     """
     worker_init_fn = _ignore_sigint if num_workers > 0 else None
     # Its own generator for worker seeds: every new iterator draws one, and drawing from the global RNG
@@ -94,6 +96,7 @@ def make_loader(
         persistent_workers=num_workers > 0,  # no worker start-up cost every epoch
         generator=generator,
         worker_init_fn=worker_init_fn,
+        collate_fn=collate_fn,
     )
 
 

@@ -1,20 +1,20 @@
-"""An MLP for any CSV table: standardised numeric columns, one embedding per categorical column.
+"""An MLP for any table (CSV, TSV, Parquet): standardised numeric columns, one embedding per categorical column.
 
-What it teaches: turning a raw table into tensors with statistics of the training split only (so nothing
-leaks from validation); missing and unseen values; a map-style Dataset; an MLP built from a hand-written
+What it teaches: turning a raw table into tensors column by column, never cell by cell (millions of rows in
+seconds), with statistics of the training split only (so nothing leaks from validation); missing and unseen
+values; a map-style Dataset whose ``__getitems__`` builds a batch in one indexing; an MLP built from a hand-written
 ``Linear`` that does exactly what ``nn.Linear`` does; AdamW with parameter groups (no weight decay on biases,
 norms and embeddings), gradient clipping, and a MultiStepLR schedule stepped once per epoch; the four
 optimizers (``--optimizer sgd|adam|adamw|lbfgs``; LBFGS full-batch with its closure); a checkpoint that
 carries its preprocessing, so it can predict on new rows.
 
     python recipes/tabular_mlp.py                                   # UCI Adult census income
-    python recipes/tabular_mlp.py --csv my.csv --target price       # any CSV with a header row
+    python recipes/tabular_mlp.py --csv my.csv --target price       # also .tsv, .csv.gz, .parquet
     python recipes/tabular_mlp.py --predict new.csv --resume runs/tabular_mlp/.../checkpoints/best.pt
 
 A good result: about 85% validation accuracy on Adult after 10 epochs, in well under a minute on a CPU.
 """
 
-import csv
 import math
 import sys
 from pathlib import Path
@@ -23,6 +23,10 @@ from typing import Annotated, Literal
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `python recipes/NAME.py` from a clone
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.csv as pacsv
+import pyarrow.parquet as pq
 import torch
 import typer
 from torch import nn
@@ -36,7 +40,9 @@ from common.runtime import make_grad_scaler, resolve_device, seed_everything
 from common.tracking import Run
 
 RECIPE = "tabular_mlp"
-MISSING = {"", "?", "NA", "N/A", "NaN", "nan"}
+# A missing value, however spelled: compared stripped and lower-cased. In a numeric column inf and -inf count too.
+MISSING = pa.array(["", "?", "na", "n/a", "#n/a", "<na>", "nan", "-nan", "+nan", "null", "none"])
+NUMBER = r"^[+-]?((\d+\.?\d*|\.\d+)(e[+-]?\d+)?|inf(inity)?)$"  # for values of a numeric column in new rows
 DEFAULT_LR = {"sgd": 0.05, "adam": 3e-3, "adamw": 3e-3, "lbfgs": 1.0}
 
 # ----------------------------------------------------------------------------------------------------
@@ -53,29 +59,45 @@ ADULT_COLUMNS = [
 ]
 
 
-def read_csv(path: Path) -> tuple[list[str], list[list[str]]]:
-    """Header and rows of a CSV file, with every problem a user can cause reported as a RecipeError."""
+def read_table(path: Path) -> pa.Table:
+    """A .csv, .tsv (either also .gz) or .parquet file, read column-wise by pyarrow's multi-threaded reader.
+
+    CSV cells are read as dictionary-encoded text: per column, the distinct strings once and an int32 index
+    per cell. Nothing is guessed at read time (what is a number is decided from the training split), and
+    every later string operation runs once per distinct value instead of once per cell."""
+    if path.is_dir():
+        raise cli.RecipeError(f"{path} is a directory, not a table file")
     if not path.is_file():
-        raise cli.RecipeError(f"--csv {path}: {'is a directory' if path.is_dir() else 'no such file'}")
+        raise cli.RecipeError(f"{path}: no such file")
+    name = path.name.lower()
+    delimiter = {".csv": ",", ".tsv": "\t"}.get(Path(name.removesuffix(".gz")).suffix)  # pyarrow gunzips .gz
+    if delimiter is None and not name.endswith(".parquet"):
+        raise cli.RecipeError(f"{path}: not a table file by its name; give a .csv, .tsv, .csv.gz, .tsv.gz or .parquet")
     try:
-        with open(path, newline="", encoding="utf-8-sig") as f:  # -sig: Excel starts its CSVs with a BOM
-            rows = [row for row in csv.reader(f) if row]
-    except UnicodeDecodeError as err:
-        raise cli.RecipeError(f"{path} is not UTF-8 text (byte {err.start}); re-save it as UTF-8") from None
-    except csv.Error as err:
-        raise cli.RecipeError(f"{path} is not a readable CSV file: {err}") from None
-    if not rows:
-        raise cli.RecipeError(f"{path} is empty; it needs a header row and at least one data row")
-    header, rows = [name.strip() for name in rows[0]], rows[1:]
-    if not rows:
+        if delimiter is None:
+            table = pq.read_table(path)
+        else:
+            parse = pacsv.ParseOptions(delimiter=delimiter, newlines_in_values=True)  # quoted cells may span lines
+            header = pacsv.open_csv(path, parse_options=parse).schema.names  # reads the first block only
+            text = pacsv.ConvertOptions(column_types=dict.fromkeys(header, pa.dictionary(pa.int32(), pa.string())))
+            # one dictionary per column instead of one per block read: combining the chunks is then cheap
+            table = pacsv.read_csv(path, parse_options=parse, convert_options=text)
+            table = table.unify_dictionaries().combine_chunks()
+    except (pa.ArrowException, OSError) as err:
+        if "Empty CSV file" in str(err):
+            raise cli.RecipeError(f"{path} is empty; it needs a header row and at least one data row") from None
+        if "invalid UTF8" in str(err):
+            raise cli.RecipeError(f"{path} is not UTF-8 text; re-save it as UTF-8") from None
+        raise cli.RecipeError(f"{path} is not a readable table file: {err}") from None
+    table = table.rename_columns([str(column).strip() for column in table.column_names])
+    if len(set(table.column_names)) < table.num_columns:
+        raise cli.RecipeError(f"{path}: the header names a column twice ({', '.join(table.column_names)})")
+    if table.num_rows == 0:
         raise cli.RecipeError(f"{path} has a header but no data rows")
-    ragged = next((i for i, row in enumerate(rows) if len(row) != len(header)), None)
-    if ragged is not None:
-        raise cli.RecipeError(f"{path}: row {ragged + 2} has {len(rows[ragged])} fields, the header has {len(header)}")
-    return header, rows
+    return table
 
 
-def load_adult(data_dir: Path) -> tuple[list[str], list[list[str]], list[list[str]]]:
+def load_adult(data_dir: Path) -> tuple[pa.Table, pa.Table]:
     """UCI Adult: download (or reuse) adult.data and adult.test and repair their quirks."""
     tables = {}
     for name, (md5, expected_rows) in ADULT_FILES.items():
@@ -90,82 +112,112 @@ def load_adult(data_dir: Path) -> tuple[list[str], list[list[str]], list[list[st
         rows = [[field.strip().rstrip(".") for field in line.split(",")] for line in lines if line.strip()]
         if len(rows) != expected_rows or any(len(row) != len(ADULT_COLUMNS) for row in rows):
             raise cli.RecipeError(f"{path} is not the published {name} (rows or columns differ); delete it")
-        tables[name] = rows
-    return ADULT_COLUMNS, tables["adult.data"], tables["adult.test"]
+        tables[name] = pa.table([pa.array(column).dictionary_encode() for column in zip(*rows, strict=True)],
+                                names=ADULT_COLUMNS)
+    return tables["adult.data"], tables["adult.test"]
 
 
-def as_float(value: str) -> float | None:
-    try:
-        return float(value)
-    except ValueError:
-        return None
+def distinct(column: pa.ChunkedArray | pa.Array) -> tuple[np.ndarray, pa.Array]:
+    """The column as (for each cell, the index of its value; the values that occur, stripped, and null
+    for missing ones, however spelled). The per-cell work is then integer indexing."""
+    column = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
+    if not pa.types.is_dictionary(column.type):  # Parquet: any type
+        column = pc.dictionary_encode(column)
+    indices = column.indices.fill_null(len(column.dictionary)).to_numpy()  # a null cell: one past the end
+    words = pc.utf8_trim_whitespace(column.dictionary.cast(pa.string()))
+    words = pa.concat_arrays([pc.if_else(pc.is_in(pc.utf8_lower(words), value_set=MISSING), None, words),
+                              pa.nulls(1, pa.string())])
+    # after a split the dictionary still holds the other split's values: keep only those that occur here
+    occurs = np.bincount(indices, minlength=len(words)) > 0
+    return (np.cumsum(occurs) - 1)[indices], words.filter(occurs)
 
 
-def fit_features(header: list[str], rows: list[list[str]], target: str, task: str) -> dict:
-    """Learn the preprocessing from the training rows: which columns are numeric (every present value
-    parses as a number) with their mean and std, the vocabulary of every other column, and the target's
-    classes (classification) or mean and std (regression). A plain dict, so it fits in a checkpoint."""
-    columns = {name: [row[i].strip() for row in rows] for i, name in enumerate(header)}
-    labels = [v for v in columns.pop(target) if v not in MISSING]
-    if len(set(labels)) < 2:
-        raise cli.RecipeError(f"target column {target!r} holds {len(set(labels))} distinct value(s) besides missing "
+def numbers(column: pa.ChunkedArray | pa.Array, strict: bool) -> np.ndarray | None:
+    """The column as float64, NaN where missing or not finite (inf is no more a value than "NaN" is). A
+    cell that is not a number: None if ``strict`` (the column is not numeric), else NaN (a missing value)."""
+    if pa.types.is_integer(column.type) or pa.types.is_floating(column.type):  # Parquet: numbers already
+        values = column.cast(pa.float64()).to_numpy()  # null -> NaN
+    else:
+        indices, words = distinct(column)
+        try:
+            per_word = pc.cast(words, pa.float64())
+        except pa.ArrowInvalid:
+            if strict:
+                return None
+            per_word = pc.cast(pc.if_else(pc.match_substring_regex(words, NUMBER, ignore_case=True), words, None),
+                               pa.float64())
+        values = per_word.to_numpy(zero_copy_only=False)[indices]
+    return np.where(np.isfinite(values), values, np.nan)
+
+
+def fit_features(table: pa.Table, target: str, task: str) -> dict:
+    """Learn the preprocessing from the training rows: which columns are numeric (every present value is
+    a number) with their mean and std, the vocabulary of every other column, and the target's classes
+    (classification) or mean and std (regression). A plain dict, so it fits in a checkpoint."""
+    labels = sorted(set(distinct(table[target])[1].drop_null().to_pylist()))
+    if len(labels) < 2:
+        raise cli.RecipeError(f"target column {target!r} holds {len(labels)} distinct value(s) besides missing "
                           "ones: there is nothing to learn")
-    numeric_labels = [as_float(v) for v in labels]
+    values = numbers(table[target], strict=True)
+    values = values if values is None else values[~np.isnan(values)]
     if task == "auto":
         # a non-numeric target, or a handful of integer values (a label code), is a class
-        few_integers = len(set(labels)) <= 20 and all(x is not None and x.is_integer() for x in numeric_labels)
-        task = "classification" if None in numeric_labels or few_integers else "regression"
+        few_integers = values is not None and len(labels) <= 20 and bool(np.all(values == np.round(values)))
+        task = "classification" if values is None or few_integers else "regression"
     spec = {"target": target, "task": task, "numeric": {}, "categorical": {}}
     if task == "classification":
-        spec["classes"] = sorted(set(labels))
-    elif None in numeric_labels:
+        spec["classes"] = labels
+    elif values is None:
         raise cli.RecipeError(f"--task regression needs a numeric target, but {target!r} holds text")
     else:
-        spec["target_mean"], spec["target_std"] = float(np.mean(numeric_labels)), float(np.std(numeric_labels) or 1)
-    for name, values in columns.items():
-        present = [v for v in values if v not in MISSING]
-        numbers = [as_float(v) for v in present]
-        if present and None not in numbers:
-            spec["numeric"][name] = (float(np.mean(numbers)), float(np.std(numbers) or 1.0))
-        else:  # index 0: a value never seen in training; index 1: missing
-            spec["categorical"][name] = ["<unseen>", "<missing>", *sorted(set(present))]
+        spec["target_mean"], spec["target_std"] = float(values.mean()), float(values.std() or 1)
+    for name in table.column_names:
+        values = None if name == target else numbers(table[name], strict=True)
+        if values is not None and not np.isnan(values).all():
+            present = values[~np.isnan(values)]
+            spec["numeric"][name] = (float(present.mean()), float(present.std() or 1.0))
+        elif name != target:  # index 0: a value never seen in training; index 1: missing
+            vocabulary = sorted(set(distinct(table[name])[1].drop_null().to_pylist()))
+            spec["categorical"][name] = ["<unseen>", "<missing>", *vocabulary]
     return spec
 
 
-def encode(spec: dict, header: list[str], rows: list[list[str]], *, with_target: bool = True):
-    """Rows -> (numeric float32 (N, n_num), categorical int64 (N, n_cat), target) arrays."""
-    index = {name: i for i, name in enumerate(header)}
+def encode(spec: dict, table: pa.Table, *, with_target: bool = True):
+    """Table -> (numeric float32 (N, n_num), categorical int32 (N, n_cat), target) arrays, column by column."""
     needed = [*spec["numeric"], *spec["categorical"], *([spec["target"]] if with_target else [])]
-    absent = [name for name in needed if name not in index]
+    absent = [name for name in needed if name not in table.column_names]
     if absent:
         raise cli.RecipeError(f"the table lacks column(s) the model was trained on: {', '.join(absent)}")
-    numeric = np.zeros((len(rows), len(spec["numeric"])), dtype=np.float32)
+    numeric = np.zeros((table.num_rows, len(spec["numeric"])), dtype=np.float32)
     for j, (name, (mean, std)) in enumerate(spec["numeric"].items()):
-        values = [row[index[name]].strip() for row in rows]
-        # a missing number becomes the training mean (0 after standardising)
-        numeric[:, j] = [((x - mean) / std) if (x := as_float(v)) is not None else 0.0 for v in values]
-    categorical = np.zeros((len(rows), len(spec["categorical"])), dtype=np.int64)
+        values = (numbers(table[name], strict=False) - mean) / std
+        numeric[:, j] = np.where(np.isnan(values), 0.0, values)  # a missing number: the training mean
+    categorical = np.zeros((table.num_rows, len(spec["categorical"])), dtype=np.int32)
     for j, (name, vocabulary) in enumerate(spec["categorical"].items()):
-        lookup = {value: k for k, value in enumerate(vocabulary)}
-        for i, row in enumerate(rows):
-            value = row[index[name]].strip()
-            categorical[i, j] = 1 if value in MISSING else lookup.get(value, 0)
+        indices, words = distinct(table[name])
+        codes = pc.fill_null(pc.add(pc.index_in(words, value_set=pa.array(vocabulary[2:])), 2), 0)  # unseen: 0
+        categorical[:, j] = pc.if_else(pc.is_null(words), 1, codes).to_numpy()[indices]  # missing: 1
     if not with_target:
         return numeric, categorical, None
-    raw = [row[index[spec["target"]]].strip() for row in rows]
     if spec["task"] == "classification":
-        lookup = {label: k for k, label in enumerate(spec["classes"])}
-        target = np.array([lookup.get(v, -1) for v in raw], dtype=np.int64)  # -1: a class unseen in training
-    else:
-        values = [as_float(v) for v in raw]
-        if None in values:
-            raise cli.RecipeError(f"target column {spec['target']!r} has missing or non-numeric values")
-        target = ((np.array(values) - spec["target_mean"]) / spec["target_std"]).astype(np.float32)
-    return numeric, categorical, target
+        indices, words = distinct(table[spec["target"]])
+        # -1: missing, or a class unseen in training
+        target = pc.fill_null(pc.index_in(words, value_set=pa.array(spec["classes"])), -1).to_numpy()[indices]
+        return numeric, categorical, target.astype(np.int64)
+    values = numbers(table[spec["target"]], strict=False)
+    if np.isnan(values).any():
+        raise cli.RecipeError(f"target column {spec['target']!r} has missing or non-numeric values")
+    return numeric, categorical, ((values - spec["target_mean"]) / spec["target_std"]).astype(np.float32)
+
+
+def batched(batch):
+    return batch  # the DataLoader's collate step: __getitems__ has already built the batch
 
 
 class TabularDataset(Dataset):
-    """The map-style Dataset: ``__len__`` and ``__getitem__`` over tensors built once."""
+    """The map-style Dataset: ``__len__`` and ``__getitem__`` over tensors built once, and ``__getitems__``,
+    which the DataLoader calls (when present) with a whole batch of indices: one indexing operation per
+    tensor instead of a Python call per row and a collate that stacks them."""
 
     def __init__(self, numeric: np.ndarray, categorical: np.ndarray, target: np.ndarray):
         self.numeric = torch.from_numpy(numeric)
@@ -175,8 +227,11 @@ class TabularDataset(Dataset):
     def __len__(self) -> int:
         return len(self.target)
 
-    def __getitem__(self, idx: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def __getitem__(self, idx: int | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return self.numeric[idx], self.categorical[idx], self.target[idx]
+
+    def __getitems__(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self[torch.as_tensor(indices)]
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -269,13 +324,17 @@ def make_optimizer(name: str, model: nn.Module, lr: float, weight_decay: float) 
 
 def lbfgs_step(model, optimizer, loss_fn, micro_batches, *, device, **_) -> StepStats:
     """``train_step`` for LBFGS, which evaluates the loss several times per step (its line search), so it
-    takes a closure; one full batch, in fp32 (the line search compares losses too closely for autocast)."""
+    takes a closure; one full batch, in fp32. The line search compares those evaluations, so they must be of
+    one function: every one draws the same dropout masks."""
     *inputs, target = to_device(micro_batches[0], device)
+    seed = int(torch.randint(2**62, ()))  # one draw per step: the global RNG moves on as with other optimizers
 
     def closure():
-        optimizer.zero_grad(set_to_none=True)
-        loss = loss_fn(model(*inputs), target)
-        loss.backward()
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            torch.manual_seed(seed)
+            optimizer.zero_grad(set_to_none=True)
+            loss = loss_fn(model(*inputs), target)
+            loss.backward()
         return loss
 
     return StepStats(optimizer.step(closure).detach())
@@ -286,31 +345,30 @@ def lbfgs_step(model, optimizer, loss_fn, micro_batches, *, device, **_) -> Step
 
 
 @torch.no_grad()
-def predict(checkpoint_path: Path, csv_path: Path, output: Path, device: torch.device) -> int:
-    """Write ``output``: the rows of ``csv_path`` with the model's prediction appended to each."""
+def predict(checkpoint_path: Path, table_path: Path, output: Path, device: torch.device) -> int:
+    """Write ``output`` (CSV): the rows of ``table_path`` with the model's prediction appended to each."""
     checkpoint = load_checkpoint(checkpoint_path, RECIPE)
     spec, config = checkpoint["features"], checkpoint["config"]
     model = build_model(spec, config["hidden"], config["depth"], config["dropout"]).to(device).eval()
     load_model_state(model, checkpoint["model"], checkpoint_path)
-    header, rows = read_csv(csv_path)
-    numeric, categorical, _ = encode(spec, header, rows, with_target=False)
-    out = model(torch.from_numpy(numeric).to(device), torch.from_numpy(categorical).to(device)).float().cpu()
+    table = read_table(table_path)
+    numeric, categorical = (torch.from_numpy(a) for a in encode(spec, table, with_target=False)[:2])
+    # in slices: the activations of a million rows at once would not fit in memory
+    out = torch.cat([model(x.to(device), c.to(device)).float().cpu()
+                     for x, c in zip(numeric.split(65536), categorical.split(65536), strict=True)])
     if spec["task"] == "classification":
-        probabilities = out.softmax(-1)
-        confidence, index = probabilities.max(-1)
-        columns = ["prediction", "probability"]
-        values = [[spec["classes"][k], f"{p:.4f}"] for k, p in zip(index.tolist(), confidence.tolist(), strict=True)]
+        confidence, index = out.softmax(-1).max(-1)
+        table = table.append_column("prediction", pa.array(spec["classes"]).take(index.numpy()))
+        table = table.append_column("probability", pc.round(pa.array(confidence.numpy()), 4))
     else:
-        columns = ["prediction"]
-        values = [[f"{x * spec['target_std'] + spec['target_mean']:.6g}"] for x in out.tolist()]
+        table = table.append_column("prediction", pa.array(out.double().numpy() * spec["target_std"]
+                                                           + spec["target_mean"]))
     try:
-        with open(output, "w", newline="", encoding="utf-8") as f:
-            writer = csv.writer(f)
-            writer.writerow([*header, *columns])
-            writer.writerows([*row, *extra] for row, extra in zip(rows, values, strict=True))
+        with open(output, "wb") as f:
+            pacsv.write_csv(table, f)
     except OSError as err:
-        raise cli.RecipeError(f"cannot write {output}: {err.strerror}") from None
-    return len(rows)
+        raise cli.RecipeError(f"cannot write {output}: {err.strerror or err}") from None
+    return table.num_rows
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -318,7 +376,10 @@ def predict(checkpoint_path: Path, csv_path: Path, output: Path, device: torch.d
 
 
 def main(
-    csv_path: Annotated[Path | None, typer.Option("--csv", help="Train on this CSV (with a header row).")] = None,
+    csv_path: Annotated[
+        Path | None, typer.Option("--csv", help="Train on this table: .csv or .tsv with a header row (also .gz), "
+                                                ".parquet.")
+    ] = None,
     target: Annotated[str | None, typer.Option(help="Column to predict [default: income, for Adult].")] = None,
     task: Annotated[
         Literal["auto", "classification", "regression"],
@@ -342,7 +403,8 @@ def main(
     depth: Annotated[int, typer.Option(min=1, help="Number of hidden layers.")] = 3,
     dropout: Annotated[float, typer.Option(min=0.0, max=0.9, help="Dropout after each hidden layer.")] = 0.1,
     predict_csv: Annotated[
-        Path | None, typer.Option("--predict", help="Only predict: rows of this CSV, with the model from --resume.")
+        Path | None, typer.Option("--predict", help="Only predict: rows of this table (as --csv), with the model "
+                                                    "from --resume; written as CSV.")
     ] = None,
     output: Annotated[Path | None, typer.Option(help="Predictions file [default: PREDICT.predictions.csv].")] = None,
     seed: cli.Seed = 0,
@@ -377,30 +439,33 @@ def main(
     seed_everything(seed)
     device = resolve_device(device)
 
-    # Data: rows -> preprocessing fitted on the training split -> tensors
+    # Data: a table -> preprocessing fitted on the training split -> tensors
     if csv_path is not None:
         if target is None:
             raise typer.BadParameter("--csv needs --target COLUMN", param_hint="--target")
-        header, rows = read_csv(csv_path)
-        test_rows = None
+        table, test_table = read_table(csv_path), None
     else:
-        header, rows, test_rows = load_adult(data_dir)
+        table, test_table = load_adult(data_dir)
         target = target or "income"
-    if target not in header:
-        raise cli.RecipeError(f"target column {target!r} is not in the table (columns: {', '.join(header)})")
-    order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(seed)).tolist()
-    n_val = max(1, round(val_frac * len(rows)))
-    if len(rows) - n_val < 2:
-        raise cli.RecipeError(f"{len(rows)} rows are too few to split off {val_frac:.0%} for validation")
-    train_rows, val_rows = [rows[i] for i in order[n_val:]], [rows[i] for i in order[:n_val]]
-    spec = run.checkpoint["features"] if run.resuming else fit_features(header, train_rows, target, task)
+    if target not in table.column_names:
+        raise cli.RecipeError(f"target column {target!r} is not in the table (columns: "
+                              f"{', '.join(table.column_names)})")
+    order = torch.randperm(table.num_rows, generator=torch.Generator().manual_seed(seed)).numpy()
+    n_val = max(1, round(val_frac * table.num_rows))
+    if table.num_rows - n_val < 2:
+        raise cli.RecipeError(f"{table.num_rows} rows are too few to split off {val_frac:.0%} for validation")
+    train_rows, val_rows = order[n_val:], order[:n_val]
+    spec = run.checkpoint["features"] if run.resuming else fit_features(table.take(train_rows), target, task)
     classification = spec["task"] == "classification"
-    train_set = TabularDataset(*encode(spec, header, train_rows))
-    val_set = TabularDataset(*encode(spec, header, val_rows))
+    arrays = encode(spec, table)  # every row at once, then split: the statistics are the training split's
+    train_set = TabularDataset(*(a.take(train_rows, axis=0) for a in arrays))  # take: 4x faster than a[rows]
+    val_set = TabularDataset(*(a.take(val_rows, axis=0) for a in arrays))
+    del table, arrays  # the text columns are no longer needed
     batch_size = len(train_set) if optimizer_name == "lbfgs" else batch_size or min(256, len(train_set))
     run.config |= {"target": target, "batch_size": batch_size}  # as resolved
-    train_loader = make_loader(train_set, batch_size, train=True, seed=seed, num_workers=num_workers, device=device)
-    val_loader = make_loader(val_set, 1024, train=False, num_workers=num_workers, device=device)
+    train_loader = make_loader(train_set, batch_size, train=True, seed=seed, num_workers=num_workers, device=device,
+                               collate_fn=batched)
+    val_loader = make_loader(val_set, 1024, train=False, num_workers=num_workers, device=device, collate_fn=batched)
 
     model = build_model(spec, hidden, depth, dropout).to(device)
     if compile:
@@ -439,8 +504,9 @@ def main(
         run.log_eval(val, score=val["acc"] if classification else -val["rmse"])
 
     test = {}
-    if test_rows is not None:  # Adult's official test file, scored once at the end
-        test = validate(make_loader(TabularDataset(*encode(spec, header, test_rows)), 1024, train=False))
+    if test_table is not None:  # Adult's official test file, scored once at the end
+        test_set = TabularDataset(*encode(spec, test_table))
+        test = validate(make_loader(test_set, 1024, train=False, collate_fn=batched))
     run.finish({f"test_{k}": v for k, v in test.items()})
 
 

@@ -16,7 +16,7 @@ def test_quick_benchmark_writes_every_item(tmp_path):
     assert result.code == 0, result.stderr[-3000:]
     data = json.loads(out.read_text())
     assert data["quick"] is True and "torch" in data["machine"]
-    assert sorted(data["items"], key=int) == [str(i) for i in range(1, 10)]
+    assert sorted(data["items"], key=int) == [str(i) for i in range(1, 11)]
     for number, item in data["items"].items():
         assert {"item", "result", "target", "met", "seconds"} <= item.keys(), number
         assert item["met"] in (True, False, None)
@@ -26,6 +26,8 @@ def test_quick_benchmark_writes_every_item(tmp_path):
     assert data["items"]["1"]["equal_weights"] is True  # the core's step changes no number
     assert data["items"]["4"]["tokens_per_s"]["fp32 eager"] > 0
     assert data["items"]["9"]["same_tokens"] is True and data["items"]["9"]["kv_cache_speedup"]["median"] > 0
+    sizes = data["items"]["10"]["sizes"]
+    assert sorted(sizes, key=int) == ["2000", "20000"] and all(f["first_step_s"] > 0 for f in sizes.values())
 
 
 def test_a_failing_item_is_recorded_and_the_others_still_run(tmp_path):

@@ -1,15 +1,21 @@
 """recipes/tabular_mlp.py: the hand-written Linear, preprocessing, training, resume and prediction."""
 
 import csv
+import gzip
 import hashlib
 import math
 import urllib.error
 import urllib.request
 
+import pyarrow as pa
+import pyarrow.csv as pacsv
+import pyarrow.parquet as pq
 import pytest
 import torch
 from conftest import assert_same_weights, load_recipe, load_weights, read_metrics, read_scalars, write_table
 from torch import nn
+
+from common.data import make_loader
 
 RECIPE = "tabular_mlp"
 tabular = load_recipe(RECIPE)
@@ -39,24 +45,58 @@ def test_linear_without_bias_registers_nothing_named_bias():
     torch.testing.assert_close(layer(torch.eye(3)), layer.weight.T)
 
 
+def text_table(header: list[str], rows: list[list[str]]) -> pa.Table:
+    return pa.table([pa.array(column, pa.string()) for column in zip(*rows, strict=True)], names=header)
+
+
 def test_preprocessing_uses_training_statistics_and_handles_missing_and_unseen():
     header = ["x", "colour", "y"]
-    train = [["1", "red", "a"], ["3", "blue", "b"], ["?", "", "a"]]
-    spec = tabular.fit_features(header, train, "y", "auto")
+    train = text_table(header, [["1", "red", "a"], ["3", "blue", "b"], ["?", "", "a"]])
+    spec = tabular.fit_features(train, "y", "auto")
     assert spec["task"] == "classification" and spec["classes"] == ["a", "b"]
     assert spec["numeric"] == {"x": (2.0, 1.0)}
     assert spec["categorical"]["colour"] == ["<unseen>", "<missing>", "blue", "red"]
-    numeric, categorical, target = tabular.encode(spec, header, [["5", "green", "b"], ["NA", "?", "a"]])
+    numeric, categorical, target = tabular.encode(spec, text_table(header, [["5", "green", "b"], ["NA", "?", "a"]]))
     assert numeric.tolist() == [[3.0], [0.0]]  # (5 - 2) / 1; missing -> the mean
     assert categorical.tolist() == [[0], [1]]  # unseen -> 0, missing -> 1
     assert target.tolist() == [1, 0]
 
 
+SPELLINGS = ["", " ", "?", "NA", "n/a", "N/A", "NaN", "nan", "NAN", "-nan", "null", "NULL", "None", "none"]
+
+
+def test_every_spelling_of_missing_and_every_non_finite_number_is_missing():
+    header = ["x", "colour", "y"]
+    odd = [*SPELLINGS, "inf", "-inf", "Infinity"]  # non-finite numbers: missing too, in a numeric column
+    rows = [["2", "red", "a"], ["4", "blue", "b"]] + [[v, v if v in SPELLINGS else "", "ab"[i % 2]]
+                                                      for i, v in enumerate(odd)]
+    spec = tabular.fit_features(text_table(header, rows), "y", "auto")
+    assert spec["numeric"] == {"x": (3.0, 1.0)}  # from 2 and 4 alone
+    assert spec["categorical"]["colour"] == ["<unseen>", "<missing>", "blue", "red"]
+    new = [[v, v, "a"] for v in [*odd, "7", "seven"]]  # "seven": not a number, in a numeric column
+    numeric, categorical, _ = tabular.encode(spec, text_table(header, new))
+    assert numeric[:, 0].tolist() == [0.0] * len(odd) + [4.0, 0.0]
+    assert categorical[:, 0].tolist() == [1] * len(SPELLINGS) + [0, 0, 0, 0, 0]  # "inf" text: an unseen colour
+
+
+def test_a_batch_is_one_indexing_operation(table_csv):
+    table = tabular.read_table(table_csv)
+    dataset = tabular.TabularDataset(*tabular.encode(tabular.fit_features(table, "label", "auto"), table))
+    numeric, categorical, target = dataset.__getitems__([5, 2, 9])
+    rows = [dataset[i] for i in (5, 2, 9)]
+    assert torch.equal(numeric, torch.stack([r[0] for r in rows])) and numeric.shape == (3, 2)
+    assert torch.equal(categorical, torch.stack([r[1] for r in rows])) and categorical.dtype == torch.int32
+    assert target.tolist() == [r[2].item() for r in rows]
+    batch = next(iter(make_loader(dataset, 4, train=False, collate_fn=tabular.batched)))
+    assert [t.shape[0] for t in batch] == [4, 4, 4]
+    assert torch.equal(batch[1], dataset.categorical[:4])
+
+
 def test_task_auto_detection():
     rows = [[str(i), str(i % 3)] for i in range(30)]
-    assert tabular.fit_features(["x", "y"], rows, "y", "auto")["task"] == "classification"
+    assert tabular.fit_features(text_table(["x", "y"], rows), "y", "auto")["task"] == "classification"
     rows = [[str(i), f"{i * 0.37:.2f}"] for i in range(30)]
-    assert tabular.fit_features(["x", "y"], rows, "y", "auto")["task"] == "regression"
+    assert tabular.fit_features(text_table(["x", "y"], rows), "y", "auto")["task"] == "regression"
 
 
 def test_parameter_groups_exempt_biases_norms_and_embeddings():
@@ -175,10 +215,11 @@ def test_adult_files_with_their_quirks(tmp_path, monkeypatch):
     files = {name: (hashlib.md5((adult / name).read_bytes()).hexdigest(), rows)
              for name, rows in [("adult.data", 4), ("adult.test", 1)]}
     monkeypatch.setattr(tabular, "ADULT_FILES", files)
-    header, train, test = tabular.load_adult(tmp_path)
-    assert header[-1] == "income" and len(train) == 4 and len(test) == 1
-    assert train[0][1] == "State-gov" and train[0][13] == "?" and train[0][14] == "<=50K"
-    assert test[0][13] == "Cuba" and test[0][14] == ">50K"  # the trailing dot is gone
+    train, test = tabular.load_adult(tmp_path)
+    assert train.column_names[-1] == "income" and train.num_rows == 4 and test.num_rows == 1
+    first = train.slice(0, 1).to_pylist()[0]
+    assert first["workclass"] == "State-gov" and first["native-country"] == "?" and first["income"] == "<=50K"
+    assert test.to_pylist()[0]["native-country"] == "Cuba" and test.to_pylist()[0]["income"] == ">50K"  # no dot
 
 
 def test_adult_offline_suggests_csv(run_inprocess, tmp_path, monkeypatch):
@@ -192,17 +233,28 @@ def test_adult_offline_suggests_csv(run_inprocess, tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize(
-    ("content", "message"),
+    ("name", "content", "message"),
     [
-        (None, "no such file"),
-        ("", "is empty"),
-        ("a,b,label\n", "has a header but no data rows"),
-        ("a,b,c\n1,2,3\n4,5,6\n", "target column 'label' is not in the table (columns: a, b, c)"),
+        ("bad.csv", None, "bad.csv: no such file"),
+        ("bad.csv", "", "is empty"),
+        ("bad.csv", "a,b,label\n", "has a header but no data rows"),
+        ("bad.csv", "a,b,c\n1,2,3\n4,5,6\n", "target column 'label' is not in the table (columns: a, b, c)"),
+        ("bad.csv", "a,b,label\n1,2,x\n1,2\n", "is not a readable table file: CSV parse error: Expected 3 columns"),
+        ("bad.csv", "a,a,label\n1,2,x\n", "the header names a column twice"),
+        ("bad.csv", b"a,label\ncaf\xe9,x\n", "is not UTF-8 text"),
+        ("bad.csv.gz", "a,label\n1,x\n", "is not a readable table file"),  # not gzip inside
+        ("bad.parquet", "a,label\n1,x\n", "is not a readable table file"),
+        ("bad.xlsx", "a,label\n1,x\n", "not a table file by its name; give a .csv, .tsv"),
+        ("a-folder.csv", "dir", "a-folder.csv is a directory, not a table file"),
     ],
 )
-def test_bad_csv_is_a_one_line_error(run_inprocess, tmp_path, content, message):
-    path = tmp_path / "bad.csv"
-    if content is not None:
+def test_bad_csv_is_a_one_line_error(run_inprocess, tmp_path, name, content, message):
+    path = tmp_path / name
+    if content == "dir":
+        path.mkdir()
+    elif isinstance(content, bytes):
+        path.write_bytes(content)
+    elif content is not None:
         path.write_text(content)
     result = run_inprocess(RECIPE, "--csv", path, "--target", "label", "--run-dir", tmp_path / "run")
     assert result.code == 1
@@ -234,3 +286,99 @@ def test_each_optimizer_lowers_the_loss(run_inprocess, table_csv, tmp_path, opti
 def test_lbfgs_is_refused_where_it_does_not_fit(run_inprocess, table_csv, extra, message):
     result = run_inprocess(RECIPE, "--csv", table_csv, "--target", "label", "--optimizer", "lbfgs", *extra)
     assert result.code == 2 and message in result.stderr
+
+
+def test_predict_on_a_directory_is_a_one_line_error(run_inprocess, table_csv, tmp_path):
+    run_dir = tmp_path / "run"
+    assert run_inprocess(RECIPE, "--csv", table_csv, "--target", "label", "--epochs", 1, "--run-dir", run_dir).code == 0
+    result = run_inprocess(RECIPE, "--predict", tmp_path, "--resume", run_dir / "checkpoints" / "last.pt")
+    assert result.code == 1 and result.stderr == f"error: {tmp_path} is a directory, not a table file\n"
+
+
+def write_as(csv_path, path):
+    """The table of ``csv_path`` saved as ``path``'s type; Parquet with typed columns, as pandas or Spark write it."""
+    if path.suffix == ".parquet":
+        pq.write_table(pacsv.read_csv(csv_path), path)  # age int64, income float64 with nulls, text as strings
+    else:
+        with open(csv_path, newline="") as f:
+            rows = list(csv.reader(f))
+        opener = gzip.open if path.suffix == ".gz" else open
+        with opener(path, "wt", newline="") as f:
+            csv.writer(f, delimiter="\t" if ".tsv" in path.name else ",").writerows(rows)
+    return path
+
+
+@pytest.mark.parametrize("name", ["table.csv.gz", "table.tsv", "table.tsv.gz", "table.parquet"])
+def test_every_file_type_trains_and_predicts_alike(run_inprocess, table_csv, tmp_path, name):
+    path = write_as(table_csv, tmp_path / name)
+    run_dir = tmp_path / "run"
+    result = run_inprocess(RECIPE, "--csv", path, "--target", "label", "--epochs", 2, "--batch-size", 32,
+                           "--run-dir", run_dir)
+    assert result.code == 0, result.stderr
+    features = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)["features"]
+    reference = tabular.fit_features(tabular.read_table(table_csv).take(
+        torch.randperm(300, generator=torch.Generator().manual_seed(0)).numpy()[60:]), "label", "auto")
+    assert features == reference  # the same columns, statistics and vocabularies as from the CSV
+    assert read_metrics(run_dir)["val_acc"] > 0.7
+
+    new = write_table(tmp_path / "new.csv", n=40, seed=9, target=False)
+    new.write_text(new.read_text().replace("red", "purple"))  # a colour never seen in training
+    new = write_as(new, tmp_path / f"new{name.removeprefix('table')}")
+    output = tmp_path / "out.csv"
+    result = run_inprocess(RECIPE, "--predict", new, "--resume", run_dir / "checkpoints" / "last.pt",
+                           "--output", output)
+    assert result.code == 0, result.stderr
+    with open(output, newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 40 and list(rows[0]) == ["age", "income", "colour", "city", "prediction", "probability"]
+    assert {row["prediction"] for row in rows} == {"yes", "no"} and "purple" in {row["colour"] for row in rows}
+    assert all(0.5 <= float(row["probability"]) <= 1 for row in rows)
+
+
+def test_a_pandas_csv_with_nan_and_inf_cells_trains_and_predicts_finite_values(run_inprocess, tmp_path):
+    with open(write_table(tmp_path / "t.csv", n=300), newline="") as f:
+        rows = list(csv.DictReader(f))
+    spellings = ["NaN", "NAN", "nan", "-nan", "inf", "-inf", "null", "None"]
+    for i, row in enumerate(rows):
+        if i % 5 == 0:  # as pandas writes a missing float (na_rep="NaN"), and other tools other spellings
+            row["income"] = spellings[i % len(spellings)]
+        if i % 7 == 0:
+            row["city"] = spellings[i % len(spellings)].upper()
+    path = tmp_path / "nan.csv"
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    run_dir = tmp_path / "run"
+    result = run_inprocess(RECIPE, "--csv", path, "--target", "label", "--epochs", 3, "--batch-size", 32,
+                           "--run-dir", run_dir)
+    assert result.code == 0, result.stderr
+    assert read_metrics(run_dir)["val_acc"] > 0.7
+    features = torch.load(run_dir / "checkpoints" / "best.pt", weights_only=True)["features"]
+    assert all(math.isfinite(x) for x in features["numeric"]["income"])
+    assert "<missing>" in features["categorical"]["city"] and "NAN" not in features["categorical"]["city"]
+
+    result = run_inprocess(RECIPE, "--predict", path, "--resume", run_dir / "checkpoints" / "best.pt")
+    assert result.code == 0, result.stderr
+    with open(tmp_path / "nan.predictions.csv", newline="") as f:
+        predicted = list(csv.DictReader(f))
+    assert len(predicted) == 300 and all(math.isfinite(float(row["probability"])) for row in predicted)
+    assert {row["prediction"] for row in predicted} == {"yes", "no"}
+
+
+def test_lbfgs_line_search_sees_one_objective_despite_dropout():
+    torch.manual_seed(0)
+    model = tabular.TabularMLP(3, [5], 2, hidden=32, depth=2, dropout=0.5)
+    optimizer = tabular.make_optimizer("lbfgs", model, 1.0, 0.0)
+    losses, step = [], optimizer.step
+
+    def evaluating_thrice(closure):
+        losses.extend(closure().item() for _ in range(3))  # the same weights: the same loss, each time
+        return step(closure)
+
+    optimizer.step = evaluating_thrice
+    batch = (torch.randn(64, 3), torch.randint(0, 5, (64, 1)), torch.randint(0, 2, (64,)))
+    tabular.lbfgs_step(model, optimizer, nn.CrossEntropyLoss(), [batch], device=torch.device("cpu"))
+    assert losses[0] == losses[1] == losses[2]
+    model.eval()
+    assert nn.CrossEntropyLoss()(model(*batch[:2]), batch[2]).item() != losses[0]  # dropout was on in training
