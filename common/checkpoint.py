@@ -138,9 +138,12 @@ class TrainingState:
     loader_generator: torch.Generator | None = None
     steps_per_epoch: int | None = None
     extra: dict = field(default_factory=dict)
+    ema: nn.Module | None = None  # an AveragedModel of the weights, with --ema
     step: int = 0
     best_score: float = -math.inf  # higher is better: an accuracy, or minus a loss
     best_step: int = 0
+    kept_best: list = field(default_factory=list)  # [score, step] of each checkpoint kept by --keep-best
+    evals_since_best: int = 0  # for --patience
 
     @property
     def device(self) -> torch.device:
@@ -151,6 +154,8 @@ class TrainingState:
             "recipe": self.recipe, "config": self.config, "step": self.step,
             "epoch": self.step // self.steps_per_epoch if self.steps_per_epoch else 0,
             "steps_per_epoch": self.steps_per_epoch, "best_score": self.best_score, "best_step": self.best_step,
+            "kept_best": self.kept_best, "evals_since_best": self.evals_since_best,
+            "ema": self.ema.state_dict() if self.ema is not None else None,
             "model": unwrap(self.model).state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
@@ -169,7 +174,10 @@ class TrainingState:
                 self.scheduler.load_state_dict(state["scheduler"])
             if self.scaler is not None and state["scaler"] is not None:
                 self.scaler.load_state_dict(state["scaler"])
+            if self.ema is not None:
+                self.ema.load_state_dict(state["ema"])
         except (ValueError, KeyError, RuntimeError, TypeError) as err:
             raise RecipeError(f"checkpoint {source} does not fit this run's optimizer or schedule: {err}") from None
         restore_rng_state(state["rng"], self.loader_generator, self.device)
         self.step, self.best_score, self.best_step = state["step"], state["best_score"], state["best_step"]
+        self.kept_best, self.evals_since_best = state["kept_best"], state["evals_since_best"]

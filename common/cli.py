@@ -26,6 +26,12 @@ def positive_float(value: float | None) -> float | None:
     return value
 
 
+def ema_decay(value: float | None) -> float | None:
+    if value is not None and not 0 < value < 1:  # also rejects nan
+        raise typer.BadParameter(f"must be between 0 and 1 (e.g. 0.999), got {value}")
+    return value
+
+
 def decay_rate(value: float) -> float:
     if not 0 <= value < 1:  # also rejects nan
         raise typer.BadParameter(f"must be in [0, 1), got {value}")
@@ -84,6 +90,12 @@ Resume = Annotated[
 CheckpointEvery = Annotated[
     int | None, typer.Option(min=1, help="Also write checkpoints/last.pt every N optimizer steps.")
 ]
+EMA = Annotated[float | None, typer.Option(
+    "--ema", callback=ema_decay,
+    help="Also keep an exponential moving average of the weights with this decay (e.g. 0.999): evaluated beside "
+         "them (ema_val_*), its score chooses best.pt, which then holds the averaged weights.")]
+KeepBest = Annotated[int, typer.Option(min=1, help="Keep the K best checkpoints (best-stepN.pt); best.pt is the best.")]
+Patience = Annotated[int | None, typer.Option(min=1, help="Stop after N evaluations without a better score.")]
 Progress = Annotated[
     bool | None,
     typer.Option("--progress/--no-progress", help="Console progress bar [default: on when stdout is a terminal]."),

@@ -14,7 +14,7 @@ from pathlib import Path
 from common.cli import RecipeError
 
 MAY_CHANGE = {"max_steps", "run_dir", "resume", "checkpoint_every", "progress", "num_workers", "device", "compile",
-              "data_dir"}
+              "data_dir", "keep_best", "patience"}
 
 
 def check_same_run(state: dict, source: Path, config: dict, steps_per_epoch: int | None, may_change: set[str],
@@ -32,12 +32,14 @@ def check_same_run(state: dict, source: Path, config: dict, steps_per_epoch: int
                           f"{steps_per_epoch}: resume with the data and processes it was started with")
 
 
-def finished_step(run_dir: Path) -> int | None:
-    """The step at which the run in ``run_dir`` finished (metrics.json records it), or None."""
+def already_finished(run_dir: Path, step: int, total_steps: int) -> bool:
+    """Whether the run in ``run_dir`` finished at ``step``: metrics.json says so, at the last step or stopped
+    early. A run stopped between its last checkpoint and metrics.json has not finished: it goes on."""
     try:
-        return json.loads((run_dir / "metrics.json").read_text()).get("steps")
-    except (OSError, ValueError, AttributeError):  # none yet, or not ours
-        return None
+        metrics = json.loads((run_dir / "metrics.json").read_text())
+        return metrics["steps"] == step and (step >= total_steps or metrics.get("stopped_early") is True)
+    except (OSError, ValueError, KeyError, TypeError):  # none yet, or not ours
+        return False
 
 
 def resume_position(step: int, total_steps: int, steps_per_epoch: int) -> tuple[int, int]:

@@ -21,19 +21,22 @@ import atexit
 import math
 import sys
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from torch import nn
+from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from torch.utils.tensorboard import SummaryWriter
 
 from common.checkpoint import TrainingState, load_checkpoint, save_checkpoint
 from common.cli import OPTION_NAMES, RecipeError
 from common.loop import StepStats
 from common.resources import format_account, memory_account, reset_peak_memory, with_peaks
-from common.resume import check_same_run, finished_step, resume_position
+from common.resume import already_finished, check_same_run, resume_position
 from common.rundir import StopRequest, plain_config, prepare_run_dir, write_json
+from common.runtime import unwrap
 
 MAX_SKIPPED_IN_A_ROW = 50  # fp16 steps the GradScaler may skip in a row before the run is called diverged
 
@@ -53,6 +56,7 @@ class Run:
         self.checkpoint = load_checkpoint(self.resume_path, recipe) if self.resume_path else None
         self.config = plain_config(self.options)
         self.finished, self.state, self.writer, self.stop, self.metrics, self.memory = False, None, None, None, {}, {}
+        self.stopped_early = False
         self.pending: list[tuple[int, StepStats, float, int]] = []  # steps not yet read back from the device
         self.items, self.train_seconds, self.first_window = 0, 0.0, None  # throughput leaves the first window out
         self.train_loss, self.interval_losses, self.skipped_steps, self.skipped_in_a_row = math.nan, [], 0, 0
@@ -81,15 +85,19 @@ class Run:
         schedule_steps = epochs * self.steps_per_epoch if epochs else steps
         self.total_steps = min(schedule_steps, self.options.get("max_steps") or schedule_steps)
         self.n_epochs, self.per_epoch = math.ceil(schedule_steps / self.steps_per_epoch), bool(epochs)
+        # --ema: the average follows the plain module (inside DDP's or torch.compile's wrapper); use_buffers
+        # averages batch norm's running statistics too, so the averaged model evaluates like a trained one
+        decay = self.options.get("ema")
+        ema = decay and AveragedModel(unwrap(model), multi_avg_fn=get_ema_multi_avg_fn(decay), use_buffers=True)
         self.state = TrainingState(self.recipe, self.config, model, optimizer, scheduler, scaler,
-                                   getattr(loader, "generator", None), self.steps_per_epoch, extra or {})
+                                   getattr(loader, "generator", None), self.steps_per_epoch, extra or {}, ema)
         if self.checkpoint:
             check_same_run(self.checkpoint, self.resume_path, self.config, self.steps_per_epoch, self.may_change,
                            OPTION_NAMES)
             self.state.load_state_dict(self.checkpoint, self.resume_path)
         # Relaunched once finished (the same command on every restart), a run must neither train past its end
         # nor overwrite its results. One stopped between its last checkpoint and metrics.json goes on.
-        if self.step >= self.total_steps and finished_step(self.run_dir) == self.step:
+        if already_finished(self.run_dir, self.step, self.total_steps):
             self.finished = True
             return self.print(f"already finished: step {self.step} of {self.total_steps}; nothing trained, "
                               f"{self.run_dir} left as it was (a run cut short by --max-steps goes on with a larger "
@@ -122,7 +130,7 @@ class Run:
             self.epoch = epoch
             yield epoch
             self.done_in_epoch = 0
-            if self.step >= self.total_steps:
+            if self.step >= self.total_steps or self.stopped_early:
                 return
 
     def steps(self) -> Iterator[int]:
@@ -146,6 +154,8 @@ class Run:
         Saves every ``--checkpoint-every`` steps and on a stop request, but not at an epoch's end: there
         ``log_eval`` saves once the epoch is evaluated, so a resume never skips an evaluation."""
         self.state.step += 1
+        if self.state.ema is not None:
+            self.state.ema.update_parameters(unwrap(self.state.model))
         self.pending.append((self.step, stats, lr, items))
         self.last_step_time = time.perf_counter()
         if not self.memory:  # gradients and optimizer state exist from now on
@@ -215,27 +225,51 @@ class Run:
             items, seconds = items - self.first_window[0], seconds - self.first_window[1]
         return items / seconds if seconds else 0.0
 
-    def log_eval(self, metrics: dict[str, float], *, score: float | None = None, prefix: str = "val",
-                 note: str = "") -> None:
-        """Log an evaluation (``{"loss": ..., "acc": ...}``) and print a line for the interval; save best.pt when
-        ``score`` (higher is better: an accuracy, or minus a loss) is the best so far; then save last.pt."""
+    def log_eval(self, validate: Callable[[nn.Module], dict[str, float]], *,
+                 score: Callable[[dict[str, float]], float] | None = None, note: str = "") -> None:
+        """Evaluate with ``validate(model) -> {"loss": ..., "acc": ...}`` (and the EMA with --ema), log it and
+        print a line for the interval; save best.pt when ``score(metrics)`` (higher is better: an accuracy, or
+        minus a loss; the EMA's with --ema) is the best so far, and the --keep-best best ones; then last.pt."""
         self.flush()
-        self.train_loss = sum(self.interval_losses) / len(self.interval_losses) if self.interval_losses else \
-            self.train_loss
+        if self.interval_losses:
+            self.train_loss = sum(self.interval_losses) / len(self.interval_losses)
         self.interval_losses = []
-        for name, value in metrics.items():
-            self.metrics[f"{prefix}_{name}"] = value
-            if self.writer:
-                self.writer.add_scalar(f"{prefix}/{name}", value, self.step)
+        results = {"val": validate(self.state.model)}
+        if self.state.ema is not None:
+            results["ema_val"] = validate(self.state.ema.module)
+        for prefix, metrics in results.items():
+            for name, value in metrics.items():
+                self.metrics[f"{prefix}_{name}"] = value
+                if self.writer:
+                    self.writer.add_scalar(f"{prefix}/{name}", value, self.step)
         epoch = f"epoch {self.epoch + 1}/{self.n_epochs}  " if self.per_epoch else ""
-        shown = "  ".join(f"{prefix}_{k} {v:.4f}" for k, v in metrics.items())
+        shown = "  ".join(f"{prefix}_{k} {v:.4f}" for prefix, m in results.items() for k, v in m.items())
         self.print(f"{epoch}{note}step {self.step}/{self.total_steps}  train_loss {self.train_loss:.4f}  {shown}  "
                    f"{self.throughput:,.0f} {self.unit}/s")
-        if score is not None and score > self.state.best_score:
-            self.state.best_score, self.state.best_step = score, self.step
-            self.save("best.pt")
+        if score is not None:
+            self.keep_best(score(results.get("ema_val", results["val"])))
         self.save()
         self.window_start = time.perf_counter()  # evaluation time is not training time
+
+    def keep_best(self, score: float) -> None:
+        """best.pt for a new best score; with --keep-best K also best-stepN.pt for each of the K best; counts
+        the evaluations without a better score for --patience."""
+        state, keep = self.state, self.options.get("keep_best") or 1
+        if score > state.best_score:
+            state.best_score, state.best_step, state.evals_since_best = score, self.step, 0
+            self.save("best.pt")
+        else:
+            state.evals_since_best += 1
+        ranked = sorted([*state.kept_best, [score, self.step]], key=lambda kept: -kept[0])
+        state.kept_best, dropped = ranked[:keep], ranked[keep:]
+        if keep > 1 and [score, self.step] in state.kept_best:
+            self.save(f"best-step{self.step}.pt")
+        for _, step in dropped if self.is_main and keep > 1 else []:
+            (self.run_dir / "checkpoints" / f"best-step{step}.pt").unlink(missing_ok=True)
+        patience = self.options.get("patience")
+        self.stopped_early = bool(patience and state.evals_since_best >= patience and self.step < self.total_steps)
+        if self.stopped_early:
+            self.print(f"stopping early: no better score in {patience} evaluations (the best: step {state.best_step})")
 
     # ---- checkpoints
 
@@ -254,6 +288,8 @@ class Run:
         """Atomically write checkpoints/NAME (rank 0; the others wait). After last.pt, honours a stop request."""
         self.flush()  # raises on a non-finite loss before anything is written
         state = self.state.state_dict()
+        if name.startswith("best") and self.state.ema is not None:  # the weights that scored: the average
+            state["model"] = self.state.ema.module.state_dict()
         # A step can end with a finite loss yet inf/nan gradients, which spoil the weights it just updated.
         spoiled = [k for k, v in state["model"].items() if v.is_floating_point() and not torch.isfinite(v).all()]
         if spoiled:
@@ -285,7 +321,8 @@ class Run:
             self.train_loss = sum(self.interval_losses) / len(self.interval_losses)
         summary = {"recipe": self.recipe, "steps": self.step, "train_loss": self.train_loss, **self.metrics,
                    **(metrics or {}), f"{self.unit}_per_s": self.throughput, "best_score": self.state.best_score,
-                   "best_step": self.state.best_step, "wall_s": time.perf_counter() - self.started}
+                   "best_step": self.state.best_step, "stopped_early": self.stopped_early,
+                   "wall_s": time.perf_counter() - self.started}
         if not self.items:  # resumed at its last step only to evaluate: no training figures of its own
             del summary["train_loss"], summary[f"{self.unit}_per_s"]
         if self.skipped_steps:

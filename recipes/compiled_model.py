@@ -127,8 +127,8 @@ def train(options: dict, compiled: bool, run_dir: Path | None = None) -> dict:
             synchronize(device)  # GPU work is asynchronous: wait for it, or the timing means nothing
             step_seconds.append(time.perf_counter() - started)
             run.log_train(stats, lr=current_lr, items=len(batch[-1]))
-        val = evaluate(model, val_loader, loss_fn, device=device, precision=o["precision"])
-        run.log_eval(val, score=-val["loss"], note=f"{'compiled' if compiled else 'eager'}  ")
+        run.log_eval(lambda weights: evaluate(weights, val_loader, loss_fn, device=device, precision=o["precision"]),
+                     score=lambda val: -val["loss"], note=f"{'compiled' if compiled else 'eager'}  ")
 
     metrics = timing(step_seconds)
     if step_seconds:  # none when resumed at the last step, only to evaluate
@@ -266,6 +266,9 @@ def main(
     run_dir: cli.RunDir = None,
     resume: cli.Resume = None,
     checkpoint_every: cli.CheckpointEvery = None,
+    ema: cli.EMA = None,
+    keep_best: cli.KeepBest = 1,
+    patience: cli.Patience = None,
     progress: cli.Progress = None,
 ):
     """Train a fusion-bound gated MLP eager or compiled, compare the two, or count compile traps."""

@@ -126,6 +126,9 @@ def main(
     run_dir: cli.RunDir = None,
     resume: cli.Resume = None,
     checkpoint_every: cli.CheckpointEvery = None,
+    ema: cli.EMA = None,
+    keep_best: cli.KeepBest = 1,
+    patience: cli.Patience = None,
     progress: cli.Progress = None,
 ):
     """Train an MLP on MNIST with DistributedDataParallel (launch with torchrun), or in one process."""
@@ -175,8 +178,8 @@ def main(
             stats = train_step(model, optimizer, loss_fn, [batch], device=device, precision=precision,
                                scaler=scaler, scheduler=scheduler)
             run.log_train(stats, lr=current_lr, items=batch_size * world_size)
-        val = evaluate(model, val_loader, device)
-        run.log_eval(val, score=val["acc"])  # every rank evaluates; rank 0 saves best.pt and last.pt
+        # every rank evaluates its shard; rank 0 saves best.pt and last.pt
+        run.log_eval(lambda weights: evaluate(weights, val_loader, device), score=lambda val: val["acc"])
 
     test = evaluate(model, test_loader, device)
     run.finish({"test_loss": test["loss"], "test_acc": test["acc"], "world_size": world_size})

@@ -115,8 +115,9 @@ def train(options: dict, precision: str, run_dir: Path | None = None) -> dict:
             scheduler.step()
             losses.append(stats.loss)
             run.log_train(stats, lr=current_lr, items=len(batch[-1]))
-        val = evaluate(model, val_loader, nn.CrossEntropyLoss(), device=device, precision=precision)
-        run.log_eval(val, score=-val["loss"], note=f"{precision}  ")
+        run.log_eval(lambda weights: evaluate(weights, val_loader, nn.CrossEntropyLoss(), device=device,
+                                              precision=precision),
+                     score=lambda val: -val["loss"], note=f"{precision}  ")
     summary = run.finish({"scale": scaler.get_scale()} if scaler.is_enabled() else {})
     return summary | {"losses": torch.stack(losses).tolist() if losses else []}
 
@@ -197,6 +198,9 @@ def main(
     run_dir: cli.RunDir = None,
     resume: cli.Resume = None,
     checkpoint_every: cli.CheckpointEvery = None,
+    ema: cli.EMA = None,
+    keep_best: cli.KeepBest = 1,
+    patience: cli.Patience = None,
     progress: cli.Progress = None,
 ):
     """Train a matmul-bound MLP with autocast (fp32, bf16, fp16), or compare all three."""

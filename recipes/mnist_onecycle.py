@@ -233,6 +233,9 @@ def main(
     run_dir: cli.RunDir = None,
     resume: cli.Resume = None,
     checkpoint_every: cli.CheckpointEvery = None,
+    ema: cli.EMA = None,
+    keep_best: cli.KeepBest = 1,
+    patience: cli.Patience = None,
     progress: cli.Progress = None,
 ):
     """Train a small CNN on MNIST with the one-cycle learning-rate schedule, or predict digits in images."""
@@ -277,6 +280,9 @@ def main(
     if finetune:
         run.print(f"fine-tuning from {finetune}: backbone peak lr {backbone_lr:g}, head peak lr {max_lr:g}")
 
+    def validate(weights: nn.Module) -> dict[str, float]:
+        return evaluate(weights, val_loader, eval_loss_fn, device=device, precision=precision)
+
     for epoch in run.epochs():
         train_loader.sampler.set_epoch(epoch)  # a new shuffle every epoch
         for images, labels in run.batches(train_loader):
@@ -284,10 +290,9 @@ def main(
             stats = train_step(model, optimizer, loss_fn, [(images, labels)], device=device,
                                precision=precision, scaler=scaler, scheduler=scheduler)
             run.log_train(stats, lr=current_lr, items=len(labels))
-        val = evaluate(model, val_loader, eval_loss_fn, device=device, precision=precision)
         if run.writer and (grid := misclassified_grid(model, val_set, device)) is not None:
             run.writer.add_image("val/misclassified", grid, run.step)
-        run.log_eval(val, score=val["acc"])  # best.pt is the best validation accuracy
+        run.log_eval(validate, score=lambda val: val["acc"])  # best.pt: the best validation accuracy
 
     test = evaluate(model, make_loader(test_set, 1000, train=False, device=device), eval_loss_fn, device=device,
                     precision=precision)

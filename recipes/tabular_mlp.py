@@ -416,6 +416,9 @@ def main(
     run_dir: cli.RunDir = None,
     resume: cli.Resume = None,
     checkpoint_every: cli.CheckpointEvery = None,
+    ema: cli.EMA = None,
+    keep_best: cli.KeepBest = 1,
+    patience: cli.Patience = None,
     progress: cli.Progress = None,
 ):
     """Train an MLP on a CSV table (default: UCI Adult census income), or predict with a trained one."""
@@ -485,8 +488,8 @@ def main(
     run.print(f"{len(train_set)} train / {len(val_set)} val rows | {len(spec['numeric'])} numeric + "
               f"{len(spec['categorical'])} categorical columns | {kind}")
 
-    def validate(loader) -> dict[str, float]:
-        metrics = evaluate(model, loader, loss_fn, device=device, precision=precision, accuracy=classification)
+    def validate(weights: nn.Module, loader=val_loader) -> dict[str, float]:
+        metrics = evaluate(weights, loader, loss_fn, device=device, precision=precision, accuracy=classification)
         if not classification:  # RMSE in the target's own units
             metrics["rmse"] = math.sqrt(metrics["loss"]) * spec["target_std"]
         return metrics
@@ -500,13 +503,12 @@ def main(
             run.log_train(stats, lr=current_lr, items=len(batch[-1]))
             if run.step % run.steps_per_epoch == 0:
                 scheduler.step()  # a per-epoch schedule: once, after the epoch's last optimizer step
-        val = validate(val_loader)
-        run.log_eval(val, score=val["acc"] if classification else -val["rmse"])
+        run.log_eval(validate, score=lambda val: val["acc"] if classification else -val["rmse"])
 
     test = {}
     if test_table is not None:  # Adult's official test file, scored once at the end
         test_set = TabularDataset(*encode(spec, test_table))
-        test = validate(make_loader(test_set, 1024, train=False, collate_fn=batched))
+        test = validate(model, make_loader(test_set, 1024, train=False, collate_fn=batched))
     run.finish({f"test_{k}": v for k, v in test.items()})
 
 

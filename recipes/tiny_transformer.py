@@ -363,6 +363,9 @@ def main(
     run_dir: cli.RunDir = None,
     resume: cli.Resume = None,
     checkpoint_every: cli.CheckpointEvery = None,
+    ema: cli.EMA = None,
+    keep_best: cli.KeepBest = 1,
+    patience: cli.Patience = None,
     progress: cli.Progress = None,
 ):
     """Train a tiny GPT on text (default: the Python standard library), or sample from a trained one."""
@@ -421,6 +424,11 @@ def main(
               f"({peak_source})")
 
     unit = "byte" if vocab is None else "char"
+
+    def validate(weights: nn.Module) -> dict[str, float]:
+        val = evaluate(weights, val_batches, lm_loss, device=device, precision=precision)
+        return val | {f"bits_per_{unit}": val["loss"] / math.log(2)}
+
     for _ in run.epochs():  # rounds of --eval-every steps, each ending in an evaluation
         for _ in run.steps():
             current_lr = scheduler.get_last_lr()[0]
@@ -443,10 +451,8 @@ def main(
             tokens = grad_accum * batch_size * block_size
             run.log_train(StepStats(step_loss, grad_norm, skipped), lr=current_lr, items=tokens)
 
-        val = evaluate(model, val_batches, lm_loss, device=device, precision=precision)
-        val[f"bits_per_{unit}"] = val["loss"] / math.log(2)
         mfu = flops_per_token * run.throughput / peak_flops
-        run.log_eval(val, score=-val["loss"], note=f"mfu {mfu:.1%}  ")
+        run.log_eval(validate, score=lambda val: -val["loss"], note=f"mfu {mfu:.1%}  ")
         sample = sample_text(model, vocab, prompt, sample_tokens, temperature, top_k, seed, device)
         run.print(f"--- sample at step {run.step} ---\n{sample}\n---")
         if run.writer:

@@ -333,7 +333,7 @@ def test_run_logs_scalars_and_stops_on_a_non_finite_loss(tmp_path):
     run = started_run(tmp_path, steps=100, log_every=5)
     for step in range(1, 7):
         run.log_train(stats(1.0 / step), lr=0.1 * step, items=4)
-    run.log_eval({"loss": 0.5, "acc": 0.75})  # also saves last.pt at step 6
+    run.log_eval(lambda model: {"loss": 0.5, "acc": 0.75})  # also saves last.pt at step 6
     run.log_train(stats(float("nan")), lr=0.7, items=4)
     with pytest.raises(RecipeError, match=r"loss is nan at step 7; the last good checkpoint is .*last\.pt"):
         run.flush()
