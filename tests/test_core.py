@@ -103,8 +103,8 @@ def test_gradient_accumulation_equals_one_big_batch():
 @pytest.mark.parametrize("loss_fn", [LOSS, nn.CrossEntropyLoss(ignore_index=-1)], ids=["sizes", "ignored targets"])
 def test_unequal_micro_batches_step_like_their_concatenation(loss_fn):
     x, y = tiny_data(4).tensors
-    if loss_fn.ignore_index == -1:  # the 3-sample micro-batch has one target that counts, the 1-sample one all
-        y = torch.tensor([-1, y[1].item(), -1, y[3].item()])
+    if loss_fn.ignore_index == -1:  # the 3-sample micro-batch has 2 targets that count, the other 1: 2:1, not 1:1
+        y = torch.tensor([y[0].item(), -1, y[2].item(), y[3].item()])
     one, split = tiny_model(), tiny_model()
     opt_one, opt_split = (torch.optim.SGD(m.parameters(), lr=0.5) for m in (one, split))
     train_step(one, opt_one, loss_fn, [(x, y)], device=CPU)
