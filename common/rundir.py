@@ -65,7 +65,9 @@ def resume_command(run_dir: Path) -> str:
             skip = True
         elif not arg.startswith(("--resume=", "--run-dir=")):
             args.append(arg)
-    return shlex.join(["python", sys.argv[0], *args, "--resume", "auto", "--run-dir", str(run_dir)])
+    launcher = ["torchrun", f"--nproc_per_node={os.environ['LOCAL_WORLD_SIZE']}"] if "LOCAL_WORLD_SIZE" in os.environ \
+        else ["python"]  # under torchrun: its options beyond the process count are not known here
+    return shlex.join([*launcher, sys.argv[0], *args, "--resume", "auto", "--run-dir", str(run_dir)])
 
 
 class StopRequest:

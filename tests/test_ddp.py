@@ -135,6 +135,34 @@ def test_killed_worker_is_restarted_and_resumes_to_the_same_weights(mnist_dir, t
                         load_weights(run_dir / "checkpoints" / "last.pt"))
 
 
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="signals a launcher")
+def test_sigterm_to_torchrun_saves_every_rank_at_the_same_step_and_resumes(mnist_dir, tmp_path):
+    common = ["--nproc_per_node=2", "recipes/ddp_mlp.py", "--data-dir", mnist_dir, "--epochs", 40,
+              "--batch-size", 16, "--checkpoint-every", 1000, *SMALL]
+    reference = torchrun(*common, "--run-dir", tmp_path / "reference")
+    assert reference.code == 0, reference.stderr
+
+    run_dir = tmp_path / "stopped"
+    launcher = subprocess.Popen([str(c) for c in [*TORCHRUN, *common, "--run-dir", run_dir]], cwd=ROOT,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 120
+    while not (run_dir / "checkpoints" / "last.pt").exists() and time.time() < deadline:
+        time.sleep(0.05)
+    assert launcher.poll() is None, "the run ended before it could be stopped"
+    launcher.send_signal(signal.SIGTERM)  # torchrun passes it on to every worker
+    output = launcher.communicate(timeout=120)[0]
+    stopped_at = int(re.search(r"interrupted at step (\d+); checkpoint saved", output)[1])
+    assert stopped_at % 10 == 0 and stopped_at < 560  # the ranks agree on a step every 10 steps
+    assert torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)["step"] == stopped_at
+    assert "torchrun --nproc_per_node=2 recipes/ddp_mlp.py" in output  # how to resume
+
+    resumed = torchrun(*common, "--run-dir", run_dir, "--resume", "auto")
+    assert resumed.code == 0, resumed.stderr
+    assert f"resumed at step {stopped_at}" in resumed.stdout
+    assert_same_weights(load_weights(tmp_path / "reference" / "checkpoints" / "last.pt"),
+                        load_weights(run_dir / "checkpoints" / "last.pt"))
+
+
 def test_a_failure_on_the_ranks_ends_them_all_with_the_one_line_error(mnist_dir, tmp_path):
     # a rank left waiting for the other would hang until the timeout, which fails the test
     result = torchrun("--nproc_per_node=2", "recipes/ddp_mlp.py", "--data-dir", mnist_dir,

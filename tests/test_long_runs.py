@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from conftest import assert_same_weights, load_weights, read_metrics, read_scalars
+from conftest import assert_same_weights, read_metrics, read_scalars
 
 MNIST = ["--epochs", 3, "--batch-size", 32, "--width", 4, "--no-progress"]
 
