@@ -140,7 +140,7 @@ def tabular_mlp(state: dict, path: Path) -> Exportable:
             "numeric": "(value - mean) / std per column, in the order of 'columns'; a missing value is 0",
             "categorical": "the value's index in the column's vocabulary; 0 a value never seen in training, "
                            "1 a missing one",
-            "missing_values": sorted(recipe.MISSING),
+            "missing_values": sorted(recipe.MISSING.to_pylist()),  # compared lower-case
             "features": spec,
         },
         "output": ({"logits": {"shape": ["batch", len(spec["classes"])], "dtype": "float32",
