@@ -24,6 +24,8 @@ import re
 import shutil
 import sys
 import time
+import warnings
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -42,6 +44,14 @@ from common.tracking import Run
 
 KEEP = 3  # complete checkpoints kept, besides the best one
 STEP_DIR = re.compile(r"step-(\d+)")
+
+
+@contextmanager
+def quiet_single_process():
+    """Without a process group DCP reads and writes in one process, as meant here: no warning about it."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -92,7 +102,8 @@ def load_sharded(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer 
         model_sd, optim_sd = get_state_dict(model, optimizer)  # also creates AdamW's (still lazy) state
         state = {"model": model_sd, "optimizer": optim_sd}
     try:
-        dcp.load(state, checkpoint_id=path)
+        with quiet_single_process():
+            dcp.load(state, checkpoint_id=path)
     except Exception as err:
         reason = " ".join(str(err).split())[:300]
         raise RecipeError(f"checkpoint {path} does not fit this model or optimizer: {reason}") from None
@@ -179,7 +190,8 @@ class ShardedRun(Run):
                     shutil.rmtree(stale, ignore_errors=True)
             if self.world_size > 1:
                 dist.barrier()
-            dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=tmp)  # returns once all wrote
+            with quiet_single_process():  # dcp.save returns once every rank has written its shards
+                dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=tmp)
             if self.is_main:
                 save_checkpoint(tmp / "trainer.pt", trainer)
                 if final.exists():  # the same step again (resumed at the end only to evaluate)
