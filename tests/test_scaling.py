@@ -169,7 +169,7 @@ def worker_pids(parent: int) -> list[int]:
     return pids
 
 
-LONG = ["--steps", 40, "--eval-every", 20, "--checkpoint-every", 5, "--global-batch", 16, "--parallel", "fsdp",
+LONG = ["--steps", 24, "--eval-every", 12, "--checkpoint-every", 3, "--global-batch", 16, "--parallel", "fsdp",
         "--resume", "auto"]
 
 
@@ -181,7 +181,7 @@ def wait_for(path: Path, process: subprocess.Popen, seconds: float = 120) -> Non
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory, corpus_txt):
-    """The reference of the fault tests: 40 steps in one process."""
+    """The reference of the fault tests: 24 steps in one process."""
     from conftest import run_subprocess
 
     run_dir = tmp_path_factory.mktemp("uninterrupted") / "run"
@@ -196,14 +196,14 @@ def test_killed_worker_restarts_from_the_last_sharded_checkpoint(uninterrupted, 
     launcher = subprocess.Popen([str(c) for c in [*TORCHRUN, "--nproc_per_node=2", "--max-restarts=1", RECIPE,
                                                   "--text", corpus_txt, *TINY, *LONG, "--run-dir", run_dir]],
                                 cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    wait_for(run_dir / "checkpoints" / "dcp" / "step-000010", launcher)
+    wait_for(run_dir / "checkpoints" / "dcp" / "step-000006", launcher)
     workers = worker_pids(launcher.pid)
     assert launcher.poll() is None and workers, "the run ended before a worker could be killed"
     os.kill(workers[-1], signal.SIGKILL)
     output = launcher.communicate(timeout=180)[0]
     assert launcher.returncode == 0, output
     assert "resumed at step" in output
-    assert read_metrics(run_dir)["steps"] == 40
+    assert read_metrics(run_dir)["steps"] == 24
     assert_close_weights(uninterrupted, load_weights(run_dir / "checkpoints" / "last.pt"))
 
 
@@ -214,23 +214,28 @@ def test_lost_node_the_survivor_reforms_at_world_size_one_and_finishes(uninterru
     run_dir, port = tmp_path / "run", free_port()
     agent = [*TORCHRUN, "--nnodes=1:2", "--nproc_per_node=1", "--max-restarts=3", "--rdzv-backend=c10d",
              f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=elastic-test",
-             "--rdzv-conf=join_timeout=60,last_call_timeout=1,close_timeout=5", RECIPE, "--text", corpus_txt, *TINY,
+             "--rdzv-conf=join_timeout=60,last_call_timeout=10,close_timeout=5", RECIPE, "--text", corpus_txt, *TINY,
              *LONG, "--run-dir", run_dir]
+    # last_call_timeout: both nodes join the first round (a node arriving after it would make the first restart
+    # the group); after the loss the survivor waits that long for others, then goes on alone.
     nodes = []
     for _ in range(2):  # the first agent hosts the rendezvous store (it binds the port): the one that survives
         nodes.append(subprocess.Popen([str(c) for c in agent], cwd=ROOT, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True, start_new_session=True))
+                                      stderr=subprocess.STDOUT, text=True))
         time.sleep(1)
     try:
-        wait_for(run_dir / "checkpoints" / "dcp" / "step-000010", nodes[0])
+        wait_for(run_dir / "checkpoints" / "dcp" / "step-000006", nodes[0])
         assert nodes[0].poll() is None and nodes[1].poll() is None, "the run ended before a node could be lost"
-        os.killpg(nodes[1].pid, signal.SIGKILL)  # the second node: its agent and its worker
+        lost = [nodes[1].pid, *worker_pids(nodes[1].pid)]  # torchrun's workers have their own session
+        for pid in lost:  # the agent first, so that it restarts nothing
+            os.kill(pid, signal.SIGKILL)
         output = nodes[0].communicate(timeout=150)[0]
     finally:
         for node in nodes:
             if node.poll() is None:
-                os.killpg(node.pid, signal.SIGKILL)
+                for pid in [node.pid, *worker_pids(node.pid)]:
+                    os.kill(pid, signal.SIGKILL)
     assert nodes[0].returncode == 0, output[-4000:]
     assert "1 process(es) | resumed at step" in output  # (the first run's rank 0 may have been either node)
-    assert read_metrics(run_dir)["steps"] == 40 and read_metrics(run_dir)["world_size"] == 1
+    assert read_metrics(run_dir)["steps"] == 24 and read_metrics(run_dir)["world_size"] == 1
     assert_close_weights(uninterrupted, load_weights(run_dir / "checkpoints" / "last.pt"))
