@@ -338,14 +338,14 @@ def warmup_cosine(optimizer, warmup_steps: int, total_steps: int, min_lr_ratio: 
 
 
 def sample_text(model: GPT, vocab: str | None, prompt: str, tokens: int, temperature: float, top_k: int | None,
-                seed: int, device: torch.device) -> str:
+                seed: int, device: torch.device, use_cache: bool = True) -> str:
     model = unwrap(model)  # generation changes the sequence length every token: no compiled graph for it
     was_training = model.training
     model.eval()
     start = encode((prompt or "\n").encode("utf-8"), vocab).long()[None, -model.config.block_size :].to(device)
     # A generator of its own: sampling never shifts the training run's random numbers.
     generator = torch.Generator(device).manual_seed(seed)
-    out = model.generate(start, tokens, temperature, top_k, generator)
+    out = model.generate(start, tokens, temperature, top_k, generator, use_cache=use_cache)
     model.train(was_training)
     return decode(out[0].tolist(), vocab)
 
@@ -603,7 +603,11 @@ def main(
         val[f"bits_per_{unit}"] = val["loss"] / math.log(2)
         mfu = flops_per_token * run.throughput / peak_flops
         run.log_eval(val, score=-val["loss"], note=f"mfu {mfu:.1%}  ")
-        sample = sample_text(model, vocab, prompt, sample_tokens, temperature, top_k, seed, device)
+        # Every rank samples (under FSDP each forward gathers the shards from all of them), the same tokens. Not
+        # with the KV cache there: FSDP's pre-forward hooks copy a module's arguments (casting them to bf16,
+        # moving them to the GPU), so the cache dicts the blocks fill in would be copies, not the caller's.
+        sample = sample_text(model, vocab, prompt, sample_tokens, temperature, top_k, seed, device,
+                             use_cache=not (parallel == "fsdp" and world_size > 1))
         run.print(f"--- sample at step {run.step} ---\n{sample}\n---")
         if run.writer:
             run.writer.add_scalar("perf/mfu", mfu, run.step)

@@ -239,3 +239,11 @@ def test_lost_node_the_survivor_reforms_at_world_size_one_and_finishes(uninterru
     assert "1 process(es) | resumed at step" in output  # (the first run's rank 0 may have been either node)
     assert read_metrics(run_dir)["steps"] == 24 and read_metrics(run_dir)["world_size"] == 1
     assert_close_weights(uninterrupted, load_weights(run_dir / "checkpoints" / "last.pt"))
+
+
+def test_activation_checkpointing_recomputes_to_the_same_weights(run_inprocess, one_process, corpus_txt, tmp_path):
+    result = run_inprocess("tiny_transformer", "--text", corpus_txt, *TINY, "--batch-size", 16,
+                           "--activation-checkpointing", "--run-dir", tmp_path / "ac")
+    assert result.code == 0, result.stderr
+    assert_close_weights(load_weights(one_process / "checkpoints" / "last.pt"),
+                         load_weights(tmp_path / "ac" / "checkpoints" / "last.pt"))
