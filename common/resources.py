@@ -17,7 +17,9 @@ from torch import nn
 def memory_account(model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device) -> dict[str, int]:
     """Parameters and the bytes held by weights, gradients and optimizer state; call after a step."""
     params = list(model.parameters())  # each shared (tied) parameter once
-    size = lambda t: t.numel() * t.element_size()  # noqa: E731
+    # Bytes this process holds: of a DTensor (FSDP2's sharded parameters, their gradients and optimizer
+    # state) only the local shard, so under FSDP the account is per rank.
+    size = lambda t: _local(t).numel() * t.element_size()  # noqa: E731
     state = [(key, value, p) for p in params for key, value in optimizer.state.get(p, {}).items()
              if isinstance(value, torch.Tensor)]
     per_parameter = sum(size(v) for key, v, p in state if key != "step" and v.shape == p.shape)  # exp_avg, momentum
@@ -31,6 +33,10 @@ def memory_account(model: nn.Module, optimizer: torch.optim.Optimizer, device: t
     }
     account["model_state_bytes"] = account["weight_bytes"] + account["gradient_bytes"] + per_parameter
     return with_peaks(account, device)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def with_peaks(account: dict[str, int], device: torch.device) -> dict[str, int]:

@@ -52,8 +52,7 @@ class Run:
         if self.world_size > 1:  # rank 0 names a default directory; every rank must use that one
             run_dir = [prepare_run_dir(recipe, run_dir[0], resume)[0] if self.is_main else None]
             dist.broadcast_object_list(run_dir)
-        self.run_dir, self.resume_path = prepare_run_dir(recipe, run_dir[0], resume, self.is_main)
-        self.checkpoint = load_checkpoint(self.resume_path, recipe) if self.resume_path else None
+        self.run_dir, self.resume_path, self.checkpoint = self.open_run_dir(run_dir[0], resume)
         self.config = plain_config(self.options)
         self.finished, self.state, self.writer, self.stop, self.metrics, self.memory = False, None, None, None, {}, {}
         self.stopped_early = False
@@ -64,6 +63,12 @@ class Run:
         self.progress = Progress(TextColumn("step"), MofNCompleteColumn(), BarColumn(),
                                  TextColumn("{task.fields[status]}"), TimeRemainingColumn(),
                                  disable=not ((sys.stdout.isatty() if show is None else show) and self.is_main))
+
+    def open_run_dir(self, run_dir, resume: str | None) -> tuple:
+        """(run directory, checkpoint to resume from or None, its contents): a subclass with checkpoints of
+        another kind (common/sharded.py) finds and reads its own here."""
+        run_dir, resume_path = prepare_run_dir(self.recipe, run_dir, resume, self.is_main)
+        return run_dir, resume_path, load_checkpoint(resume_path, self.recipe) if resume_path else None
 
     @property
     def resuming(self) -> bool:

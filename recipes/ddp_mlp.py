@@ -88,6 +88,19 @@ def init_distributed(device_name: str, backend: str) -> tuple[int, int, torch.de
     return rank, world_size, device
 
 
+def leave_process_group() -> None:
+    """End a torchrun worker that has finished: every rank reaches the barrier (its files written), then the
+    group is destroyed (no rank waits on one that is gone), then the process leaves with os._exit(0) once
+    stdout and stderr are flushed. A plain exit would run interpreter shutdown with gloo's threads still
+    alive, which now and then aborts a worker ("terminate called without an active exception", SIGABRT)
+    after its work is done, and torchrun then reports a finished job as failed."""
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 @torch.no_grad()
 def evaluate(model: nn.Module, loader, device: torch.device) -> dict[str, float]:
     """Loss and accuracy over the whole test set: each rank scores its own shard, then one all-reduce adds the
@@ -184,7 +197,7 @@ def main(
     test = evaluate(model, test_loader, device)
     run.finish({"test_loss": test["loss"], "test_acc": test["acc"], "world_size": world_size})
     if world_size > 1:
-        dist.destroy_process_group()  # leave the group cleanly: no rank waits on one that is gone
+        leave_process_group()
 
 
 if __name__ == "__main__":

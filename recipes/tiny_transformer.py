@@ -8,18 +8,29 @@ optimizer step; gradient clipping and accumulation; an ``IterableDataset`` of ra
 correct with worker processes; validation in bits per byte; sampling with temperature and top-k; tokens/s
 and model FLOP utilisation (MFU).
 
+Scaling it out (under ``torchrun``, see docs/scaling.md): ``--parallel ddp`` replicates the model and
+averages gradients (``no_sync`` on all micro-batches but the last); ``--parallel fsdp`` shards parameters,
+gradients and optimizer state with FSDP2's ``fully_shard`` per block over a device mesh, in bf16 with fp32
+gradient reduction under ``--precision bf16``, and checkpoints with torch.distributed.checkpoint (every
+rank writes its shard; resumable at another world size). Each step's global batch is drawn once and every
+rank takes its slice, so 1 x 32, 2 x 16 and 4 x 8 processes train on the same tokens and end with the same
+weights (within float rounding). ``--activation-checkpointing`` recomputes each block in the backward pass.
+
     python recipes/tiny_transformer.py                       # corpus: this Python's standard library
     python recipes/tiny_transformer.py --text input.txt --vocab chars
     python recipes/tiny_transformer.py --sample-only --resume runs/tiny_transformer/.../checkpoints/last.pt
+    torchrun --nproc_per_node=2 recipes/tiny_transformer.py --parallel fsdp --batch-size 16
 
 A good result with the defaults (under 5 minutes on a 2-core CPU): validation about 2.1 bits per byte, and
 samples that look like Python (indentation, ``def``, ``self.``, plausible identifiers).
 """
 
 import math
+import os
 import sys
 import sysconfig
 import zlib
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Annotated, Literal
@@ -27,16 +38,23 @@ from typing import Annotated, Literal
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `python recipes/NAME.py` from a clone
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 import typer
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.checkpoint import checkpoint
 from torch.utils.data import IterableDataset, get_worker_info
 
 from common import cli
-from common.checkpoint import load_checkpoint, load_model_state
+from common.checkpoint import load_model_state
 from common.data import make_loader
 from common.loop import StepStats, evaluate
 from common.runtime import AUTOCAST_DTYPES, autocast, device_peak_flops, resolve_device, seed_everything, unwrap
+from common.sharded import ShardedRun, load_sharded, load_trainer_state
 from common.tracking import Run
 
 RECIPE = "tiny_transformer"
@@ -140,6 +158,7 @@ class GPT(nn.Module):
         # Weight tying: reading a token in and writing it out share one matrix (fewer parameters, and
         # it trains better at small scale).
         self.lm_head.weight = self.wte.weight
+        self.checkpoint_blocks = False  # --activation-checkpointing
         self.apply(self._init_weights)
         for name, p in self.named_parameters():
             if name.endswith("proj.weight"):  # GPT-2: residual branches scaled by 1/sqrt(2 * n_layer)
@@ -159,7 +178,12 @@ class GPT(nn.Module):
         positions = torch.arange(start, start + idx.size(1), device=idx.device)
         x = self.drop(self.wte(idx) + self.wpe(positions))  # (B, T, C)
         for i, block in enumerate(self.blocks):
-            x = block(x, caches[i] if caches is not None else None)
+            if self.checkpoint_blocks and self.training and caches is None:
+                # Activation checkpointing: keep only the block's input for the backward pass and run its
+                # forward again there, trading a second forward for the memory of its activations.
+                x = checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x, caches[i] if caches is not None else None)
         return self.lm_head(self.ln_f(x))
 
     def flops_per_token(self) -> float:
@@ -260,16 +284,22 @@ class RandomWindows(IterableDataset):
     of DataLoader workers (worker w of n yields batches w, w + n, ..., which the loader interleaves back
     in order), no two workers ever yield the same batches, and a resumed run starts exactly at batch
     ``start`` instead of replaying the stream.
+
+    ``rows`` (several processes): batch i is still drawn whole (``batch_size`` is the global batch), and this
+    process keeps only its slice of the windows, so the tokens of a step do not depend on how many processes
+    share it. Only the slice's windows are gathered; the others cost a random number each.
     """
 
-    def __init__(self, tokens: torch.Tensor, block_size: int, batch_size: int, seed: int, start: int = 0):
+    def __init__(self, tokens: torch.Tensor, block_size: int, batch_size: int, seed: int, start: int = 0,
+                 rows: slice = slice(None)):
         self.tokens, self.block_size, self.batch_size = tokens, block_size, batch_size
-        self.seed, self.start = seed, start
+        self.seed, self.start, self.rows = seed, start, rows
 
     def batch(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         # crc32 mixes (seed, i) into the 32 bits that torch's CPU generator keeps of a seed
         generator = torch.Generator().manual_seed(zlib.crc32(f"{self.seed}:{i}".encode()))
         starts = torch.randint(len(self.tokens) - self.block_size, (self.batch_size,), generator=generator)
+        starts = starts[self.rows]
         # broadcasting: (B, 1) + (T + 1,) -> (B, T + 1) positions; .long(): embeddings index with int64
         windows = self.tokens[starts[:, None] + torch.arange(self.block_size + 1)].long()
         return windows[:, :-1], windows[:, 1:]
@@ -308,16 +338,79 @@ def warmup_cosine(optimizer, warmup_steps: int, total_steps: int, min_lr_ratio: 
 
 
 def sample_text(model: GPT, vocab: str | None, prompt: str, tokens: int, temperature: float, top_k: int | None,
-                seed: int, device: torch.device) -> str:
+                seed: int, device: torch.device, use_cache: bool = True) -> str:
     model = unwrap(model)  # generation changes the sequence length every token: no compiled graph for it
     was_training = model.training
     model.eval()
     start = encode((prompt or "\n").encode("utf-8"), vocab).long()[None, -model.config.block_size :].to(device)
     # A generator of its own: sampling never shifts the training run's random numbers.
     generator = torch.Generator(device).manual_seed(seed)
-    out = model.generate(start, tokens, temperature, top_k, generator)
+    out = model.generate(start, tokens, temperature, top_k, generator, use_cache=use_cache)
     model.train(was_training)
     return decode(out[0].tolist(), vocab)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Scaling out: DDP and FSDP2 under torchrun
+
+
+def init_distributed(device: torch.device) -> tuple[int, int, torch.device]:
+    """Join the process group torchrun describes in the environment: (rank, world size, device). With plain
+    ``python`` there is none: rank 0 of 1. CUDA uses nccl (GPU to GPU), the CPU gloo."""
+    if "RANK" not in os.environ or int(os.environ["WORLD_SIZE"]) == 1:
+        return 0, 1, device
+    rank, local_rank, world_size = (int(os.environ[k]) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
+    if device.type == "cuda":
+        device = torch.device("cuda", local_rank)  # one GPU per process: LOCAL_RANK picks it
+        torch.cuda.set_device(device)
+    # torchrun keeps one key-value store across restarts, and the process groups of every attempt would use the
+    # same keys: a restarted group could read a dead worker's address (pytorch/pytorch#167288). A prefix per
+    # attempt gives each its own keys.
+    store, _, _ = next(dist.rendezvous("env://"))
+    store = dist.PrefixStore(f"attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store, rank=rank,
+                            world_size=world_size, device_id=device if device.type == "cuda" else None)
+    return rank, world_size, device
+
+
+def shard_model(model: GPT, device: torch.device, world_size: int, precision: str) -> GPT:
+    """FSDP2: each block's parameters become DTensors sharded across the ranks (dim 0), gathered whole just
+    before the block runs and freed again after it, in forward and backward; gradients are reduce-scattered
+    back to shards, so each rank holds 1/N of weights, gradients and AdamW's moments. The root call covers
+    what no block owns (embeddings, final norm, the tied head)."""
+    # An explicit mesh on the device's type: gloo for "cpu", nccl for "cuda" (pytorch/pytorch#132471: left
+    # to itself, fully_shard assumes CUDA).
+    mesh = init_device_mesh(device.type, (world_size,))
+    # bf16: compute with bf16 copies of the weights, but reduce gradients in fp32 (sums of many small bf16
+    # numbers lose their low bits) and keep fp32 master weights and optimizer state.
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+        if precision == "bf16" else MixedPrecisionPolicy()
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    return model
+
+
+def mean_over_ranks(metrics: dict[str, float], device: torch.device) -> dict[str, float]:
+    """Each rank evaluated its equal slice of the validation batches: the mean of the means is the mean."""
+    if not dist.is_initialized():
+        return metrics
+    values = torch.tensor(list(metrics.values()), dtype=torch.float64, device=device)
+    dist.all_reduce(values)
+    return dict(zip(metrics, (values / dist.get_world_size()).tolist(), strict=True))
+
+
+def leave_process_group() -> None:
+    """End a torchrun worker that has finished: every rank reaches the barrier (its files written), then the
+    group is destroyed, then the process leaves with os._exit(0) once stdout and stderr are flushed. A plain
+    exit would run interpreter shutdown with gloo's threads still alive, which now and then aborts a worker
+    ("terminate called without an active exception", SIGABRT) after its work is done, and torchrun then
+    reports a finished job as failed."""
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def main(
@@ -367,23 +460,66 @@ def main(
     keep_best: cli.KeepBest = 1,
     patience: cli.Patience = None,
     progress: cli.Progress = None,
+    parallel: Annotated[Literal["auto", "none", "ddp", "fsdp"], typer.Option(
+        help="Under torchrun: ddp replicates the model, fsdp shards it (FSDP2, sharded DCP checkpoints); auto "
+        "is ddp there and none in one process. Without torchrun every choice trains one process.")] = "auto",
+    global_batch: Annotated[int | None, typer.Option(
+        min=1, help="Sequences per optimizer step across all processes; sets --batch-size to it / (processes x "
+        "--grad-accum), so an elastic job keeps its batch when its world size changes [default: --batch-size x "
+        "processes x --grad-accum].")] = None,
+    activation_checkpointing: Annotated[bool, typer.Option(
+        "--activation-checkpointing", help="Recompute each block in the backward pass: less memory, more time.")
+    ] = False,
 ):
     """Train a tiny GPT on text (default: the Python standard library), or sample from a trained one."""
+    options = dict(locals())  # the run's config, as given (with the batch sizes filled in below)
     if n_embd % n_head:
         raise typer.BadParameter(f"{n_embd} is not divisible by --n-head {n_head}", param_hint="--n-embd")
+    if parallel == "fsdp" and ema:
+        raise typer.BadParameter("an average of sharded weights is not kept: leave --ema out with --parallel fsdp",
+                                 param_hint="--ema")
+    if parallel == "fsdp" and precision == "fp16":
+        raise typer.BadParameter("fp16 needs a GradScaler of sharded gradients: use bf16 with --parallel fsdp",
+                                 param_hint="--precision")
     if sample_only:
         if resume is None or resume == "auto":
             raise typer.BadParameter("--sample-only needs a checkpoint file", param_hint="--resume")
-        checkpoint = load_checkpoint(Path(resume), RECIPE)
+        # a single file (last.pt) or a sharded checkpoint folder: DCP reads its shards into one whole model
+        checkpoint = load_trainer_state(Path(resume), RECIPE)
         model = GPT(GPTConfig(**checkpoint["model_config"])).to(resolve_device(device))
-        load_model_state(model, checkpoint["model"], Path(resume))
+        if checkpoint.get("sharded"):
+            load_sharded(Path(resume), model)
+        else:
+            load_model_state(model, checkpoint["model"], Path(resume))
         print(sample_text(model, checkpoint["vocab"], prompt, sample_tokens, temperature, top_k, seed,
                           next(model.parameters()).device))
         return
-    run = Run(RECIPE, locals(), unit="tokens", may_change={"eval_batches", "sample_tokens", "temperature", "top_k",
-                                                           "prompt", "peak_flops"})
+    rank, world_size, device = init_distributed(resolve_device(device))
+    if parallel == "auto":
+        parallel = "ddp" if world_size > 1 else "none"
+    if parallel == "none" and world_size > 1:
+        raise cli.RecipeError(f"--parallel none trains one process, but torchrun started {world_size}: use "
+                              "--parallel ddp or fsdp, or plain python")
+    # World-size-invariant batches: what must stay the same on a resume is the global batch, not the per-process
+    # one (a run saved at 2 x 16 may go on at 1 x 32, or at 1 x 16 with --grad-accum 2).
+    if global_batch is not None:
+        if global_batch % (world_size * grad_accum):
+            raise cli.RecipeError(f"--global-batch {global_batch} does not split into {world_size} process(es) x "
+                                  f"--grad-accum {grad_accum}")
+        batch_size = global_batch // (world_size * grad_accum)
+    global_batch = batch_size * world_size * grad_accum
+    # The parallelism may change on a resume (DDP at 2 to one process, FSDP at 4 to FSDP at 2), the checkpoint
+    # format may not: sharded (FSDP, common/sharded.py) or the single file last.pt (one process, DDP).
+    options.update(batch_size=batch_size, global_batch=global_batch, parallel=parallel,
+                   checkpoints="sharded" if parallel == "fsdp" else "single file")
+    # FSDP writes sharded checkpoints (common/sharded.py); one process and DDP the single file last.pt
+    run = (ShardedRun if parallel == "fsdp" else Run)(
+        RECIPE, options, unit="tokens", may_change={"eval_batches", "sample_tokens", "temperature", "top_k", "prompt",
+                                                    "peak_flops", "batch_size", "grad_accum", "parallel",
+                                                    "activation_checkpointing"})
+    # The same seed on every rank: every rank builds the same initial weights (FSDP shards them as they are,
+    # DDP checks they agree), and draws the same validation batches.
     seed_everything(seed)
-    device = resolve_device(device)
 
     # Data: the last 10% of the corpus is the validation split
     corpus = read_text(text) if text else stdlib_corpus()
@@ -397,13 +533,23 @@ def main(
     if len(val_tokens) <= block_size:
         raise cli.RecipeError(f"the text has {len(tokens)} tokens: too short for --block-size {block_size} "
                               f"(its last 10%, the validation split, needs more than one block)")
-    val_stream = RandomWindows(val_tokens, block_size, batch_size, seed + 1)
+    # Validation batches of the global batch's size, each rank its slice: the same figures at any world size
+    rows = slice(rank * batch_size * grad_accum, (rank + 1) * batch_size * grad_accum)  # this rank's sequences
+    val_stream = RandomWindows(val_tokens, block_size, global_batch, seed + 1, rows=rows)
     val_batches = [val_stream.batch(i) for i in range(eval_batches)]  # the same batches at every evaluation
 
     model_config = GPTConfig(256 if vocab is None else len(vocab), block_size, n_layer, n_head, n_embd, dropout,
                              attention)
     model = GPT(model_config).to(device)
+    model.checkpoint_blocks = activation_checkpointing
     flops_per_token = model.flops_per_token()
+    if parallel == "ddp" and world_size > 1:
+        # DDP: every rank keeps the whole model; gradients are averaged (all-reduced) during the backward pass
+        model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    elif parallel == "fsdp":
+        # Sharded across the ranks; in one process (plain python) there is nothing to shard, and the model stays
+        # as it is while its checkpoints stay sharded: a sharded run can be resumed or sampled on one machine.
+        model = shard_model(model, device, world_size, precision) if world_size > 1 else model
     if compile:
         model = torch.compile(model)
     # fused: one kernel for the whole update instead of a dozen per tensor (about 5x faster on a CPU)
@@ -416,17 +562,19 @@ def main(
         device_peak_flops(device, AUTOCAST_DTYPES.get(precision, torch.float32))
     run.start(model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, steps=steps,
               eval_every=eval_every, extra={"vocab": vocab, "model_config": asdict(model_config)})
-    # The stream's position follows from the step: a resumed run draws the batches it had not reached.
-    train_stream = RandomWindows(train_tokens, block_size, batch_size, seed, start=run.step * grad_accum)
+    # Batch i of the stream is step i's global batch, of which this rank takes its rows: the stream's position
+    # follows from the step, so a resumed run draws the batches it had not reached, at any world size.
+    train_stream = RandomWindows(train_tokens, block_size, global_batch, seed, start=run.step, rows=rows)
     batches = iter(make_loader(train_stream, None, train=True, seed=seed, num_workers=num_workers, device=device))
     run.print(f"{len(train_tokens):,} train / {len(val_tokens):,} val tokens | vocab {model_config.vocab_size} | "
               f"{sum(p.numel() for p in model.parameters()):,} parameters | peak {peak_flops / 1e9:,.0f} GFLOP/s "
-              f"({peak_source})")
+              f"({peak_source}) | parallel {parallel} | global batch {global_batch} ({world_size} x {batch_size} x "
+              f"{grad_accum})")
 
     unit = "byte" if vocab is None else "char"
 
     def validate(weights: nn.Module) -> dict[str, float]:
-        val = evaluate(weights, val_batches, lm_loss, device=device, precision=precision)
+        val = mean_over_ranks(evaluate(weights, val_batches, lm_loss, device=device, precision=precision), device)
         return val | {f"bits_per_{unit}": val["loss"] / math.log(2)}
 
     for _ in run.epochs():  # rounds of --eval-every steps, each ending in an evaluation
@@ -434,31 +582,48 @@ def main(
             current_lr = scheduler.get_last_lr()[0]
             # Gradient accumulation: grad_accum micro-batches, each loss divided by their number, add up to the
             # gradient of one batch grad_accum times larger, in the memory of one micro-batch.
+            # Under DDP and FSDP each rank's mean loss is averaged across the ranks with the gradients, so the
+            # step's gradient is that of the mean over the whole global batch.
+            optimizer.zero_grad(set_to_none=True)  # here, not after the step: the memory account sees gradients
             step_loss = torch.zeros((), device=device)
-            for _ in range(grad_accum):
-                x, y = (t.to(device, non_blocking=True) for t in next(batches))
-                with autocast(device, precision):
-                    loss = lm_loss(model(x), y) / grad_accum
-                scaler.scale(loss).backward()  # gradients add up in .grad until zero_grad
+            x, y = (t.to(device, non_blocking=True) for t in next(batches))  # this rank's rows of the step
+            for i, (x_micro, y_micro) in enumerate(zip(x.chunk(grad_accum), y.chunk(grad_accum), strict=True)):
+                # DDP all-reduces in every backward unless told not to: only the last micro-batch's needs to,
+                # the others just add up in .grad. (FSDP reduce-scatters every micro-batch, so gradients stay
+                # sharded in between: more messages, but 1/N of the gradient memory.)
+                last = i == grad_accum - 1
+                with model.no_sync() if isinstance(model, DistributedDataParallel) and not last else nullcontext():
+                    with autocast(device, precision):
+                        loss = lm_loss(model(x_micro), y_micro) / grad_accum
+                    scaler.scale(loss).backward()  # gradients add up in .grad until zero_grad
                 step_loss += loss.detach().float()
             scaler.unscale_(optimizer)  # fp16: clip the true gradients, not the scaled ones
+            # With FSDP each rank holds shards of the gradients: clip_grad_norm_ on DTensors sums the squares
+            # over all ranks' shards, so the norm (and the clipping) is that of the whole gradient.
             grad_norm = nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm or math.inf)
+            if isinstance(grad_norm, DTensor):
+                grad_norm = grad_norm.full_tensor()
             scaler.step(optimizer)
             scaler.update()
-            optimizer.zero_grad(set_to_none=True)
             scheduler.step()
             skipped = ~torch.isfinite(grad_norm) if scaler.is_enabled() else None
-            tokens = grad_accum * batch_size * block_size
+            tokens = global_batch * block_size  # all ranks together
             run.log_train(StepStats(step_loss, grad_norm, skipped), lr=current_lr, items=tokens)
 
         mfu = flops_per_token * run.throughput / peak_flops
         run.log_eval(validate, score=lambda val: -val["loss"], note=f"mfu {mfu:.1%}  ")
-        sample = sample_text(model, vocab, prompt, sample_tokens, temperature, top_k, seed, device)
+        # Every rank samples (under FSDP each forward gathers the shards from all of them), the same tokens. Not
+        # with the KV cache there: FSDP's pre-forward hooks copy a module's arguments (casting them to bf16,
+        # moving them to the GPU), so the cache dicts the blocks fill in would be copies, not the caller's.
+        sample = sample_text(model, vocab, prompt, sample_tokens, temperature, top_k, seed, device,
+                             use_cache=not (parallel == "fsdp" and world_size > 1))
         run.print(f"--- sample at step {run.step} ---\n{sample}\n---")
         if run.writer:
             run.writer.add_scalar("perf/mfu", mfu, run.step)
             run.writer.add_text("sample", "    " + sample.replace("\n", "\n    "), run.step)  # indented: verbatim
-    run.finish({"mfu": flops_per_token * run.throughput / peak_flops})
+    run.finish({"mfu": flops_per_token * run.throughput / peak_flops, "world_size": world_size})
+    if world_size > 1:
+        leave_process_group()
 
 
 if __name__ == "__main__":

@@ -5,7 +5,8 @@
 
 Quantities, each drawn when some run logged it: loss (train/loss solid, val/loss dashed), accuracy
 (val/acc, train/acc), bits per byte or character (val/bits_per_byte, val/bits_per_char) and the learning
-rate (train/lr), and throughput (perf/samples_per_s or perf/tokens_per_s). The PNG is small (a few tens of KB) so that it can go into an issue or a README.
+rate (train/lr), and throughput (perf/samples_per_s or perf/tokens_per_s). The PNG is small (a few tens
+of KB) so that it can go into an issue or a README.
 
 Exit status: 0 on success, 1 with one line ``error: ...`` when a run directory is missing or holds no event
 files (or nothing to plot), 2 on a usage error.

@@ -16,7 +16,7 @@ def test_quick_benchmark_writes_every_item(tmp_path):
     assert result.code == 0, result.stderr[-3000:]
     data = json.loads(out.read_text())
     assert data["quick"] is True and "torch" in data["machine"]
-    assert sorted(data["items"], key=int) == [str(i) for i in range(1, 11)]
+    assert sorted(data["items"], key=int) == [str(i) for i in range(1, 12)]
     for number, item in data["items"].items():
         assert {"item", "result", "target", "met", "seconds"} <= item.keys(), number
         assert item["met"] in (True, False, None)

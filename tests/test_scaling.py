@@ -1,0 +1,249 @@
+"""recipes/tiny_transformer.py scaled out under torchrun on CPU with gloo: DDP and FSDP2 end with the weights of
+one process, sharded (DCP) checkpoints resume at another world size, a killed worker and a lost node finish
+with the same weights, and FSDP holds about 1/N of the model state per rank."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import ROOT, TORCHRUN, load_weights, read_metrics, read_scalars, run_torchrun
+
+RECIPE = "recipes/tiny_transformer.py"
+# A tiny model (2 layers, 32 wide, block 16); lr high enough, and clipping tight enough, that the weights move
+# and clipping acts: a gradient summed instead of averaged over the ranks (pytorch/pytorch#162338) shows up.
+TINY = ["--steps", 6, "--eval-every", 3, "--n-layer", 2, "--n-head", 2, "--n-embd", 32, "--block-size", 16,
+        "--eval-batches", 2, "--sample-tokens", 8, "--peak-flops", 1e11, "--warmup-steps", 2, "--lr", 1e-2,
+        "--max-grad-norm", 0.5, "--no-progress"]
+TOLERANCE = {"rtol": 1e-4, "atol": 1e-5}  # float rounding: a mean of 16 rows against the mean of two means of 8
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def assert_close_weights(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    worst = 0.0
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], **TOLERANCE, msg=lambda m, key=key: f"{key}: {m}")
+        worst = max(worst, (a[key] - b[key]).abs().max().item())
+    print(f"largest weight difference {worst:.2e}")
+    return worst
+
+
+def grad_norms(run_dir: Path) -> list[float]:
+    return [value for _, value in read_scalars(run_dir)["train/grad_norm"]]
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory, corpus_txt):
+    """The reference: one process, global batch 16, 6 steps."""
+    from conftest import run_subprocess
+
+    run_dir = tmp_path_factory.mktemp("one") / "run"
+    result = run_subprocess([RECIPE, "--text", corpus_txt, *TINY, "--batch-size", 16, "--run-dir", run_dir])
+    assert result.code == 0, result.stderr
+    return run_dir
+
+
+@pytest.mark.parametrize("parallel, per_rank", [("ddp", ["--batch-size", 4, "--grad-accum", 2]),
+                                                 ("fsdp", ["--batch-size", 8])])
+def test_two_ranks_end_with_the_weights_of_one_process(parallel, per_rank, one_process, corpus_txt, tmp_path):
+    run_dir = tmp_path / parallel
+    result = run_torchrun(["--nproc_per_node=2", RECIPE, "--text", corpus_txt, *TINY, *per_rank,
+                           "--parallel", parallel, "--run-dir", run_dir])
+    assert result.code == 0, result.stderr
+    assert f"parallel {parallel} | global batch 16 (2 x " in result.stdout
+    assert read_metrics(run_dir)["world_size"] == 2 and read_metrics(run_dir)["steps"] == 6
+    # the same gradient norms (so averaged, not summed, across ranks; and clipped as a whole under FSDP)...
+    reference_norms = grad_norms(one_process)
+    assert max(reference_norms) > 0.5  # clipping acted
+    torch.testing.assert_close(grad_norms(run_dir), reference_norms, rtol=1e-4, atol=1e-6)
+    # ...and the same weights (under FSDP, last.pt is made from the final sharded checkpoint)
+    assert_close_weights(load_weights(one_process / "checkpoints" / "last.pt"),
+                         load_weights(run_dir / "checkpoints" / "last.pt"))
+    assert read_metrics(run_dir)["val_loss"] == pytest.approx(read_metrics(one_process)["val_loss"], rel=1e-5)
+
+    if parallel == "fsdp":
+        # Each rank holds half of the weights, gradients and AdamW state: the account counts local shards.
+        sharded, whole = (json.loads((d / "config.json").read_text())["memory"] for d in (run_dir, one_process))
+        for part in ("weight_bytes", "gradient_bytes", "optimizer_state_bytes", "model_state_bytes"):
+            ratio = sharded[part] / whole[part]
+            print(f"{part}: {sharded[part]} per rank at 2 ranks, {whole[part]} in one process ({ratio:.3f}x)")
+            assert whole[part] > 0 and ratio <= 0.55, part
+        assert read_metrics(run_dir)["memory"]["model_state_bytes"] == sharded["model_state_bytes"]
+        steps = sorted(p.name for p in (run_dir / "checkpoints" / "dcp").iterdir())
+        assert steps == ["step-000003", "step-000006"]  # complete ones only, no temporary folder left
+        assert sorted(p.name for p in (run_dir / "checkpoints" / "dcp" / "step-000006").iterdir()) == [
+            ".metadata", "__0_0.distcp", "__1_0.distcp", "trainer.pt"]  # each rank wrote its shard
+
+
+def test_sharded_checkpoint_resumes_at_another_world_size(run_inprocess, one_process, corpus_txt, tmp_path):
+    """1 process to step 2, 2 ranks to step 4, 1 process to step 6: the weights of a run that never stopped."""
+    run_dir = tmp_path / "run"
+    args = ["--text", corpus_txt, *TINY, "--parallel", "fsdp", "--global-batch", 16, "--checkpoint-every", 1,
+            "--run-dir", run_dir, "--resume", "auto"]
+    first = run_inprocess("tiny_transformer", *args, "--max-steps", 2)
+    assert first.code == 0, first.stderr
+    dcp_dir = run_dir / "checkpoints" / "dcp"
+    assert (dcp_dir / "step-000002" / ".metadata").is_file()
+
+    second = run_torchrun(["--nproc_per_node=2", RECIPE, *args, "--max-steps", 4])
+    assert second.code == 0, second.stderr
+    assert "resumed at step 2" in second.stdout and "global batch 16 (2 x 8 x 1)" in second.stdout
+    # the last complete ones are kept; older ones deleted
+    assert sorted(p.name for p in dcp_dir.iterdir()) == ["step-000002", "step-000003", "step-000004"]
+
+    # A save cut short (never renamed) and a step folder copied in part are both passed over, with a warning.
+    (dcp_dir / ".step-000005.tmp").mkdir()
+    (dcp_dir / ".step-000005.tmp" / "__0_0.distcp").write_bytes(b"half")
+    (dcp_dir / "step-000005").mkdir()
+    (dcp_dir / "step-000005" / "__0_0.distcp").write_bytes(b"half")
+    third = run_inprocess("tiny_transformer", *args)
+    assert third.code == 0, third.stderr
+    assert "resumed at step 4" in third.stdout
+    assert "step-000005 is incomplete" in third.stderr and ".step-000005.tmp is a save that never finished" in \
+        third.stderr
+    assert read_metrics(run_dir)["steps"] == 6
+    assert_close_weights(load_weights(one_process / "checkpoints" / "last.pt"),
+                         load_weights(run_dir / "checkpoints" / "last.pt"))
+
+    # Sampling works from the single file and from a sharded folder, in one process, with the same text.
+    samples = [run_inprocess("tiny_transformer", "--sample-only", "--resume", path, "--sample-tokens", 20)
+               for path in (run_dir / "checkpoints" / "last.pt", dcp_dir / "step-000006")]
+    assert all(s.code == 0 for s in samples), [s.stderr for s in samples]
+    assert samples[0].stdout == samples[1].stdout and len(samples[0].stdout) > 10
+
+    # Relaunched once finished: nothing trained, nothing overwritten.
+    again = run_inprocess("tiny_transformer", *args)
+    assert again.code == 0 and "already finished" in again.stdout
+
+
+def test_bad_input_to_a_sharded_run(run_inprocess, corpus_txt, tmp_path):
+    bad = run_inprocess("tiny_transformer", "--parallel", "zero", "--text", corpus_txt)
+    assert bad.code == 2 and "--parallel" in bad.stderr
+
+    run_dir = tmp_path / "run"
+    args = ["--text", corpus_txt, *TINY, "--parallel", "fsdp", "--batch-size", 8, "--max-steps", 3]
+    assert run_inprocess("tiny_transformer", *args, "--run-dir", run_dir).code == 0
+    step = run_dir / "checkpoints" / "dcp" / "step-000003"
+
+    # a fresh run over existing sharded checkpoints would overwrite them: refused
+    fresh = run_inprocess("tiny_transformer", *args, "--run-dir", run_dir)
+    assert fresh.code == 1 and "already holds checkpoints" in fresh.stderr
+    # another model shape: one line naming the option
+    wider = run_inprocess("tiny_transformer", *args, "--n-embd", 64, "--run-dir", tmp_path / "wider",
+                          "--resume", step)
+    assert wider.code == 1 and wider.stderr.startswith("error: ") and "--n-embd 32 there, 64 here" in wider.stderr
+    assert len(wider.stderr.strip().splitlines()) == 1
+    # the global batch must stay: --batch-size may change only with the world size or --grad-accum
+    other_batch = run_inprocess("tiny_transformer", *args, "--batch-size", 4, "--run-dir", tmp_path / "b",
+                                "--resume", step)
+    assert other_batch.code == 1 and "--global-batch 8 there, 4 here" in other_batch.stderr
+    # another recipe's sharded checkpoint
+    trainer = torch.load(step / "trainer.pt", weights_only=True)
+    torch.save({**trainer, "recipe": "ddp_mlp"}, step / "trainer.pt")
+    foreign = run_inprocess("tiny_transformer", *args, "--run-dir", tmp_path / "foreign", "--resume", step)
+    assert foreign.code == 1 and "written by recipe 'ddp_mlp', not 'tiny_transformer'" in foreign.stderr
+    # a folder that is no checkpoint at all
+    empty = run_inprocess("tiny_transformer", *args, "--run-dir", tmp_path / "empty", "--resume", tmp_path)
+    assert empty.code == 1 and "is not a complete sharded checkpoint" in empty.stderr
+
+
+def worker_pids(parent: int) -> list[int]:
+    pids = []
+    for status in Path("/proc").glob("[0-9]*/status"):
+        try:
+            if f"PPid:\t{parent}\n" in status.read_text():
+                pids.append(int(status.parent.name))
+        except OSError:
+            pass
+    return pids
+
+
+LONG = ["--steps", 24, "--eval-every", 12, "--checkpoint-every", 3, "--global-batch", 16, "--parallel", "fsdp",
+        "--resume", "auto"]
+
+
+def wait_for(path: Path, process: subprocess.Popen, seconds: float = 120) -> None:
+    deadline = time.time() + seconds
+    while not path.exists() and time.time() < deadline and process.poll() is None:
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory, corpus_txt):
+    """The reference of the fault tests: 24 steps in one process."""
+    from conftest import run_subprocess
+
+    run_dir = tmp_path_factory.mktemp("uninterrupted") / "run"
+    result = run_subprocess([RECIPE, "--text", corpus_txt, *TINY, *LONG, "--run-dir", run_dir])
+    assert result.code == 0, result.stderr
+    return load_weights(run_dir / "checkpoints" / "last.pt")
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds the workers through /proc")
+def test_killed_worker_restarts_from_the_last_sharded_checkpoint(uninterrupted, corpus_txt, tmp_path):
+    run_dir = tmp_path / "run"
+    launcher = subprocess.Popen([str(c) for c in [*TORCHRUN, "--nproc_per_node=2", "--max-restarts=1", RECIPE,
+                                                  "--text", corpus_txt, *TINY, *LONG, "--run-dir", run_dir]],
+                                cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    wait_for(run_dir / "checkpoints" / "dcp" / "step-000006", launcher)
+    workers = worker_pids(launcher.pid)
+    assert launcher.poll() is None and workers, "the run ended before a worker could be killed"
+    os.kill(workers[-1], signal.SIGKILL)
+    output = launcher.communicate(timeout=180)[0]
+    assert launcher.returncode == 0, output
+    assert "resumed at step" in output
+    assert read_metrics(run_dir)["steps"] == 24
+    assert_close_weights(uninterrupted, load_weights(run_dir / "checkpoints" / "last.pt"))
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="kills one node's process group")
+def test_lost_node_the_survivor_reforms_at_world_size_one_and_finishes(uninterrupted, corpus_txt, tmp_path):
+    """Two torchrun agents (nodes) on this machine, elastic 1 to 2 nodes; the second is killed mid-run with its
+    worker. The first re-forms the group alone, resumes resharded, finishes with the weights of one process."""
+    run_dir, port = tmp_path / "run", free_port()
+    agent = [*TORCHRUN, "--nnodes=1:2", "--nproc_per_node=1", "--max-restarts=3", "--rdzv-backend=c10d",
+             f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=elastic-test",
+             "--rdzv-conf=join_timeout=60,last_call_timeout=10,close_timeout=5", RECIPE, "--text", corpus_txt, *TINY,
+             *LONG, "--run-dir", run_dir]
+    # last_call_timeout: both nodes join the first round (a node arriving after it would make the first restart
+    # the group); after the loss the survivor waits that long for others, then goes on alone.
+    nodes = []
+    for _ in range(2):  # the first agent hosts the rendezvous store (it binds the port): the one that survives
+        nodes.append(subprocess.Popen([str(c) for c in agent], cwd=ROOT, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True))
+        time.sleep(1)
+    try:
+        wait_for(run_dir / "checkpoints" / "dcp" / "step-000006", nodes[0])
+        assert nodes[0].poll() is None and nodes[1].poll() is None, "the run ended before a node could be lost"
+        lost = [nodes[1].pid, *worker_pids(nodes[1].pid)]  # torchrun's workers have their own session
+        for pid in lost:  # the agent first, so that it restarts nothing
+            os.kill(pid, signal.SIGKILL)
+        output = nodes[0].communicate(timeout=150)[0]
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                for pid in [node.pid, *worker_pids(node.pid)]:
+                    os.kill(pid, signal.SIGKILL)
+    assert nodes[0].returncode == 0, output[-4000:]
+    assert "1 process(es) | resumed at step" in output  # (the first run's rank 0 may have been either node)
+    assert read_metrics(run_dir)["steps"] == 24 and read_metrics(run_dir)["world_size"] == 1
+    assert_close_weights(uninterrupted, load_weights(run_dir / "checkpoints" / "last.pt"))
+
+
+def test_activation_checkpointing_recomputes_to_the_same_weights(run_inprocess, one_process, corpus_txt, tmp_path):
+    result = run_inprocess("tiny_transformer", "--text", corpus_txt, *TINY, "--batch-size", 16,
+                           "--activation-checkpointing", "--run-dir", tmp_path / "ac")
+    assert result.code == 0, result.stderr
+    assert_close_weights(load_weights(one_process / "checkpoints" / "last.pt"),
+                         load_weights(tmp_path / "ac" / "checkpoints" / "last.pt"))
