@@ -44,11 +44,11 @@ def test_smoke_mode_runs_every_recipe_and_prints_one_table(tmp_path):
     assert set(separator) <= set("|-")
     rows = [cells(row) for row in rows]
     # smoke mode: every recipe once in bf16 (no fp16, no compile), DDP as two gloo processes, and the FSDP2
-    # row, skipped until the transformer recipe takes --parallel
+    # row (the transformer recipe's --parallel fsdp, two gloo processes)
     assert sorted((r[0], r[1]) for r in rows[:-2]) == [(name, "bf16") for name in RECIPES]
     assert (rows[-2][0], rows[-2][1]) == ("ddp_mlp", "torchrun-gloo-bf16-x2")
-    assert rows[-1] == ["tiny_transformer", "torchrun-fsdp2-bf16-x2", "-", "-", "-", "-", "-", FSDP_SKIPPED]
-    for recipe, _, throughput, loss, mfu, peak, wall, status in rows[:-1]:
+    assert (rows[-1][0], rows[-1][1]) == ("tiny_transformer", "torchrun-fsdp2-bf16-x2")
+    for recipe, _, throughput, loss, mfu, peak, wall, status in rows:
         assert status == "ok", recipe
         value, unit = throughput.split()
         assert float(value.replace(",", "")) > 0
@@ -60,10 +60,10 @@ def test_smoke_mode_runs_every_recipe_and_prints_one_table(tmp_path):
     # the same table on disk, under a line that says what ran where, and the same figures in results.json
     table_md = (out / "table.md").read_text()
     assert table_lines(table_md) == lines
-    assert table_md.splitlines()[1].startswith("smoke (CPU) | 2 steps per run | 7 runs done, 0 failed")
+    assert table_md.splitlines()[1].startswith("smoke (CPU) | 2 steps per run | 8 runs done, 0 failed")
     results = json.loads((out / "results.json").read_text())
     assert results["smoke"] is True and results["final"] is True
-    assert results["failed"] == 0 and results["runs"] == len(rows) - 1
+    assert results["failed"] == 0 and results["runs"] == len(rows)
     for row, figures in zip(rows, results["rows"], strict=True):
         assert (figures["recipe"], figures["variant"]) == (row[0], row[1])
         if figures["status"] == "skipped":
@@ -78,7 +78,7 @@ def test_smoke_mode_runs_every_recipe_and_prints_one_table(tmp_path):
     assert (work / "runs" / "mnist_onecycle-bf16" / "metrics.json").is_file()
     log = (out / "log.txt").read_text()
     for probed in ("torchvision ", "typer ", "tensorboard ", "rich ", "ok: torch.amp.GradScaler",
-                   "recipes/tiny_transformer.py --help: ok; --parallel not listed"):
+                   "recipes/tiny_transformer.py --help: ok; --parallel listed"):
         assert probed in log
     assert "FAILED" not in log and len(log) < 100_000
 
@@ -88,9 +88,9 @@ def test_a_spent_budget_skips_runs_and_says_so(tmp_path):
     result = gpu_check("--smoke", out, GPU_CHECK_WORK=tmp_path / "work", GPU_CHECK_BUDGET=0)
     assert result.returncode == 1, result.stdout + result.stderr
     rows = [cells(line) for line in table_lines((out / "table.md").read_text())[2:]]
-    assert len(rows) == 8 and rows[-1][-1] == FSDP_SKIPPED
-    assert {r[-1] for r in rows[:-1]} == {"skipped: the check's 0 s time budget was spent"}
-    assert "0 runs done, 0 failed, 7 skipped for time" in (out / "table.md").read_text()
+    assert len(rows) == 8
+    assert {r[-1] for r in rows} == {"skipped: the check's 0 s time budget was spent"}
+    assert "0 runs done, 0 failed, 8 skipped for time" in (out / "table.md").read_text()
     assert not list((tmp_path / "work" / "runs").iterdir())  # nothing was started
 
 
