@@ -74,7 +74,7 @@ def test_hardware_says_whether_the_cpu_multiplies_bf16_natively(tmp_path):
 
 
 def test_bad_options_are_usage_errors_naming_them(tmp_path):
-    for args, option in ((["--device", "gpu"], "--device"), (["--only", "4,10"], "--only")):
+    for args, option in ((["--device", "gpu"], "--device"), (["--only", "4,99"], "--only")):
         result = run_subprocess([sys.executable, "scripts/benchmark.py", *args], timeout=120)
         assert result.code == 2 and f"argument {option}" in result.stderr, result.stderr
 
