@@ -1,6 +1,6 @@
 """Write MNIST-format (IDX) files, e.g. to split the official test set into a small train/test pair.
 
-    python scripts/mnist_files.py split ../shared/data/mnist /tmp/mnist8k --train 8000
+    python scripts/mnist_files.py split ../shared/data/mnist /tmp/mnist8k --train 8000 [--seed 0]
 
 writes /tmp/mnist8k/MNIST/raw/{train,t10k}-{images-idx3,labels-idx1}-ubyte, the layout
 torchvision.datasets.MNIST reads, so any recipe can use it with --data-dir /tmp/mnist8k.
@@ -44,14 +44,21 @@ def write_mnist(root: Path, train: tuple[np.ndarray, np.ndarray], test: tuple[np
     return raw
 
 
-def split_test_set(source: Path, dest: Path, n_train: int) -> Path:
+def split_test_set(source: Path, dest: Path, n_train: int, seed: int | None = None) -> Path:
+    """The first ``n_train`` digits of the official test set as a training set, the rest as its test set;
+    with ``seed``, the digits are shuffled (a seeded permutation) first. Unshuffled, the test half is the
+    harder one: MNIST's last 5,000 test digits were written by students, the first 5,000 by census staff."""
     images = read_idx(source / "t10k-images-idx3-ubyte.gz")
     labels = read_idx(source / "t10k-labels-idx1-ubyte.gz")
+    if seed is not None:
+        order = np.random.default_rng(seed).permutation(len(labels))
+        images, labels = images[order], labels[order]
     return write_mnist(dest, (images[:n_train], labels[:n_train]), (images[n_train:], labels[n_train:]))
 
 
 if __name__ == "__main__":
     if len(sys.argv) < 4 or sys.argv[1] != "split":
-        sys.exit("usage: python scripts/mnist_files.py split SOURCE_DIR DEST_DIR [--train N]")
+        sys.exit("usage: python scripts/mnist_files.py split SOURCE_DIR DEST_DIR [--train N] [--seed S]")
     n = int(sys.argv[sys.argv.index("--train") + 1]) if "--train" in sys.argv else 8000
-    print(split_test_set(Path(sys.argv[2]), Path(sys.argv[3]), n))
+    seed = int(sys.argv[sys.argv.index("--seed") + 1]) if "--seed" in sys.argv else None
+    print(split_test_set(Path(sys.argv[2]), Path(sys.argv[3]), n, seed))

@@ -16,7 +16,7 @@ def test_quick_benchmark_writes_every_item(tmp_path):
     assert result.code == 0, result.stderr[-3000:]
     data = json.loads(out.read_text())
     assert data["quick"] is True and "torch" in data["machine"]
-    assert sorted(data["items"], key=int) == [str(i) for i in range(1, 12)]
+    assert sorted(data["items"], key=int) == [str(i) for i in range(1, 13)]
     for number, item in data["items"].items():
         assert {"item", "result", "target", "met", "seconds"} <= item.keys(), number
         assert item["met"] in (True, False, None)
@@ -25,6 +25,15 @@ def test_quick_benchmark_writes_every_item(tmp_path):
     assert data["items"]["8"]["met"] is None and data["items"]["8"]["result"].startswith("skipped")
     assert data["items"]["1"]["equal_weights"] is True  # the core's step changes no number
     assert data["items"]["4"]["tokens_per_s"]["fp32 eager"] > 0
+    transformer = data["items"]["4"]
+    assert transformer["ratio_vs_nanogpt"]["median"] > 0 and transformer["ratio_vs_nanogpt_own_setup"]["median"] > 0
+    assert transformer["mfu_measured_matmul"]["fp32 eager"] > 0 and transformer["mfu_datasheet"] == {}  # a CPU
+    # interleaved repeats, reported as min-median-max
+    assert {"median", "min", "max"} <= data["items"]["5"]["speedup_range"]["bf16"].keys()
+    assert {"median", "min", "max"} <= data["items"]["6"]["speedup_range"].keys()
+    assert data["items"]["7"]["samples_per_s"]["one_process_all_threads"] > 0
+    assert data["items"]["12"]["val_loss"]["ours"]["median"] > 0 and data["items"]["12"]["val_loss"]["nanogpt"]
+    assert f"Measured on: {data['hardware']['cpu_model']} (" in result.stdout  # the table says which CPU made it
     assert data["items"]["9"]["same_tokens"] is True and data["items"]["9"]["kv_cache_speedup"]["median"] > 0
     sizes = data["items"]["10"]["sizes"]
     assert sorted(sizes, key=int) == ["2000", "20000"] and all(f["first_step_s"] > 0 for f in sizes.values())

@@ -52,7 +52,9 @@ def test_smoke_writes_the_run_directory_of_the_conventions(run_inprocess, mnist_
 
 
 def test_learns_the_digits(run_inprocess, mnist_dir, tmp_path):
-    result = run_inprocess(RECIPE, "--epochs", 2, "--batch-size", 32, "--data-dir", mnist_dir,
+    # --no-augment: the fake digits' classes differ only in where their square is (5 pixels apart), which
+    # the augmentation's shifts of up to 3 pixels blur; real digits keep their identity when shifted
+    result = run_inprocess(RECIPE, "--epochs", 2, "--batch-size", 32, "--no-augment", "--data-dir", mnist_dir,
                            "--run-dir", tmp_path / "run")
     assert result.code == 0, result.stderr
     metrics = read_metrics(tmp_path / "run")
@@ -166,3 +168,48 @@ def test_finetune_from_another_recipe_is_refused(run_inprocess, mnist_dir, table
     result = run_inprocess(RECIPE, "--finetune", tmp_path / "tab" / "checkpoints" / "last.pt",
                            "--data-dir", mnist_dir, "--run-dir", tmp_path / "run")
     assert result.code == 1 and "written by recipe 'tabular_mlp', not 'mnist_onecycle'" in result.stderr
+
+
+def test_augmentation_warps_the_training_digits_but_keeps_their_labels(run_inprocess, mnist_dir, tmp_path,
+                                                                       monkeypatch):
+    """What reaches the training step, with and without --augment: the same labels in the same order, images
+    warped (and every one of them: each digit its own warp), values still in the normalised range."""
+    mnist = load_recipe(RECIPE)
+    seen = {}
+    real_step = mnist.train_step
+
+    def recording_step(model, optimizer, loss_fn, batches, **kwargs):
+        seen.setdefault(tag, []).append([t.clone() for t in batches[0]])
+        return real_step(model, optimizer, loss_fn, batches, **kwargs)
+
+    monkeypatch.setattr(mnist, "train_step", recording_step)
+    for tag in ("augment", "no-augment"):
+        assert run_inprocess(RECIPE, f"--{tag}", "--epochs", 1, "--max-steps", 3, "--batch-size", 32,
+                             "--data-dir", mnist_dir, "--run-dir", tmp_path / tag).code == 0
+    assert len(seen["augment"]) == len(seen["no-augment"]) == 3
+    for (warped, labels), (plain, plain_labels) in zip(seen["augment"], seen["no-augment"], strict=True):
+        assert torch.equal(labels, plain_labels)
+        assert warped.shape == plain.shape and warped.dtype == plain.dtype
+        assert all(not torch.equal(a, b) for a, b in zip(warped, plain, strict=True))
+        assert plain.min() - 1e-5 <= warped.min() and warped.max() <= plain.max() + 1e-5  # bilinear: no overshoot
+    # the warps follow from (seed, step) alone
+    x = seen["no-augment"][0][0]
+    assert torch.equal(mnist.augment_digits(x, mnist.augment_generator(0, 5)),
+                       mnist.augment_digits(x, mnist.augment_generator(0, 5)))
+    assert not torch.equal(mnist.augment_digits(x, mnist.augment_generator(0, 5)),
+                           mnist.augment_digits(x, mnist.augment_generator(0, 6)))
+
+
+def test_augmented_run_stopped_and_resumed_ends_with_the_same_weights(run_inprocess, mnist_dir, tmp_path):
+    common = ["--augment", "--epochs", 2, "--batch-size", 32, "--data-dir", mnist_dir]
+    assert run_inprocess(RECIPE, *common, "--run-dir", tmp_path / "full").code == 0
+    assert run_inprocess(RECIPE, *common, "--max-steps", 9, "--run-dir", tmp_path / "cut").code == 0
+    resumed = run_inprocess(RECIPE, *common, "--resume", "auto", "--run-dir", tmp_path / "cut")
+    assert resumed.code == 0 and "resumed at step 9" in resumed.stdout, resumed.stderr
+    assert_same_weights(load_weights(tmp_path / "full" / "checkpoints" / "last.pt"),
+                        load_weights(tmp_path / "cut" / "checkpoints" / "last.pt"))
+    # and the augmentation did change the training: without it the weights differ
+    assert run_inprocess(RECIPE, *common[1:], "--no-augment", "--run-dir", tmp_path / "plain").code == 0
+    plain = load_weights(tmp_path / "plain" / "checkpoints" / "last.pt")
+    full = load_weights(tmp_path / "full" / "checkpoints" / "last.pt")
+    assert not all(torch.equal(plain[k], full[k]) for k in full)
