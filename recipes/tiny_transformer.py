@@ -2,13 +2,14 @@
 
 What it teaches: causal self-attention whose mask is a registered buffer, with the scores written as an
 einsum (``bhid,bhjd->bhij``) or computed by ``F.scaled_dot_product_attention``; pre-norm blocks, tied
-input/output embeddings and GPT-2's scaled initialisation; AdamW with weight decay on matrices only; linear
+input/output embeddings and GPT-2's scaled initialisation; AdamW with weight decay on matrices only (beta2
+0.99 by default: small batches give noisy gradients, and a slower second-moment average suits them); linear
 warmup then cosine decay (``SequentialLR`` of ``LinearLR`` and ``CosineAnnealingLR``) stepped every
 optimizer step; gradient clipping and accumulation; an ``IterableDataset`` of random windows that stays
 correct with worker processes; validation in bits per byte; sampling with temperature and top-k; tokens/s
 and model FLOP utilisation (MFU).
 
-Scaling it out (under ``torchrun``, see docs/scaling.md): ``--parallel ddp`` replicates the model and
+Scaling it out (under ``torchrun``; the README's "Scaling the transformer" has the commands): ``--parallel ddp`` replicates the model and
 averages gradients (``no_sync`` on all micro-batches but the last); ``--parallel fsdp`` shards parameters,
 gradients and optimizer state with FSDP2's ``fully_shard`` per block over a device mesh, in bf16 with fp32
 gradient reduction under ``--precision bf16``, and checkpoints with torch.distributed.checkpoint (every
