@@ -9,13 +9,14 @@ optimizer step; gradient clipping and accumulation; an ``IterableDataset`` of ra
 correct with worker processes; validation in bits per byte; sampling with temperature and top-k; tokens/s
 and model FLOP utilisation (MFU).
 
-Scaling it out (under ``torchrun``; the README's "Scaling the transformer" has the commands): ``--parallel ddp`` replicates the model and
-averages gradients (``no_sync`` on all micro-batches but the last); ``--parallel fsdp`` shards parameters,
-gradients and optimizer state with FSDP2's ``fully_shard`` per block over a device mesh, in bf16 with fp32
-gradient reduction under ``--precision bf16``, and checkpoints with torch.distributed.checkpoint (every
-rank writes its shard; resumable at another world size). Each step's global batch is drawn once and every
-rank takes its slice, so 1 x 32, 2 x 16 and 4 x 8 processes train on the same tokens and end with the same
-weights (within float rounding). ``--activation-checkpointing`` recomputes each block in the backward pass.
+Scaling it out under ``torchrun`` (the README's "Scaling the transformer" has the commands): ``--parallel
+ddp`` replicates the model and averages gradients (``no_sync`` on all micro-batches but the last);
+``--parallel fsdp`` shards parameters, gradients and optimizer state with FSDP2's ``fully_shard`` per block
+over a device mesh, in bf16 with fp32 gradient reduction under ``--precision bf16``, and checkpoints with
+torch.distributed.checkpoint (every rank writes its shard; resumable at another world size). Each step's
+global batch is drawn once and every rank takes its slice, so 1 x 32, 2 x 16 and 4 x 8 processes train on
+the same tokens and end with the same weights (within float rounding). ``--activation-checkpointing``
+recomputes each block in the backward pass.
 
     python recipes/tiny_transformer.py                       # corpus: this Python's standard library
     python recipes/tiny_transformer.py --text input.txt --vocab chars
