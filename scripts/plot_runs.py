@@ -13,10 +13,11 @@ files (or nothing to plot), 2 on a usage error.
 """
 
 import argparse
+import fnmatch
 import sys
 from pathlib import Path
 
-# (subplot title, y label, [(tag or tag suffix, line style)]): a tag ending in "*" matches by prefix
+# (subplot title, y label, [(tag pattern, line style)]): "*" in a pattern stands for any characters
 QUANTITIES = [
     ("loss", "loss", [("train/loss", "-"), ("val/loss", "--")]),
     ("accuracy", "accuracy", [("train/acc", "-"), ("val/acc", "--")]),
@@ -53,9 +54,7 @@ def read_scalars(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
 
 
 def matching(scalars: dict, pattern: str) -> list[str]:
-    if pattern.endswith("*"):
-        return sorted(tag for tag in scalars if tag.startswith(pattern[:-1]))
-    return [pattern] if pattern in scalars else []
+    return sorted(tag for tag in scalars if fnmatch.fnmatchcase(tag, pattern))  # "*": any characters
 
 
 def labels(run_dirs: list[Path]) -> list[str]:
