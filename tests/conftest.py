@@ -133,6 +133,18 @@ def run_torchrun(args: list, timeout: float = 180) -> Result:
     return result
 
 
+def worker_pids(parent: int) -> list[int]:
+    """The processes whose parent is ``parent`` (torchrun's workers), from /proc."""
+    pids = []
+    for status in Path("/proc").glob("[0-9]*/status"):
+        try:
+            if f"PPid:\t{parent}\n" in status.read_text():
+                pids.append(int(status.parent.name))
+        except OSError:
+            pass
+    return pids
+
+
 def read_scalars(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
     """Every scalar in a run directory's TensorBoard event files, as {tag: [(step, value), ...]}."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator

@@ -20,6 +20,7 @@ from conftest import (
     read_metrics,
     run_torchrun,
     worker_died_of_a_signal,
+    worker_pids,
 )
 
 SMALL = ["--hidden", 64, "--no-progress"]
@@ -98,17 +99,6 @@ def test_the_readme_two_node_commands_train_together(mnist_dir, tmp_path):
     done = [line for output in outputs for line in output.splitlines() if line.startswith("done: ")]
     assert len(done) == 1 and "world_size=2" in done[0]  # one rank 0 in the whole group
     assert read_metrics(tmp_path / f"run{attempt}")["world_size"] == 2
-
-
-def worker_pids(parent: int) -> list[int]:
-    pids = []
-    for status in Path("/proc").glob("[0-9]*/status"):
-        try:
-            if f"PPid:\t{parent}\n" in status.read_text():
-                pids.append(int(status.parent.name))
-        except OSError:
-            pass
-    return pids
 
 
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds the workers through /proc")

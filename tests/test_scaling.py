@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, TORCHRUN, load_weights, read_metrics, read_scalars, run_torchrun
+from conftest import ROOT, TORCHRUN, load_weights, read_metrics, read_scalars, run_torchrun, worker_pids
 
 RECIPE = "recipes/tiny_transformer.py"
 # A tiny model (2 layers, 32 wide, block 16); lr high enough, and clipping tight enough, that the weights move
@@ -156,17 +156,6 @@ def test_bad_input_to_a_sharded_run(run_inprocess, corpus_txt, tmp_path):
     # a folder that is no checkpoint at all
     empty = run_inprocess("tiny_transformer", *args, "--run-dir", tmp_path / "empty", "--resume", tmp_path)
     assert empty.code == 1 and "is not a complete sharded checkpoint" in empty.stderr
-
-
-def worker_pids(parent: int) -> list[int]:
-    pids = []
-    for status in Path("/proc").glob("[0-9]*/status"):
-        try:
-            if f"PPid:\t{parent}\n" in status.read_text():
-                pids.append(int(status.parent.name))
-        except OSError:
-            pass
-    return pids
 
 
 LONG = ["--steps", 24, "--eval-every", 12, "--checkpoint-every", 3, "--global-batch", 16, "--parallel", "fsdp",
