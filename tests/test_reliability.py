@@ -262,9 +262,11 @@ def bad_arguments(recipe: str, case: str, request, tmp_path: Path, trained) -> t
     if case == "resumed with adam instead of adamw":  # the same settings' names; only their values differ
         return [*resume, "--optimizer", "adam"], 1, "(--optimizer adamw there, adam here)"
     if case == "resumed with another batch size":  # other batches: the resume point would be off
-        return [*resume, "--batch-size", "16"], 1, "(--batch-size "
+        # the transformer compares the global batch (per process x processes x accumulation): 8 x 1 x 1 saved
+        text = "(--global-batch 8 there, 16 here)" if recipe == "tiny_transformer" else "(--batch-size "
+        return [*resume, "--batch-size", "16"], 1, text
     if case == "resumed with another gradient accumulation":  # the stream's position would point at other data
-        return [*resume, "--grad-accum", "3"], 1, "(--grad-accum 1 there, 3 here)"
+        return [*resume, "--grad-accum", "3"], 1, "(--global-batch 8 there, 24 here)"
     if case == "resumed on other data":  # the same options, but an epoch of other length
         other = tmp_path / "other-mnist"
         write_mnist(other, synthetic_digits(256, 0), synthetic_digits(32, 1))
