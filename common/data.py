@@ -48,6 +48,21 @@ class ResumableSampler(Sampler):
         return len(self.sampler) - self.skip
 
 
+class TensorBatches(TensorDataset):
+    """A TensorDataset whose DataLoader batches are one indexing of each tensor (``__getitems__``, which the
+    DataLoader calls with a whole batch of indices when it exists) instead of ``batch_size`` calls of
+    ``__getitem__`` and a stack of their results: at a batch of 4,096 rows, about 25 ms of Python per batch
+    become well under 1 ms, which a fast training step would otherwise wait for."""
+
+    def __getitems__(self, indices: list[int]) -> tuple[torch.Tensor, ...]:
+        index = torch.as_tensor(indices)
+        return tuple(t[index] for t in self.tensors)
+
+
+def built_batch(batch):
+    return batch  # the DataLoader's collate step, when ``__getitems__`` has already built the batch
+
+
 def _ignore_sigint(worker_id: int) -> None:
     # Ctrl-C reaches the whole process group; the main process saves a checkpoint and stops the workers.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -70,12 +85,15 @@ def make_loader(
     recipe passes its own, sharded one); either way it is wrapped in a ``ResumableSampler``: call
     ``loader.sampler.set_epoch(epoch)`` every epoch. An IterableDataset is expected to yield whole batches
     and to order them itself.
-    ``collate_fn`` replaces the default one, e.g. to pass on batches that a ``__getitems__`` already built.
+    ``collate_fn`` replaces the default one, e.g. ``built_batch`` to pass on batches that a ``__getitems__``
+    already built; a plain TensorDataset gets both (``TensorBatches``).
     """
     worker_init_fn = _ignore_sigint if num_workers > 0 else None
     # Its own generator for worker seeds: every new iterator draws one, and drawing from the global RNG
     # instead would shift the dropout masks of a resumed run.
     generator = torch.Generator().manual_seed(seed)
+    if type(dataset) is TensorDataset and collate_fn is None:
+        dataset, collate_fn = TensorBatches(*dataset.tensors), built_batch
     if isinstance(dataset, IterableDataset):
         return DataLoader(dataset, batch_size=None, num_workers=num_workers, pin_memory=device.type == "cuda",
                           generator=generator, worker_init_fn=worker_init_fn)

@@ -34,7 +34,7 @@ from torch.utils.data import Dataset
 
 from common import cli
 from common.checkpoint import load_checkpoint, load_model_state
-from common.data import download, make_loader
+from common.data import built_batch, download, make_loader
 from common.loop import StepStats, evaluate, to_device, train_step
 from common.runtime import make_grad_scaler, resolve_device, seed_everything
 from common.tracking import Run
@@ -208,10 +208,6 @@ def encode(spec: dict, table: pa.Table, *, with_target: bool = True):
     if np.isnan(values).any():
         raise cli.RecipeError(f"target column {spec['target']!r} has missing or non-numeric values")
     return numeric, categorical, ((values - spec["target_mean"]) / spec["target_std"]).astype(np.float32)
-
-
-def batched(batch):
-    return batch  # the DataLoader's collate step: __getitems__ has already built the batch
 
 
 class TabularDataset(Dataset):
@@ -467,8 +463,8 @@ def main(
     batch_size = len(train_set) if optimizer_name == "lbfgs" else batch_size or min(256, len(train_set))
     run.config |= {"target": target, "batch_size": batch_size}  # as resolved
     train_loader = make_loader(train_set, batch_size, train=True, seed=seed, num_workers=num_workers, device=device,
-                               collate_fn=batched)
-    val_loader = make_loader(val_set, 1024, train=False, num_workers=num_workers, device=device, collate_fn=batched)
+                               collate_fn=built_batch)
+    val_loader = make_loader(val_set, 1024, train=False, num_workers=num_workers, device=device, collate_fn=built_batch)
 
     model = build_model(spec, hidden, depth, dropout).to(device)
     if compile:
@@ -508,7 +504,7 @@ def main(
     test = {}
     if test_table is not None:  # Adult's official test file, scored once at the end
         test_set = TabularDataset(*encode(spec, test_table))
-        test = validate(model, make_loader(test_set, 1024, train=False, collate_fn=batched))
+        test = validate(model, make_loader(test_set, 1024, train=False, collate_fn=built_batch))
     run.finish({f"test_{k}": v for k, v in test.items()})
 
 

@@ -188,6 +188,21 @@ def test_eval_loader_keeps_order_and_every_sample():
     assert torch.cat([b[0] for b in loader]).tolist() == list(range(25))
 
 
+def test_a_tensor_dataset_is_batched_by_one_indexing_with_the_same_batches(monkeypatch):
+    """make_loader fetches a TensorDataset's batch with one indexing per tensor, never row by row, and the
+    batches are those of the DataLoader's own per-row fetch and stack, in the same order."""
+    data = TensorDataset(torch.randn(100, 3), torch.arange(100))
+    loader = make_loader(data, 8, train=True, seed=5)
+    loader.sampler.set_epoch(1)
+    reference = torch.utils.data.DataLoader(data, batch_size=8, sampler=loader.sampler, drop_last=True)
+    expected = [[t.clone() for t in batch] for batch in reference]
+    monkeypatch.setattr(TensorDataset, "__getitem__", lambda self, i: pytest.fail("fetched row by row"))
+    batches = list(loader)
+    assert len(batches) == len(expected) == 12
+    for got, want in zip(batches, expected, strict=True):
+        assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+
+
 def training_setup(dropout=0.2):
     model = tiny_model(dropout)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)

@@ -15,7 +15,7 @@ import torch
 from conftest import assert_same_weights, load_recipe, load_weights, read_metrics, read_scalars, write_table
 from torch import nn
 
-from common.data import make_loader
+from common.data import built_batch, make_loader
 
 RECIPE = "tabular_mlp"
 tabular = load_recipe(RECIPE)
@@ -87,7 +87,7 @@ def test_a_batch_is_one_indexing_operation(table_csv):
     assert torch.equal(numeric, torch.stack([r[0] for r in rows])) and numeric.shape == (3, 2)
     assert torch.equal(categorical, torch.stack([r[1] for r in rows])) and categorical.dtype == torch.int32
     assert target.tolist() == [r[2].item() for r in rows]
-    batch = next(iter(make_loader(dataset, 4, train=False, collate_fn=tabular.batched)))
+    batch = next(iter(make_loader(dataset, 4, train=False, collate_fn=built_batch)))
     assert [t.shape[0] for t in batch] == [4, 4, 4]
     assert torch.equal(batch[1], dataset.categorical[:4])
 
