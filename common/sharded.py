@@ -6,7 +6,7 @@
         .metadata                    which rank wrote which piece of which tensor (DCP's own index)
         trainer.pt                   the rest of the training state: step, RNG, scheduler, best score, config
     checkpoints/dcp/.step-000130.tmp a save in progress, or one a crash cut short: never resumed from
-    checkpoints/last.pt              at the end of the run, the usual single file (--sample-only, export.py)
+    checkpoints/last.pt, best.pt     at the end of the run, the usual single files (--sample-only, export.py)
 
 Every rank writes its own shards into the ``.tmp`` folder; once all have finished (DCP's ``.metadata`` is
 written last, by rank 0, after the others report), rank 0 adds ``trainer.pt`` and renames the folder to
@@ -131,8 +131,8 @@ def to_single_file(step_dir: Path, out: Path, recipe: str) -> None:
 class ShardedRun(Run):
     """A ``Run`` whose checkpoints are DCP folders (see the module's docstring), written by every rank.
     Resuming (``--resume auto``, or ``--resume`` a step folder) works at any number of ranks; the finished
-    run also leaves checkpoints/last.pt as one file. ``best.pt`` is not written: the best step's folder is
-    kept instead (its step is in metrics.json)."""
+    run also leaves checkpoints/last.pt and best.pt as single files. During the run the best step's folder
+    stands for best.pt: pruning keeps it (its step is in metrics.json)."""
 
     def open_run_dir(self, run_dir: Path | None, resume: str | None) -> tuple[Path, Path | None, dict | None]:
         run_dir, last = prepare_run_dir(self.recipe, run_dir, resume, self.is_main)
@@ -220,10 +220,14 @@ class ShardedRun(Run):
                 shutil.rmtree(path, ignore_errors=True)
 
     def finish(self, metrics: dict | None = None) -> dict:
-        """Also leave the last checkpoint as one file, checkpoints/last.pt (rank 0 writes it from the folder)."""
+        """Also leave the last and the best checkpoint as single files, checkpoints/last.pt and best.pt (rank 0
+        writes them from their folders)."""
         if not self.finished and self.last_saved is not None and self.is_main:
             final = self.dcp_dir / f"step-{self.last_saved:06d}"
             to_single_file(final, self.run_dir / "checkpoints" / "last.pt", self.recipe)
+            best = self.dcp_dir / f"step-{self.state.best_step:06d}"
+            if self.state.best_step and best.is_dir():
+                to_single_file(best, self.run_dir / "checkpoints" / "best.pt", self.recipe)
         if self.world_size > 1:
             dist.barrier()
         return super().finish(metrics)
