@@ -229,7 +229,7 @@ def predict_command(images: list[Path], more_images: list[Path], resume: str | N
 def main(
     epochs: cli.Epochs = 3,
     max_steps: cli.MaxSteps = None,
-    batch_size: cli.BatchSize = 64,
+    batch_size: cli.BatchSize = 32,
     max_lr: Annotated[float, typer.Option("--max-lr", "--lr", callback=cli.positive_float,
                                           help="Peak learning rate of the one-cycle schedule.")] = 0.1,
     momentum: Annotated[

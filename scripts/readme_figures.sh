@@ -25,7 +25,7 @@ for recipe in mnist_onecycle ddp_mlp tabular_mlp tiny_transformer; do
     python scripts/plot_runs.py "$work/$recipe" --out "docs/$recipe.png"
 done
 # the benchmark's ratios, as curves: the same training in each precision, and eager against compiled
-trained=$(for p in fp32 bf16 fp16; do [ -d "$work/mixed_precision/$p" ] && echo "$work/mixed_precision/$p"; done)
+trained=$(for p in fp32 bf16 fp16; do if [ -d "$work/mixed_precision/$p" ]; then echo "$work/mixed_precision/$p"; fi; done)
 python scripts/plot_runs.py $trained --out docs/mixed_precision.png  # the precisions fast enough to train here
 python scripts/plot_runs.py "$work"/compiled_model/eager "$work"/compiled_model/compiled --out docs/compiled_model.png
 ls -l docs/*.png
