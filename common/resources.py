@@ -42,12 +42,22 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 def with_peaks(account: dict[str, int], device: torch.device) -> dict[str, int]:
     """The account plus the peaks so far: the process's resident memory, and ``device``'s if it is a GPU
     (what the allocator held beyond the model state: activations saved for backward, workspaces)."""
-    peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    account = {**account, "peak_rss_bytes": peak_rss if sys.platform == "darwin" else peak_rss * 1024}  # Linux: KB
+    account = {**account, "peak_rss_bytes": peak_rss_bytes()}
     if torch.device(device).type == "cuda":
         peak = account["peak_allocated_bytes"] = torch.cuda.max_memory_allocated(device)
         account["activation_and_workspace_bytes"] = peak - account.get("model_state_bytes", 0)
     return account
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory. On Linux from /proc (VmHWM): getrusage's ru_maxrss survives exec,
+    so a process started by a large one (a benchmark holding gigabytes) would report its parent's size."""
+    try:
+        with open("/proc/self/status") as status:
+            return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmHWM:"))
+    except (OSError, StopIteration):
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, KB elsewhere
 
 
 def reset_peak_memory(device: torch.device) -> None:

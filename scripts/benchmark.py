@@ -717,9 +717,10 @@ def adult_like_table(path: Path, rows: int, seed: int = 0) -> Path:
     return path
 
 
-def first_step(recipe: Path, args: list) -> dict:
+def first_step(recipe: Path, args: list, run_dir: Path) -> dict:
     """Run the recipe; seconds from process start to the end of its first step (the line it prints then),
-    its peak RSS, and its training throughput."""
+    its peak RSS (from its metrics.json: the child's own VmHWM; the ru_maxrss that wait4 reports would start
+    at this large process's size, which survives fork and exec), and its training throughput."""
     started = time.perf_counter()
     proc = subprocess.Popen([sys.executable, recipe, *map(str, args)], cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
@@ -729,10 +730,10 @@ def first_step(recipe: Path, args: list) -> dict:
             seconds = time.perf_counter() - started
         done = line
     stderr = proc.stderr.read()
-    _, status, usage = os.wait4(proc.pid, 0)  # this child's own peak, not the largest of all children
-    if status != 0 or seconds is None:
+    if proc.wait() != 0 or seconds is None:
         raise RuntimeError(f"{recipe.name} failed: {stderr.strip().splitlines()[-1:]}")
-    return {"first_step_s": seconds, "peak_rss_gb": usage.ru_maxrss / 2**20,
+    memory = json.loads((run_dir / "metrics.json").read_text())["memory"]
+    return {"first_step_s": seconds, "peak_rss_gb": memory["peak_rss_bytes"] / 2**30,
             "samples_per_s": float(re.search(r"samples_per_s=([\d.]+)", done)[1])}
 
 
@@ -746,8 +747,9 @@ def tabular_scale(quick: bool, work: Path, recipe: Path = ROOT / "recipes" / "ta
         started = time.perf_counter()
         pd.read_csv(path)
         pandas_s = time.perf_counter() - started
+        run_dir = work / f"table_run_{rows}"
         run = first_step(recipe, ["--csv", path, "--target", "income", "--max-steps", 20 if quick else 300,
-                                  "--run-dir", work / f"table_run_{rows}", "--no-progress", "--device", DEVICE])
+                                  "--run-dir", run_dir, "--no-progress", "--device", DEVICE], run_dir)
         figures[rows] = run | {"pandas_read_csv_s": pandas_s}
         path.unlink()
     floor = torch_floor()
@@ -768,13 +770,13 @@ def torch_floor() -> dict:
     ``import torch``, and the first optimizer (whose construction imports torch._dynamo, about a second on
     this machine). Median of three fresh processes: seconds from start to exit, and peak RSS."""
     code = ("import torch; from torch import nn; m = nn.Linear(10, 2); o = torch.optim.AdamW(m.parameters()); "
-            "m(torch.randn(4, 10)).sum().backward(); o.step()")
+            "m(torch.randn(4, 10)).sum().backward(); o.step(); "
+            "print(next(line.split()[1] for line in open('/proc/self/status') if line.startswith('VmHWM:')))")
     runs = []
     for _ in range(3):
         started = time.perf_counter()
-        proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT)
-        _, status, usage = os.wait4(proc.pid, 0)
-        runs.append((time.perf_counter() - started, usage.ru_maxrss / 2**20))
+        out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+        runs.append((time.perf_counter() - started, int(out.stdout.split()[-1]) / 2**20))  # VmHWM is in KB
     seconds, rss = sorted(runs)[1]
     return {"seconds": seconds, "peak_rss_gb": rss}
 

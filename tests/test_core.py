@@ -203,6 +203,17 @@ def test_a_tensor_dataset_is_batched_by_one_indexing_with_the_same_batches(monke
         assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
 
 
+def test_worker_processes_load_the_same_tensor_batches():
+    data = TensorDataset(torch.randn(64, 3), torch.arange(64))
+    loaders = [make_loader(data, 8, train=True, seed=2, num_workers=n) for n in (0, 2)]
+    for loader in loaders:
+        loader.sampler.set_epoch(1)
+    in_process, in_workers = ([[t.clone() for t in batch] for batch in loader] for loader in loaders)
+    assert len(in_process) == len(in_workers) == 8
+    for a, b in zip(in_process, in_workers, strict=True):
+        assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
 def training_setup(dropout=0.2):
     model = tiny_model(dropout)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)

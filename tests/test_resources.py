@@ -1,14 +1,17 @@
 """The memory account every run prints: exact bytes for known optimizers, dtypes, frozen and tied weights."""
 
 import json
+import resource
+import subprocess
+import sys
 
 import pytest
 import torch
-from conftest import read_metrics
+from conftest import ROOT, read_metrics
 from torch import nn
 
 from common.loop import train_step
-from common.resources import format_account, memory_account
+from common.resources import format_account, memory_account, peak_rss_bytes
 
 CPU = torch.device("cpu")
 
@@ -145,3 +148,19 @@ def test_memory_account_reads_the_peak_of_its_device(monkeypatch):
     gpu = FakeGpuMemory(monkeypatch)
     account = memory_account(model, optimizer, torch.device("cuda", 2))
     assert account["peak_allocated_bytes"] == 3 * 10**9 and gpu.asked == [torch.device("cuda", 2)]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="VmHWM and ru_maxrss across exec: Linux")
+def test_peak_rss_is_the_process_own_not_that_of_the_process_that_started_it():
+    """ru_maxrss survives fork and exec: a run started by a process holding 1.5 GB would report 1.5 GB. The
+    account reads the process's own high-water mark instead."""
+    ballast = bytearray(1536 * 2**20)
+    ballast[:: 4096] = b"\x01" * len(range(0, len(ballast), 4096))  # touch every page: resident
+    code = ("import resource; from common.resources import peak_rss_bytes; "
+            "print(peak_rss_bytes(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)")
+    own, inherited = map(int, subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                                             check=True).stdout.split())
+    del ballast
+    assert inherited > 1.5 * 2**30  # what the old figure would have been
+    assert 10 * 2**20 < own < 1.2 * 2**30  # python and torch, not the parent's ballast
+    assert peak_rss_bytes() <= resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
