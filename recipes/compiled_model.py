@@ -87,34 +87,36 @@ class GatedMLP(nn.Module):
 # Training, with every step timed: the first steps carry the compilation
 
 
-def train(options: dict, compiled: bool, run_dir: Path | None = None) -> dict:
-    o = options
-    run = Run(RECIPE, o | {"compile": compiled, "run_dir": run_dir or o["run_dir"]})
-    seed_everything(o["seed"])
-    device = resolve_device(o["device"])
-    train_set = synthetic_classification(o["samples"], N_FEATURES, N_CLASSES, seed=o["seed"])
-    val_set = synthetic_classification(16384, N_FEATURES, N_CLASSES, seed=o["seed"] + 1_000_000)
+def train(epochs: int, batch_size: int, lr: float, samples: int, width: int, depth: int, compile: bool, mode: str,
+          dynamic: bool | None, fullgraph: bool, backend: str, seed: int, device: str, precision: str,
+          num_workers: int, **run_options) -> dict:
+    """One training run, eager or compiled. ``run_options``: those only the run logger reads (--run-dir,
+    --resume, --max-steps, --ema, ...); with the others they make the run's config."""
+    config = {name: value for name, value in locals().items() if name != "run_options"}
+    run = Run(RECIPE, config | run_options)
+    seed_everything(seed)
+    device = resolve_device(device)
+    train_set = synthetic_classification(samples, N_FEATURES, N_CLASSES, seed=seed)
+    val_set = synthetic_classification(16384, N_FEATURES, N_CLASSES, seed=seed + 1_000_000)
     # drop_last (make_loader's default for training) matters twice here: a smaller last batch would be
     # a new input shape, and so a recompilation.
-    train_loader = make_loader(train_set, o["batch_size"], train=True, seed=o["seed"],
-                               num_workers=o["num_workers"], device=device)
-    val_loader = make_loader(val_set, o["batch_size"], train=False, device=device)
+    train_loader = make_loader(train_set, batch_size, train=True, seed=seed, num_workers=num_workers, device=device)
+    val_loader = make_loader(val_set, batch_size, train=False, device=device)
 
-    model = GatedMLP(o["width"], o["depth"]).to(device)
-    if compiled:
+    model = GatedMLP(width, depth).to(device)
+    if compile:
         # Nothing is compiled yet: Dynamo traces forward at the first call, and AOTAutograd compiles the
         # backward at the first backward. mode picks how hard Inductor works (reduce-overhead adds CUDA graphs);
         # dynamic=None compiles for the shapes seen, then once more with a symbolic batch size if it changes;
         # fullgraph=True makes a graph break an error instead of a silent split into several graphs.
-        model = torch.compile(model, mode=o["mode"], dynamic=o["dynamic"], fullgraph=o["fullgraph"],
-                              backend=o["backend"])
-    optimizer = torch.optim.AdamW(model.parameters(), lr=o["lr"], weight_decay=0.01)
-    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=o["epochs"] * len(train_loader))
-    scaler = make_grad_scaler(device, o["precision"])  # fp16 only
+        model = torch.compile(model, mode=mode, dynamic=dynamic, fullgraph=fullgraph, backend=backend)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
+    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=epochs * len(train_loader))
+    scaler = make_grad_scaler(device, precision)  # fp16 only
     loss_fn = nn.CrossEntropyLoss()
     # the checkpoint holds the unwrapped module: no "_orig_mod." prefixes, so it loads into a plain model
     run.start(model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, loader=train_loader,
-              epochs=o["epochs"])
+              epochs=epochs)
 
     step_seconds = []
     for epoch in run.epochs():
@@ -122,13 +124,13 @@ def train(options: dict, compiled: bool, run_dir: Path | None = None) -> dict:
         for batch in run.batches(train_loader):
             current_lr = scheduler.get_last_lr()[0]
             started = time.perf_counter()
-            stats = train_step(model, optimizer, loss_fn, [batch], device=device, precision=o["precision"],
+            stats = train_step(model, optimizer, loss_fn, [batch], device=device, precision=precision,
                                scaler=scaler, scheduler=scheduler)
             synchronize(device)  # GPU work is asynchronous: wait for it, or the timing means nothing
             step_seconds.append(time.perf_counter() - started)
             run.log_train(stats, lr=current_lr, items=len(batch[-1]))
-        run.log_eval(lambda weights: evaluate(weights, val_loader, loss_fn, device=device, precision=o["precision"]),
-                     score=lambda val: -val["loss"], note=f"{'compiled' if compiled else 'eager'}  ")
+        run.log_eval(lambda weights: evaluate(weights, val_loader, loss_fn, device=device, precision=precision),
+                     score=lambda val: -val["loss"], note=f"{'compiled' if compile else 'eager'}  ")
 
     metrics = timing(step_seconds)
     if step_seconds:  # none when resumed at the last step, only to evaluate
@@ -148,7 +150,8 @@ def timing(step_seconds: list[float], warmup: int = 3) -> dict[str, float]:
 
 
 def compare(options: dict, run_dir: Path) -> None:
-    rows = {name: train(options, compiled, run_dir / name) for name, compiled in [("eager", False), ("compiled", True)]}
+    rows = {name: train(**options | {"compile": compiled, "run_dir": run_dir / name})
+            for name, compiled in [("eager", False), ("compiled", True)]}
     eager, comp = rows["eager"], rows["compiled"]
     speedup = eager["step_ms"] / comp["step_ms"]
     loss_diff = abs(eager["train_loss"] - comp["train_loss"])
@@ -207,14 +210,14 @@ def count_graphs(model: nn.Module, batch_sizes: list[int], **compile_options) ->
     return torch._dynamo.utils.counters["stats"]["unique_graphs"], time.perf_counter() - started
 
 
-def show_traps(options: dict) -> dict:
-    seed_everything(options["seed"])
+def show_traps(seed: int, backend: str) -> dict:
+    seed_everything(seed)
     sizes = [256, 256, 192, 128, 256, 64]
     print(f"Trap 1: the batch size changes along {sizes} (e.g. a last, smaller batch).")
     print("| dynamic | graphs compiled (forward + backward) | seconds |\n|---|---|---|")
     recompiles = {}
     for dynamic in (False, None, True):
-        graphs, seconds = count_graphs(GatedMLP(16, 2), sizes, dynamic=dynamic, backend=options["backend"])
+        graphs, seconds = count_graphs(GatedMLP(16, 2), sizes, dynamic=dynamic, backend=backend)
         recompiles[str(dynamic)] = graphs
         print(f"| {dynamic} | {graphs} | {seconds:.1f} |")
     print("False recompiles for every new shape; None (the default) recompiles once, then marks the batch "
@@ -277,13 +280,13 @@ def main(
         raise typer.BadParameter(f"{backend!r} is not one of {choices}", param_hint="--backend")
     options = dict(locals())
     if traps:
-        show_traps(options)
+        show_traps(seed, backend)
     elif compare_compiled:
         if resume is not None:
             raise typer.BadParameter("--compare always starts fresh runs", param_hint="--resume")
         compare(options, prepare_run_dir(RECIPE, run_dir, None)[0])
     else:
-        train(options, compile)
+        train(**options)
 
 
 if __name__ == "__main__":

@@ -83,28 +83,31 @@ def amp_step(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.a
     return StepStats(loss.detach().float(), grad_norm, skipped)
 
 
-def train(options: dict, precision: str, run_dir: Path | None = None) -> dict:
-    """One training run in ``precision``; returns its metrics and the loss of every step."""
-    o = options
-    run = Run(RECIPE, o | {"precision": precision, "run_dir": run_dir or o["run_dir"]}, may_change={"max_slowdown"})
-    seed_everything(o["seed"])
-    device = resolve_device(o["device"])
-    train_set = synthetic_classification(o["samples"], 784, 10, seed=o["seed"])
-    val_set = synthetic_classification(4096, 784, 10, seed=o["seed"] + 1_000_000)  # same task, new inputs
-    train_loader = make_loader(train_set, o["batch_size"], train=True, seed=o["seed"],
-                               num_workers=o["num_workers"], device=device)
+def train(epochs: int, batch_size: int, lr: float, samples: int, width: int, depth: int, seed: int, device: str,
+          precision: str, compile: bool, num_workers: int, **run_options) -> dict:
+    """One training run in ``precision``; returns its metrics and the loss of every step. ``run_options``:
+    those only the run logger reads (--run-dir, --resume, --max-steps, --ema, ...); with the others they make
+    the run's config."""
+    config = {name: value for name, value in locals().items() if name != "run_options"}
+    run = Run(RECIPE, config | run_options, may_change={"max_slowdown"})
+    seed_everything(seed)
+    device = resolve_device(device)
+    train_set = synthetic_classification(samples, 784, 10, seed=seed)
+    val_set = synthetic_classification(4096, 784, 10, seed=seed + 1_000_000)  # same task, new inputs
+    train_loader = make_loader(train_set, batch_size, train=True, seed=seed,
+                               num_workers=num_workers, device=device)
     val_loader = make_loader(val_set, 1024, train=False, device=device)
 
-    model = MLP(width=o["width"], depth=o["depth"]).to(device)
-    if o["compile"]:
+    model = MLP(width=width, depth=depth).to(device)
+    if compile:
         model = torch.compile(model)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=o["lr"], weight_decay=0.01)
-    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=o["epochs"] * len(train_loader))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
+    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=epochs * len(train_loader))
     # Loss scaling is for fp16 alone: its 5 exponent bits flush small gradients to zero. bf16 has fp32's 8
     # exponent bits (only a shorter mantissa), so its gradients do not underflow and it needs no scaler.
     scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
     run.start(model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, loader=train_loader,
-              epochs=o["epochs"])
+              epochs=epochs)
 
     losses = []  # one device tensor per step; read back once at the end
     for epoch in run.epochs():
@@ -122,12 +125,12 @@ def train(options: dict, precision: str, run_dir: Path | None = None) -> dict:
     return summary | {"losses": torch.stack(losses).tolist() if losses else []}
 
 
-def seconds_per_step(options: dict, precision: str, steps: int = 3) -> tuple[float, str]:
-    """Seconds per step of ``precision`` on this device after a warm-up step, or an error message."""
-    device = resolve_device(options["device"])
-    model = MLP(width=options["width"], depth=options["depth"]).to(device)
+def seconds_per_step(device: torch.device, precision: str, width: int, depth: int, batch_size: int,
+                     steps: int = 3) -> tuple[float, str]:
+    """Seconds per step of ``precision`` on ``device`` after a warm-up step, or an error message."""
+    model = MLP(width=width, depth=depth).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    batch = synthetic_classification(options["batch_size"], 784, 10, seed=0)[:]
+    batch = synthetic_classification(batch_size, 784, 10, seed=0)[:]
     scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
     try:
         seconds = []
@@ -144,7 +147,9 @@ def seconds_per_step(options: dict, precision: str, steps: int = 3) -> tuple[flo
 
 def compare(options: dict, run_dir: Path, max_slowdown: float) -> None:
     """Train the same seed for the same steps in each precision; print and save a table."""
-    probes = {p: seconds_per_step(options, p) for p in PRECISIONS}
+    device = resolve_device(options["device"])
+    probes = {p: seconds_per_step(device, p, options["width"], options["depth"], options["batch_size"])
+              for p in PRECISIONS}
     rows, fp32 = {}, None
     for precision in PRECISIONS:
         seconds, error = probes[precision]
@@ -153,7 +158,7 @@ def compare(options: dict, run_dir: Path, max_slowdown: float) -> None:
             note = f"unsupported here: {error}" if error else f"{slowdown:.0f}x slower than fp32 here: not trained"
             rows[precision] = {"samples_per_s": options["batch_size"] / seconds, "note": note}
             continue
-        result = train(options, precision, run_dir / precision)
+        result = train(**options | {"precision": precision, "run_dir": run_dir / precision})
         rows[precision] = {k: result[k] for k in ("samples_per_s", "train_loss", "val_loss", "val_acc")}
         rows[precision]["skipped_steps"] = result.get("skipped_steps", 0)
         if precision == "fp32":
@@ -211,7 +216,7 @@ def main(
         run_dir, _ = prepare_run_dir(RECIPE, run_dir, None)
         compare(options, run_dir, max_slowdown)
         return
-    train(options, precision)
+    train(**options)
 
 
 if __name__ == "__main__":
