@@ -75,7 +75,8 @@ def test_mixed_precision_compare_table(run_inprocess, tmp_path):
 def test_compare_says_when_a_precision_is_too_slow_or_unsupported(run_inprocess, tmp_path, monkeypatch):
     # the probe's timings are fixed here: what is tested is what --compare does with them, not this CPU's speed
     probes = {"fp32": (0.01, ""), "bf16": (0.5, ""), "fp16": (float("inf"), "no fp16 kernel for Linear")}
-    monkeypatch.setattr(load_recipe("mixed_precision"), "seconds_per_step", lambda device, precision, *sizes: probes[precision])
+    monkeypatch.setattr(load_recipe("mixed_precision"), "seconds_per_step",
+                        lambda device, precision, *sizes: probes[precision])
     result = run_inprocess("mixed_precision", "--compare", *MP_SMALL, "--epochs", 1, "--max-slowdown", 4,
                            "--run-dir", tmp_path / "cmp")
     assert result.code == 0, result.stderr
