@@ -6,6 +6,7 @@ cli``. Bad values are usage errors
 ``RecipeError`` and end as one line ``error: ...`` on stderr with exit 1. No traceback either way.
 """
 
+import math
 import re
 import sys
 from collections.abc import Callable
@@ -21,8 +22,8 @@ class RecipeError(Exception):
 
 
 def positive_float(value: float | None) -> float | None:
-    if value is not None and not value > 0:  # also rejects nan
-        raise typer.BadParameter(f"must be > 0, got {value}")
+    if value is not None and not 0 < value < math.inf:  # also rejects nan
+        raise typer.BadParameter(f"must be a finite number > 0, got {value}")
     return value
 
 

@@ -52,7 +52,7 @@ class TensorBatches(TensorDataset):
     """A TensorDataset whose DataLoader batches are one indexing of each tensor (``__getitems__``, which the
     DataLoader calls with a whole batch of indices when it exists) instead of ``batch_size`` calls of
     ``__getitem__`` and a stack of their results: at a batch of 4,096 rows, about 25 ms of Python per batch
-    become well under 1 ms, which a fast training step would otherwise wait for."""
+    become under 2 ms, which a fast training step would otherwise wait for."""
 
     def __getitems__(self, indices: list[int]) -> tuple[torch.Tensor, ...]:
         index = torch.as_tensor(indices)

@@ -151,6 +151,10 @@ class ShardedRun(Run):
             path = Path(resume)
         return run_dir, path, load_trainer_state(path, self.recipe) if path else None
 
+    @property
+    def last_checkpoint(self) -> Path:
+        return self.dcp_dir / f"step-{self.last_saved:06d}"
+
     def warn(self, message: str) -> None:
         print(message, file=sys.stderr, flush=True)
 

@@ -9,7 +9,7 @@ Only rank 0 writes files; every rank keeps the same bookkeeping.
         train_loader.sampler.set_epoch(epoch)
         for batch in run.batches(train_loader):  # skips what a resumed epoch already trained; stops at the end
             run.log_train(train_step(...), lr=..., items=...)
-        run.log_eval(evaluate(...), score=...)   # best.pt when the score is the best so far, then last.pt
+        run.log_eval(validate, score=...)        # validate(model) -> metrics; best.pt on a best score, then last.pt
     run.finish()
 
 Step losses stay on the device and are read back ``log_every`` steps at a time: one sync per window instead
@@ -22,9 +22,11 @@ import math
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from torch import nn
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
@@ -50,8 +52,16 @@ class Run:
         self.is_main = self.rank == 0
         run_dir, resume = [self.options.get("run_dir")], self.options.get("resume")
         if self.world_size > 1:  # rank 0 names a default directory; every rank must use that one
-            run_dir = [prepare_run_dir(recipe, run_dir[0], resume)[0] if self.is_main else None]
-            dist.broadcast_object_list(run_dir)
+            chosen = [None]
+            if self.is_main:
+                try:
+                    chosen = [prepare_run_dir(recipe, run_dir[0], resume)[0]]
+                except (RecipeError, typer.BadParameter) as err:  # every rank stops with it, none waits
+                    chosen = [err]
+            dist.broadcast_object_list(chosen)
+            if isinstance(chosen[0], Exception):
+                raise chosen[0]
+            run_dir = chosen
         self.run_dir, self.resume_path, self.checkpoint = self.open_run_dir(run_dir[0], resume)
         self.config = plain_config(self.options)
         self.finished, self.state, self.writer, self.stop, self.metrics, self.memory = False, None, None, None, {}, {}
@@ -218,9 +228,12 @@ class Run:
 
     def diverged(self, what: str) -> RecipeError:
         self.close()  # keep what was logged: the writer flushes its events on close
-        kept = "no checkpoint yet" if self.last_saved is None else \
-            f"the last good checkpoint is {self.run_dir / 'checkpoints' / 'last.pt'}"
+        kept = "no checkpoint yet" if self.last_saved is None else f"the last good checkpoint is {self.last_checkpoint}"
         return RecipeError(f"training diverged: {what}; {kept}. Try a lower --lr")
+
+    @property
+    def last_checkpoint(self) -> Path:
+        return self.run_dir / "checkpoints" / "last.pt"
 
     @property
     def throughput(self) -> float:
@@ -251,6 +264,8 @@ class Run:
         shown = "  ".join(f"{prefix}_{k} {v:.4f}" for prefix, m in results.items() for k, v in m.items())
         self.print(f"{epoch}{note}step {self.step}/{self.total_steps}  train_loss {self.train_loss:.4f}  {shown}  "
                    f"{self.throughput:,.0f} {self.unit}/s")
+        if not math.isfinite(results["val"].get("loss", 0.0)):  # finite weights can still overflow in a forward pass
+            raise self.diverged(f"the validation loss is {results['val']['loss']} at step {self.step}")
         if score is not None:
             self.keep_best(score(results.get("ema_val", results["val"])))
         self.save()

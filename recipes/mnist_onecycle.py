@@ -3,13 +3,15 @@
 What it teaches: OneCycleLR stepped after every batch (warm up to --max-lr, then anneal to almost zero,
 for a fixed budget of steps); batch norm; label smoothing; channels_last memory format; an input pipeline
 that decodes and normalises the data set once instead of once per image per epoch; evaluation every epoch
-with the best checkpoint kept; misclassified test digits shown in TensorBoard.
+with the best checkpoint kept; misclassified validation digits shown in TensorBoard.
 
     python recipes/mnist_onecycle.py --epochs 3
     python recipes/mnist_onecycle.py --predict photos/ --resume runs/mnist_onecycle/.../checkpoints/best.pt
 
-A good result: about 99.3% test accuracy after 3 epochs on the full data set. On 8,000 real digits it beats
-pytorch/examples' MNIST recipe in both accuracy and time (see the README's Performance table).
+A good result on the full data set: about 99.3% test accuracy after 3 epochs (expected, not measured here:
+only the 10,000 test digits were at hand). Trained on 5,000 real digits and tested on 5,000 others it beats
+pytorch/examples' MNIST recipe in both accuracy and time: 98.8-98.9% against 97.4%, in 0.6x the time (see
+the README's Performance table).
 """
 
 import math

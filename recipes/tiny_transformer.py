@@ -344,7 +344,8 @@ def sample_text(model: GPT, vocab: str | None, prompt: str, tokens: int, tempera
     model = unwrap(model)  # generation changes the sequence length every token: no compiled graph for it
     was_training = model.training
     model.eval()
-    start = encode((prompt or "\n").encode("utf-8"), vocab).long()[None, -model.config.block_size :].to(device)
+    prompt = prompt or ("\n" if vocab is None or "\n" in vocab else vocab[0])  # no prompt: a newline, if known
+    start = encode(prompt.encode("utf-8"), vocab).long()[None, -model.config.block_size :].to(device)
     # A generator of its own: sampling never shifts the training run's random numbers.
     generator = torch.Generator(device).manual_seed(seed)
     out = model.generate(start, tokens, temperature, top_k, generator, use_cache=use_cache)
@@ -481,6 +482,9 @@ def main(
     if parallel == "fsdp" and ema:
         raise typer.BadParameter("an average of sharded weights is not kept: leave --ema out with --parallel fsdp",
                                  param_hint="--ema")
+    if parallel == "fsdp" and keep_best > 1:
+        raise typer.BadParameter("sharded runs keep one best checkpoint (best.pt): leave --keep-best out with "
+                                 "--parallel fsdp", param_hint="--keep-best")
     if parallel == "fsdp" and precision == "fp16":
         raise typer.BadParameter("fp16 needs a GradScaler of sharded gradients: use bf16 with --parallel fsdp",
                                  param_hint="--precision")
@@ -507,14 +511,15 @@ def main(
     # one (a run saved at 2 x 16 may go on at 1 x 32, or at 1 x 16 with --grad-accum 2).
     if global_batch is not None:
         if global_batch % (world_size * grad_accum):
-            raise cli.RecipeError(f"--global-batch {global_batch} does not split into {world_size} process(es) x "
-                                  f"--grad-accum {grad_accum}")
+            raise typer.BadParameter(f"{global_batch} does not split into {world_size} process(es) x --grad-accum "
+                                     f"{grad_accum}", param_hint="--global-batch")
         batch_size = global_batch // (world_size * grad_accum)
     global_batch = batch_size * world_size * grad_accum
     # The parallelism may change on a resume (DDP at 2 to one process, FSDP at 4 to FSDP at 2), the checkpoint
     # format may not: sharded (FSDP, common/sharded.py) or the single file last.pt (one process, DDP).
     options.update(batch_size=batch_size, global_batch=global_batch, parallel=parallel,
                    checkpoints="sharded" if parallel == "fsdp" else "single file")
+    cli.OPTION_NAMES["checkpoints"] = "checkpoints (sharded with --parallel fsdp)"  # for a resume's refusal
     # FSDP writes sharded checkpoints (common/sharded.py); one process and DDP the single file last.pt
     run = (ShardedRun if parallel == "fsdp" else Run)(
         RECIPE, options, unit="tokens", may_change={"eval_batches", "sample_tokens", "temperature", "top_k", "prompt",
@@ -531,6 +536,9 @@ def main(
     else:
         vocab = None if vocab_kind == "bytes" else "".join(sorted(set(corpus.decode("utf-8"))))
     tokens = encode(corpus, vocab)
+    if vocab is not None and (unknown := sorted(set(prompt) - set(vocab))):  # now, not after training
+        raise typer.BadParameter(f"characters not in the text's vocabulary: {''.join(unknown[:20])!r}",
+                                 param_hint="--prompt")
     split = int(0.9 * len(tokens))
     train_tokens, val_tokens = tokens[:split], tokens[split:]
     if len(val_tokens) <= block_size:

@@ -1,13 +1,16 @@
 """What each recipe and the core cost, measured side by side in one run.
 
-    python scripts/benchmark.py --out benchmark.json      # about 5 minutes on a 2-core CPU
+    python scripts/benchmark.py --mnist-dir DIR --adult-csv FILE --out benchmark.json  # about 25 minutes
+    python scripts/benchmark.py --only 1,2,3,4,5,6,7,8,9,10,11 ...  # without item 12: about 5 minutes
     python scripts/benchmark.py --quick --out quick.json  # every item, tiny sizes: checks the script runs
     python scripts/benchmark.py --device cuda ...         # the recipes on a GPU (default: cpu, even there)
 
 Prints a markdown table and writes the same figures as JSON. This machine (like most) is shared and noisy:
 every speed figure is a ratio of two things measured in the same run, interleaved, repeated, and reported as
-the median with the min-max range. Real data is used when present (the official MNIST test set, the Adult
-census table); otherwise those items are skipped with a note. Nothing here is a test: tests never time.
+the median with the min-max range. Real data is used when given: ``--mnist-dir``, a folder with the official
+MNIST test set (``t10k-images-idx3-ubyte.gz`` and ``t10k-labels-idx1-ubyte.gz``, as torchvision leaves them
+in ``data/MNIST/raw``, the default) and ``--adult-csv``, the Adult census table as one CSV with a header row;
+without them those items are skipped (or run on synthetic data) with a note. Nothing here is a test: tests never time.
 
 Every recipe run, in a subprocess or in this process, gets --device explicitly: left to `auto`, a recipe
 would pick CUDA where there is one, and the DDP item would start two ranks on one GPU. Items 1 and 2 measure
@@ -159,7 +162,7 @@ def input_pipeline(quick: bool, mnist_dir: Path | None) -> dict:
     else:
         data = synthetic_classification(4096, 784, 10, seed=0)
         dataset = TensorDataset(data.tensors[0].view(-1, 1, 28, 28), data.tensors[1])
-    loader = make_loader(dataset, 64, train=True, seed=0)  # the recipe's defaults: 0 workers
+    loader = make_loader(dataset, 32, train=True, seed=0)  # the recipe's defaults: batch 32, 0 workers
     torch.manual_seed(0)
     model = mnist.DigitNet().to(memory_format=torch.channels_last)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
@@ -428,12 +431,11 @@ def mixed_precision(quick: bool) -> dict:
     the median step), interleaved fp32, bf16, fp16, fp32, ...; the speed-up is fp32's seconds over the other's,
     per round."""
     mp = load_recipe("mixed_precision")
-    options = {"device": str(DEVICE), "width": 128 if quick else 1024, "depth": 3, "batch_size": 64 if quick else 512}
+    sizes = {"width": 128 if quick else 1024, "depth": 3, "batch_size": 64 if quick else 512}
     repeats = 1 if quick else 3
     # emulated bf16 (no native units) is slow: 2 timed steps of each low precision, 5 of fp32
-    runs = interleaved(repeats, **{precision: lambda p=precision: mp.seconds_per_step(options, p, steps=5 if p ==
-                                                                                      "fp32" else 2)[0]
-                                   for precision in ("fp32", "bf16", "fp16")})
+    runs = interleaved(repeats, **{precision: lambda p=precision: mp.seconds_per_step(
+        torch.device(DEVICE), p, **sizes, steps=5 if p == "fp32" else 2)[0] for precision in ("fp32", "bf16", "fp16")})
     rows = {p: summarise([f / x for f, x in zip(runs["fp32"], runs[p], strict=True)]) for p in runs}
     return {"item": "Mixed precision: speed-up over fp32, the recipe's MLP (784-1024x3-10, batch 512), "
                     f"{repeats} interleaved rounds",
@@ -782,7 +784,7 @@ def torch_floor() -> dict:
 
 
 # ------------------------------------------------------------------------------------------------------
-# 11. Language-model quality: the recipe against nanoGPT's model and training loop, same settings
+# 12. Language-model quality: the recipe against nanoGPT's model and training loop, same settings
 
 TEXT_CHARS = 1_115_394  # the length of nanoGPT's shakespeare_char input.txt
 
@@ -919,8 +921,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, help="write the figures as JSON here")
     parser.add_argument("--quick", action="store_true", help="tiny sizes: checks that every item runs")
-    parser.add_argument("--mnist-dir", type=Path, default=ROOT.parent / "shared" / "data" / "mnist")
-    parser.add_argument("--adult-csv", type=Path, default=ROOT.parent / "shared" / "data" / "adult" / "adult.csv")
+    parser.add_argument("--mnist-dir", type=Path, default=ROOT / "data" / "MNIST" / "raw",
+                        help="folder with the official MNIST test set, t10k-*-ubyte.gz (default: data/MNIST/raw)")
+    parser.add_argument("--adult-csv", type=Path, help="the Adult census table as one CSV with a header row")
     parser.add_argument("--only", help="comma-separated item numbers, e.g. 1,4")
     parser.add_argument("--device", type=device_name, default=CPU,
                         help="where the recipes run: cpu (default, also on a GPU machine), cuda, cuda:N, mps")
@@ -930,7 +933,7 @@ def main() -> None:
         sys.exit(1)
     DEVICE = args.device
     mnist_dir = args.mnist_dir if (args.mnist_dir / "t10k-images-idx3-ubyte.gz").is_file() else None
-    adult_csv = args.adult_csv if args.adult_csv.is_file() else None
+    adult_csv = args.adult_csv if args.adult_csv and args.adult_csv.is_file() else None
     torch.set_num_threads(min(2, os.cpu_count() or 1))
 
     with tempfile.TemporaryDirectory() as tmp:

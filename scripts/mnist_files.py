@@ -1,8 +1,10 @@
 """Write MNIST-format (IDX) files, e.g. to split the official test set into a small train/test pair.
 
-    python scripts/mnist_files.py split ../shared/data/mnist /tmp/mnist8k --train 8000 [--seed 0]
+    python scripts/mnist_files.py split MNIST_DIR /tmp/mnist8k --train 8000 [--seed 0]
 
-writes /tmp/mnist8k/MNIST/raw/{train,t10k}-{images-idx3,labels-idx1}-ubyte, the layout
+MNIST_DIR holds the official test set, t10k-{images-idx3,labels-idx1}-ubyte.gz (as torchvision leaves them
+in data/MNIST/raw);
+it writes /tmp/mnist8k/MNIST/raw/{train,t10k}-{images-idx3,labels-idx1}-ubyte, the layout
 torchvision.datasets.MNIST reads, so any recipe can use it with --data-dir /tmp/mnist8k.
 The tests use ``write_idx`` to build tiny MNIST data sets in the real format.
 """

@@ -1,22 +1,27 @@
 #!/usr/bin/env bash
 # The README's pictures: each recipe's run with its default options, drawn by scripts/plot_runs.py.
 #
-#     bash scripts/readme_figures.sh [SHARED_DATA]     # default: ../shared/data (MNIST test set, Adult CSV)
+#     bash scripts/readme_figures.sh MNIST_DIR ADULT_CSV
 #
-# Only MNIST's official test set is on the machine these were made on, so the MNIST recipes train on its
-# first 8,000 digits (less their validation split) and are tested on the other 2,000; the Adult table is read
-# from a CSV. Everything else is each recipe's default. Runs go to a temporary folder; the PNGs to docs/.
+# MNIST_DIR: a folder with MNIST's official test set (t10k-*-ubyte.gz, as torchvision leaves them in
+# data/MNIST/raw); ADULT_CSV: the Adult census table as one CSV with a header row and an income column.
+# Only MNIST's official test set was on the machine these were made on, so the MNIST recipes train on its
+# first 8,000 digits (less their validation split) and are tested on the other 2,000. Everything else is each recipe's default. Runs go to a temporary folder; the PNGs to docs/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-data=${1:-../shared/data}
+if [ $# -ne 2 ]; then
+    echo "usage: bash scripts/readme_figures.sh MNIST_DIR ADULT_CSV" >&2
+    exit 2
+fi
+mnist=$1 adult=$2
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
-python scripts/mnist_files.py split "$data/mnist" "$work/mnist" --train 8000 >/dev/null
+python scripts/mnist_files.py split "$mnist" "$work/mnist" --train 8000 >/dev/null
 common=(--device cpu --no-progress)
 python recipes/mnist_onecycle.py --epochs 3 --data-dir "$work/mnist" --run-dir "$work/mnist_onecycle" "${common[@]}" | tail -1
 python -m torch.distributed.run --nproc_per_node=2 recipes/ddp_mlp.py --data-dir "$work/mnist" \
     --run-dir "$work/ddp_mlp" "${common[@]}" | tail -1
-python recipes/tabular_mlp.py --csv "$data/adult/adult.csv" --target income --run-dir "$work/tabular_mlp" \
+python recipes/tabular_mlp.py --csv "$adult" --target income --run-dir "$work/tabular_mlp" \
     "${common[@]}" | tail -1
 python recipes/tiny_transformer.py --run-dir "$work/tiny_transformer" "${common[@]}" | tail -1
 python recipes/mixed_precision.py --compare --run-dir "$work/mixed_precision" "${common[@]}" | tail -1

@@ -160,3 +160,20 @@ def test_a_failure_on_the_ranks_ends_them_all_with_the_one_line_error(mnist_dir,
     assert result.code != 0
     errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
     assert errors and all("missing.pt does not exist" in line for line in errors)
+
+
+def test_a_failure_found_by_rank_0_alone_ends_every_rank_with_its_one_line_error(mnist_dir, tmp_path):
+    """Rank 0 alone resolves the run directory; what it refuses (here: checkpoints a fresh run would overwrite)
+    reaches every rank as the same error, instead of a lost connection and a traceback on the others."""
+    run_dir = tmp_path / "run"
+    (run_dir / "checkpoints").mkdir(parents=True)
+    (run_dir / "checkpoints" / "last.pt").write_bytes(b"an earlier run's checkpoint")
+    result = torchrun("--nproc_per_node=2", "recipes/ddp_mlp.py", "--data-dir", mnist_dir, "--run-dir", run_dir,
+                      *SMALL, timeout=120)
+    assert result.code != 0
+    output = result.stdout + result.stderr  # torchrun's own traceback (ChildFailedError) aside, no worker's one
+    assert 'recipes/ddp_mlp.py", line' not in output and 'common/tracking.py", line' not in output
+    assert "Connection reset" not in output
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 2 and all("already holds checkpoints" in line for line in errors)
+    assert (run_dir / "checkpoints" / "last.pt").read_bytes() == b"an earlier run's checkpoint"

@@ -170,8 +170,9 @@ USAGE_CASES = {  # exit 2: (extra arguments, text the error line must hold)
     "negative length": (None, "x>=1"),
     "zero batch size": (["--batch-size", "0"], "'--batch-size'"),
     "negative batch size": (["--batch-size", "-4"], "'--batch-size'"),
-    "zero lr": (["--lr", "0"], "must be > 0"),
-    "negative lr": (["--lr", "-0.1"], "must be > 0"),
+    "zero lr": (["--lr", "0"], "must be a finite number > 0"),
+    "negative lr": (["--lr", "-0.1"], "must be a finite number > 0"),
+    "infinite lr": (["--lr", "inf"], "must be a finite number > 0"),
 }
 RUNTIME_CASES = [  # exit 1
     "missing checkpoint", "random bytes", "truncated checkpoint", "other recipe's checkpoint", "pickle payload",

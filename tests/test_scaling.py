@@ -181,6 +181,29 @@ def test_bad_input_to_a_sharded_run(run_inprocess, corpus_txt, tmp_path):
     # a folder that is no checkpoint at all
     empty = run_inprocess("tiny_transformer", *args, "--run-dir", tmp_path / "empty", "--resume", tmp_path)
     assert empty.code == 1 and "is not a complete sharded checkpoint" in empty.stderr
+    # resumed in the other checkpoint format: the refusal names what differs in words, not as an option
+    single = run_inprocess("tiny_transformer", *args[:-4], "--batch-size", 8, "--max-steps", 3, "--parallel", "none",
+                           "--run-dir", run_dir, "--resume", "auto")
+    assert single.code == 1 and "checkpoints (sharded with --parallel fsdp) sharded there, single file here" in \
+        single.stderr
+    # what sharded runs do not keep, and a global batch that does not split: usage errors naming the option
+    for extra, option in [(["--keep-best", 2], "--keep-best"), (["--global-batch", 7, "--grad-accum", 2],
+                                                                "--global-batch")]:
+        refused = run_inprocess("tiny_transformer", *args, *extra, "--run-dir", tmp_path / "refused")
+        assert refused.code == 2 and option in refused.stderr, refused.stderr
+
+
+def test_a_sharded_run_that_diverges_names_its_last_good_sharded_checkpoint(run_inprocess, corpus_txt, tmp_path):
+    """Weights of ~1e30 are finite (step 1 saves them) but overflow in the next forward pass."""
+    run_dir = tmp_path / "run"
+    result = run_inprocess("tiny_transformer", "--text", corpus_txt, *TINY[4:], "--steps", 4, "--eval-every", 2,
+                           "--checkpoint-every", 1, "--lr", 1e30, "--max-grad-norm", 0, "--parallel", "fsdp",
+                           "--batch-size", 8, "--run-dir", run_dir)
+    assert result.code == 1 and "Traceback" not in result.stderr
+    good = run_dir / "checkpoints" / "dcp" / "step-000001"
+    assert result.stderr.strip().splitlines() == [
+        f"error: training diverged: the loss is nan at step 2; the last good checkpoint is {good}. Try a lower --lr"]
+    assert (good / ".metadata").is_file()
 
 
 LONG = ["--steps", 24, "--eval-every", 12, "--checkpoint-every", 3, "--global-batch", 16, "--parallel", "fsdp",

@@ -238,6 +238,33 @@ def test_character_vocabulary_is_stored_in_the_checkpoint(run_inprocess, text_fi
     assert "val_bits_per_char" in read_metrics(tmp_path / "run")
 
 
+def test_a_vocabulary_without_a_newline_samples_from_its_own_first_character(run_inprocess, tmp_path):
+    """No --prompt means a newline, unless the text has none: then the vocabulary's first character."""
+    text = tmp_path / "one_line.txt"
+    text.write_text("abc cab bca " * 100, encoding="utf-8")
+    result = run_inprocess(RECIPE, "--text", text, "--vocab", "chars", *SMALL, "--steps", 2, "--eval-every", 1,
+                           "--peak-flops", 1e11, "--run-dir", tmp_path / "run")
+    assert result.code == 0, result.stderr
+    assert read_metrics(tmp_path / "run")["steps"] == 2
+
+
+def test_a_prompt_outside_the_vocabulary_is_refused_before_training(run_inprocess, text_file, tmp_path):
+    result = run_inprocess(RECIPE, "--text", text_file, "--vocab", "chars", *SMALL, "--steps", 2, "--prompt", "Zq!",
+                           "--peak-flops", 1e11, "--run-dir", tmp_path / "run")
+    assert result.code == 2 and "--prompt" in result.stderr and "'!Zq'" in result.stderr
+    assert not (tmp_path / "run" / "checkpoints" / "last.pt").exists()
+
+
+def test_a_validation_loss_that_overflows_ends_the_run_as_diverged(run_inprocess, text_file, tmp_path):
+    """Weights of ~1e30 are finite, so the step's checks pass, but the forward pass overflows: the validation
+    loss is NaN. One line and exit 1, before a sample is drawn from NaN probabilities."""
+    result = run_inprocess(RECIPE, "--text", text_file, *SMALL, "--steps", 4, "--eval-every", 1, "--lr", 1e30,
+                           "--max-grad-norm", 0, "--peak-flops", 1e11, "--run-dir", tmp_path / "run")
+    assert result.code == 1 and "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines() == [
+        "error: training diverged: the validation loss is nan at step 1; no checkpoint yet. Try a lower --lr"]
+
+
 def test_resumed_run_ends_with_the_same_weights(run_inprocess, text_file, tmp_path):
     # no --peak-flops: the start-up FLOP measurement must not disturb the random streams a resume restores
     common = ["--text", text_file, *SMALL, "--steps", 10, "--eval-every", 5, "--dropout", 0.1, "--grad-accum", 2]
