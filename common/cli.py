@@ -27,6 +27,12 @@ def positive_float(value: float | None) -> float | None:
     return value
 
 
+def finite_non_negative(value: float) -> float:
+    if not 0 <= value < math.inf:  # also rejects nan
+        raise typer.BadParameter(f"must be a finite number >= 0, got {value}")
+    return value
+
+
 def ema_decay(value: float | None) -> float | None:
     if value is not None and not 0 < value < 1:  # also rejects nan
         raise typer.BadParameter(f"must be between 0 and 1 (e.g. 0.999), got {value}")

@@ -237,7 +237,9 @@ def main(
     momentum: Annotated[
         float, typer.Option(min=0.0, max=0.999, help="Peak SGD (Nesterov) momentum; the cycle dips it to 0.85.")
     ] = 0.95,
-    weight_decay: Annotated[float, typer.Option(min=0.0, help="L2 penalty on all weights.")] = 5e-4,
+    weight_decay: Annotated[
+        float, typer.Option(callback=cli.finite_non_negative, help="L2 penalty on all weights.")
+    ] = 5e-4,
     label_smoothing: Annotated[float, typer.Option(min=0.0, max=0.5, help="Cross-entropy label smoothing.")] = 0.1,
     width: Annotated[int, typer.Option(min=1, help="Channels of the first conv layer (later ones 2x-8x).")] = 16,
     augment: Annotated[bool, typer.Option(

@@ -392,7 +392,8 @@ def main(
         typer.Option("--optimizer", help="lbfgs trains full-batch: for small tables only."),
     ] = "adamw",
     weight_decay: Annotated[
-        float, typer.Option(min=0.0, help="Weight decay on weight matrices (decoupled in adamw, L2 in adam/sgd).")
+        float, typer.Option(callback=cli.finite_non_negative,
+                            help="Weight decay on weight matrices (decoupled in adamw, L2 in adam/sgd).")
     ] = 0.01,
     max_grad_norm: Annotated[float, typer.Option(callback=cli.positive_float, help="Gradient clipping norm.")] = 1.0,
     hidden: Annotated[int, typer.Option(min=1, help="Width of the hidden layers.")] = 256,

@@ -428,7 +428,8 @@ def main(
     lr: cli.LearningRate = 2e-3,
     min_lr_ratio: Annotated[float, typer.Option(min=0.0, max=1.0, help="Final rate as a share of --lr.")] = 0.1,
     warmup_steps: Annotated[int, typer.Option(min=0, help="Steps of linear warmup.")] = 100,
-    weight_decay: Annotated[float, typer.Option(min=0.0, help="AdamW weight decay on matrices.")] = 0.1,
+    weight_decay: Annotated[float, typer.Option(callback=cli.finite_non_negative,
+                                                help="AdamW weight decay on matrices.")] = 0.1,
     beta1: Annotated[float, typer.Option(callback=cli.decay_rate, help="AdamW's first-moment decay, in [0, 1).")] = 0.9,
     beta2: Annotated[float, typer.Option(
         callback=cli.decay_rate,

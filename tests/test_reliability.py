@@ -380,3 +380,11 @@ def test_checkpoint_every_writes_at_those_steps(run_inprocess, tmp_path, monkeyp
     assert result.code == 0, result.stderr
     assert [step for name, step in saved if name == "last.pt"] == expected
     assert torch.load(tmp_path / "run" / "checkpoints" / "last.pt", weights_only=True)["step"] == 30
+
+
+@pytest.mark.parametrize("recipe", ["mnist_onecycle", "tabular_mlp", "tiny_transformer"])
+@pytest.mark.parametrize("value", ["inf", "-0.5"])
+def test_weight_decay_must_be_finite_and_not_negative(run_inprocess, recipe, value):
+    result = run_inprocess(recipe, "--weight-decay", value)
+    assert result.code == 2
+    assert "'--weight-decay'" in result.stderr and "must be a finite number >= 0" in result.stderr
