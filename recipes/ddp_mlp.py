@@ -194,8 +194,9 @@ def main(
         # every rank evaluates its shard; rank 0 saves best.pt and last.pt
         run.log_eval(lambda weights: evaluate(weights, val_loader, device), score=lambda val: val["acc"])
 
-    test = evaluate(model, test_loader, device)
-    run.finish({"test_loss": test["loss"], "test_acc": test["acc"], "world_size": world_size})
+    if not run.finished:  # the test set, once, at the end (a relaunch of a finished run has nothing to add)
+        test = evaluate(model, test_loader, device)
+        run.finish({"test_loss": test["loss"], "test_acc": test["acc"], "world_size": world_size})
     if world_size > 1:
         leave_process_group()
 

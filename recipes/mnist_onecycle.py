@@ -332,9 +332,10 @@ def main(
             run.writer.add_image("val/misclassified", grid, run.step)
         run.log_eval(validate, score=lambda val: val["acc"])  # best.pt: the best validation accuracy
 
-    test = evaluate(model, make_loader(test_set, 1000, train=False, device=device), eval_loss_fn, device=device,
-                    precision=precision)
-    run.finish({"test_loss": test["loss"], "test_acc": test["acc"]})
+    if not run.finished:  # the test set, once, at the end (a relaunch of a finished run has nothing to add)
+        test = evaluate(model, make_loader(test_set, 1000, train=False, device=device), eval_loss_fn, device=device,
+                        precision=precision)
+        run.finish({"test_loss": test["loss"], "test_acc": test["acc"]})
 
 
 if __name__ == "__main__":

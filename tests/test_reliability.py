@@ -388,3 +388,18 @@ def test_weight_decay_must_be_finite_and_not_negative(run_inprocess, recipe, val
     result = run_inprocess(recipe, "--weight-decay", value)
     assert result.code == 2
     assert "'--weight-decay'" in result.stderr and "must be a finite number >= 0" in result.stderr
+
+
+@pytest.mark.parametrize("recipe", ["mnist_onecycle", "ddp_mlp"])
+def test_relaunching_a_finished_run_does_not_score_the_test_set_again(recipe, run_inprocess, request, tmp_path,
+                                                                      monkeypatch):
+    from conftest import load_recipe
+
+    args = [*smoke_args(recipe, request), "--run-dir", tmp_path, "--resume", "auto"]
+    assert run_inprocess(recipe, *args).code == 0
+    before = snapshot(tmp_path)
+    assert "test_acc" in read_metrics(tmp_path)
+    monkeypatch.setattr(load_recipe(recipe), "evaluate", lambda *a, **k: pytest.fail("evaluated after the end"))
+    result = run_inprocess(recipe, *args)
+    assert result.code == 0, result.stderr
+    assert "already finished" in result.stdout and snapshot(tmp_path) == before
