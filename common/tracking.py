@@ -76,7 +76,7 @@ class Run:
 
     def open_run_dir(self, run_dir, resume: str | None) -> tuple:
         """(run directory, checkpoint to resume from or None, its contents): a subclass with checkpoints of
-        another kind (common/sharded.py) finds and reads its own here."""
+        another kind (ShardedRun, for DCP folders) finds and reads its own here."""
         run_dir, resume_path = prepare_run_dir(self.recipe, run_dir, resume, self.is_main)
         return run_dir, resume_path, load_checkpoint(resume_path, self.recipe) if resume_path else None
 

@@ -521,7 +521,6 @@ def main(
     options.update(batch_size=batch_size, global_batch=global_batch, parallel=parallel,
                    checkpoints="sharded" if parallel == "fsdp" else "single file")
     cli.OPTION_NAMES["checkpoints"] = "checkpoints (sharded with --parallel fsdp)"  # for a resume's refusal
-    # FSDP writes sharded checkpoints (common/sharded.py); one process and DDP the single file last.pt
     run = (ShardedRun if parallel == "fsdp" else Run)(
         RECIPE, options, unit="tokens", may_change={"eval_batches", "sample_tokens", "temperature", "top_k", "prompt",
                                                     "peak_flops", "batch_size", "grad_accum", "parallel",

@@ -148,8 +148,10 @@ def test_sharded_checkpoint_resumes_at_another_world_size(run_inprocess, one_pro
     assert samples[0].stdout == samples[1].stdout and len(samples[0].stdout) > 10
 
     # Relaunched once finished: nothing trained, nothing overwritten.
+    files = {path: path.read_bytes() for path in run_dir.rglob("*") if path.is_file()}
     again = run_inprocess("tiny_transformer", *args)
     assert again.code == 0 and "already finished" in again.stdout
+    assert {path: path.read_bytes() for path in run_dir.rglob("*") if path.is_file()} == files
 
 
 def test_bad_input_to_a_sharded_run(run_inprocess, corpus_txt, tmp_path):
@@ -187,10 +189,19 @@ def test_bad_input_to_a_sharded_run(run_inprocess, corpus_txt, tmp_path):
     assert single.code == 1 and "checkpoints (sharded with --parallel fsdp) sharded there, single file here" in \
         single.stderr
     # what sharded runs do not keep, and a global batch that does not split: usage errors naming the option
-    for extra, option in [(["--keep-best", 2], "--keep-best"), (["--global-batch", 7, "--grad-accum", 2],
-                                                                "--global-batch")]:
+    for extra, option, why in [(["--keep-best", 2], "--keep-best", "keep one best checkpoint"),
+                               (["--ema", 0.9], "--ema", "an average of sharded weights is not kept"),
+                               (["--precision", "fp16"], "--precision", "use bf16 with --parallel fsdp"),
+                               (["--global-batch", 7, "--grad-accum", 2], "--global-batch", "does not split into")]:
         refused = run_inprocess("tiny_transformer", *args, *extra, "--run-dir", tmp_path / "refused")
-        assert refused.code == 2 and option in refused.stderr, refused.stderr
+        assert refused.code == 2 and option in refused.stderr and why in refused.stderr, refused.stderr
+
+
+def test_parallel_none_under_torchrun_is_refused_on_every_rank(corpus_txt, tmp_path):
+    result = run_torchrun(["--nproc_per_node=2", RECIPE, "--text", corpus_txt, *TINY, "--parallel", "none",
+                           "--run-dir", tmp_path / "run"])
+    assert result.code != 0  # every rank says it (two lines, which may interleave: counted, not split)
+    assert result.stderr.count("error: --parallel none trains one process, but torchrun started 2") == 2
 
 
 def test_a_sharded_run_that_diverges_names_its_last_good_sharded_checkpoint(run_inprocess, corpus_txt, tmp_path):
@@ -278,9 +289,16 @@ def test_lost_node_the_survivor_reforms_at_world_size_one_and_finishes(uninterru
     assert_close_weights(uninterrupted, load_weights(run_dir / "checkpoints" / "last.pt"))
 
 
-def test_activation_checkpointing_recomputes_to_the_same_weights(run_inprocess, one_process, corpus_txt, tmp_path):
+def test_activation_checkpointing_recomputes_to_the_same_weights(run_inprocess, one_process, corpus_txt, tmp_path,
+                                                                  monkeypatch):
+    from conftest import load_recipe
+
+    recipe, calls = load_recipe("tiny_transformer"), []
+    real = recipe.checkpoint
+    monkeypatch.setattr(recipe, "checkpoint", lambda *args, **kwargs: calls.append(1) or real(*args, **kwargs))
     result = run_inprocess("tiny_transformer", "--text", corpus_txt, *TINY, "--batch-size", 16,
                            "--activation-checkpointing", "--run-dir", tmp_path / "ac")
     assert result.code == 0, result.stderr
+    assert len(calls) == 2 * 6  # every block (2) of every training step (6), never in evaluation or sampling
     assert_close_weights(load_weights(one_process / "checkpoints" / "last.pt"),
                          load_weights(tmp_path / "ac" / "checkpoints" / "last.pt"))

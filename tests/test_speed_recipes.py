@@ -37,6 +37,20 @@ def test_mixed_precision_trains_in_each_precision(run_inprocess, tmp_path, preci
     assert losses[-1] < losses[0]
 
 
+def test_bf16_autocast_changes_the_numbers_but_not_the_training(run_inprocess, tmp_path):
+    """The same seed and steps in fp32 and bf16: bf16's matmuls round differently, so the losses differ from
+    step 1 on (a recipe that ignored --precision would match exactly), yet follow the same curve."""
+    losses = {}
+    for precision in ("fp32", "bf16"):
+        result = run_inprocess("mixed_precision", *MP_SMALL, "--epochs", 1, "--precision", precision,
+                               "--run-dir", tmp_path / precision)
+        assert result.code == 0, result.stderr
+        losses[precision] = [v for _, v in read_scalars(tmp_path / precision)["train/loss"]]
+    assert len(losses["fp32"]) == len(losses["bf16"]) == 4
+    assert all(a != b for a, b in zip(losses["fp32"], losses["bf16"], strict=True))
+    assert losses["bf16"] == pytest.approx(losses["fp32"], rel=0.05)
+
+
 def test_fp16_resume_restores_the_scaler(run_inprocess, tmp_path):
     common = [*MP_SMALL, "--epochs", 2, "--precision", "fp16"]
     assert run_inprocess("mixed_precision", *common, "--run-dir", tmp_path / "full").code == 0

@@ -246,6 +246,7 @@ def test_a_vocabulary_without_a_newline_samples_from_its_own_first_character(run
                            "--peak-flops", 1e11, "--run-dir", tmp_path / "run")
     assert result.code == 0, result.stderr
     assert read_metrics(tmp_path / "run")["steps"] == 2
+    assert "--- sample at step 2 ---\n " in result.stdout  # the vocabulary is " abc": it starts at " "
 
 
 def test_a_prompt_outside_the_vocabulary_is_refused_before_training(run_inprocess, text_file, tmp_path):
