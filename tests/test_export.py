@@ -312,6 +312,12 @@ def test_the_readme_deploy_section_runs_as_written(checkpoints, tmp_path):
     assert (tmp_path / "exported" / "mnist" / "model.pt2").is_file()
     assert "mnist_onecycle: eager vs torch.export max difference" in outputs[0]  # the script's report
     assert outputs[0].strip().splitlines()[-1].startswith("done: exported")
+    # each Python block prints four predicted classes: tensor([d, d, d, d]) from torch, [d d d d] from numpy
+    for printed in outputs[1:3]:
+        classes = [int(d) for d in re.findall(r"\d+", printed)]
+        assert len(classes) == 4 and all(0 <= d <= 9 for d in classes), printed
     predictions = outputs[-1].strip().splitlines()
     assert [line.split()[0] for line in predictions[:-1]] == ["my_digits/one.png", "photo.jpg"]
     assert predictions[-1] == "done: predictions=2"
+    # the photo is the same digit, dark on light: once inverted it is read as the same class
+    assert predictions[0].split()[1] == predictions[1].split()[1]

@@ -139,3 +139,17 @@ def test_unknown_backend_is_a_usage_error(run_inprocess):
     result = run_inprocess("compiled_model", "--backend", "turbo")
     assert result.code == 2
     assert re.search(r"'turbo' is not one of .*inductor", result.stderr)
+
+
+def test_a_resume_may_change_where_and_how_fast_it_runs_and_ends_with_the_same_weights(run_inprocess, tmp_path):
+    """--num-workers, --checkpoint-every, --progress and --keep-best only say how the run goes: a resume may
+    change them (they are in MAY_CHANGE) and still ends with the weights of the run that never stopped."""
+    common = [*MP_SMALL, "--epochs", 2]
+    assert run_inprocess("mixed_precision", *common, "--run-dir", tmp_path / "full").code == 0
+    assert run_inprocess("mixed_precision", *common, "--max-steps", 3, "--run-dir", tmp_path / "cut").code == 0
+    resumed = run_inprocess("mixed_precision", *common, "--num-workers", 2, "--checkpoint-every", 2, "--progress",
+                            "--keep-best", 2, "--resume", "auto", "--run-dir", tmp_path / "cut")
+    assert resumed.code == 0, resumed.stderr
+    assert "resumed at step 3" in resumed.stdout
+    assert_same_weights(load_weights(tmp_path / "full" / "checkpoints" / "last.pt"),
+                        load_weights(tmp_path / "cut" / "checkpoints" / "last.pt"))
