@@ -1,5 +1,6 @@
 """The README only says true things: its commands run, and the files it names exist."""
 
+import json
 import re
 import shlex
 import shutil
@@ -69,3 +70,48 @@ def test_readme_tools_and_files_exist():
     assert shutil.which("tensorboard") or (ROOT / ".venv" / "bin" / "tensorboard").exists()
     for path in re.findall(r"`((?:recipes|common|scripts|data|tests)/[\w./-]+\.(?:py|md|sh))`", README):
         assert (ROOT / path).exists(), path
+
+
+def indented_commands(section: str) -> list[str]:
+    """The shell commands of a section's indented blocks, continuation lines (ending in \\) joined."""
+    commands, current = [], []
+    for line in section.splitlines():
+        if line.startswith("    ") and (current or re.match(r"\s+(python|torchrun) ", line)):
+            current.append(line.strip().removesuffix("\\").strip())
+            if not line.rstrip().endswith("\\"):
+                commands.append(" ".join(current))
+                current = []
+    return commands
+
+
+SCALING = README.split("## Scaling the transformer\n", 1)[1].split("\n## ", 1)[0]
+SCALING_COMMANDS = [c for c in indented_commands(SCALING) if "--nnodes" not in c]  # two nodes: test_scaling.py
+
+
+def test_the_scaling_section_shows_one_process_ddp_and_fsdp():
+    assert [re.search(r"--parallel (\w+)", c)[1] if "--parallel" in c else "none" for c in SCALING_COMMANDS] == [
+        "none", "ddp", "fsdp"]
+
+
+@pytest.mark.parametrize("command", SCALING_COMMANDS)
+def test_readme_scaling_command_trains_as_it_says(command, request, tmp_path):
+    """Each single-machine command of "Scaling the transformer", its own options kept (the smoke options only
+    make the model and the run small): the run's config holds every option the command gives, and it ran on as
+    many processes as the command starts."""
+    words = shlex.split(command)
+    own = words[next(i for i, w in enumerate(words) if w.endswith(".py")) + 1 :]
+    extra = strip_options([*smoke_args("tiny_transformer", request), "--run-dir", str(tmp_path / "run")],
+                          {w for w in own if w.startswith("--")})
+    if words[0] == "torchrun":
+        result = run_torchrun([*words[1:], *extra])
+    else:
+        result = run_subprocess([sys.executable, *words[1:], *extra])
+    assert result.code == 0, f"{command}\n{result.stderr[-3000:]}"
+    config = json.loads((tmp_path / "run" / "config.json").read_text())
+    for i, word in enumerate(own):
+        if word.startswith("--"):
+            value = own[i + 1] if i + 1 < len(own) and not own[i + 1].startswith("--") else True
+            key = word[2:].replace("-", "_")
+            assert str(config[key]) == str(value) if value is not True else config[key] is True, (word, config[key])
+    processes = int(re.search(r"--nproc_per_node=(\d+)", command)[1]) if words[0] == "torchrun" else 1
+    assert json.loads((tmp_path / "run" / "metrics.json").read_text())["world_size"] == processes
