@@ -56,6 +56,24 @@ def test_digits_white_on_black_and_dark_on_paper_are_classified(checkpoint, run_
         assert 0.1 < probability <= 1.0
 
 
+def test_colour_images_are_read_as_their_grey_levels(checkpoint, run_inprocess, tmp_path):
+    """A photo is RGB: decoded to one grey channel, it gives the grey image's digit and probability."""
+    for label, image in one_digit_per_class()[:4]:
+        write_png(255 - image, str(tmp_path / f"{label}-grey.png"))
+        rgb = torch.cat([255 - image] * 3)  # the same picture with three (equal) channels, as a photo has
+        write_png(rgb, str(tmp_path / f"{label}-rgb.png"))
+        write_jpeg(rgb, str(tmp_path / f"{label}-rgb.jpg"), quality=100)
+    result = run_inprocess(RECIPE, "--predict", tmp_path, "--resume", checkpoint)
+    assert result.code == 0, result.stderr
+    predictions = parse(result.stdout)
+    assert len(predictions) == 12
+    for label in range(4):
+        grey_digit, grey_p = predictions[f"{label}-grey.png"]
+        assert grey_digit == label
+        assert predictions[f"{label}-rgb.png"] == (grey_digit, grey_p)  # lossless: exactly the same
+        assert predictions[f"{label}-rgb.jpg"][0] == label  # lossy JPEG: the same digit
+
+
 def test_files_and_folders_in_the_order_given(checkpoint, run_inprocess, tmp_path):
     digits = dict(one_digit_per_class())
     (tmp_path / "more").mkdir()

@@ -302,3 +302,22 @@ def test_activation_checkpointing_recomputes_to_the_same_weights(run_inprocess, 
     assert len(calls) == 2 * 6  # every block (2) of every training step (6), never in evaluation or sampling
     assert_close_weights(load_weights(one_process / "checkpoints" / "last.pt"),
                          load_weights(tmp_path / "ac" / "checkpoints" / "last.pt"))
+
+
+def test_pruning_keeps_the_last_complete_checkpoints_and_the_best_one(tmp_path):
+    """Of six complete step folders the last three stay, and the best (step 2) though it is older; an incomplete
+    folder is not a checkpoint and pruning leaves it alone."""
+    from types import SimpleNamespace
+
+    from common.sharded import KEEP, ShardedRun
+
+    for step in range(1, 7):
+        folder = tmp_path / f"step-{step:06d}"
+        folder.mkdir()
+        (folder / ".metadata").write_bytes(b"")
+        (folder / "trainer.pt").write_bytes(b"")
+    (tmp_path / "step-000007").mkdir()  # no .metadata: a save cut short
+    ShardedRun.prune(SimpleNamespace(dcp_dir=tmp_path, state=SimpleNamespace(best_step=2)))
+    assert KEEP == 3
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000002", "step-000004", "step-000005", "step-000006",
+                                                          "step-000007"]
