@@ -27,6 +27,12 @@ def positive_float(value: float | None) -> float | None:
     return value
 
 
+def clip_norm(value: float) -> float:
+    if not value > 0:  # also rejects nan; inf clips nothing
+        raise typer.BadParameter(f"must be > 0 (inf: no clipping), got {value}")
+    return value
+
+
 def finite_non_negative(value: float) -> float:
     if not 0 <= value < math.inf:  # also rejects nan
         raise typer.BadParameter(f"must be a finite number >= 0, got {value}")

@@ -153,7 +153,8 @@ class ShardedRun(Run):
 
     @property
     def last_checkpoint(self) -> Path:
-        return self.dcp_dir / f"step-{self.last_saved:06d}"
+        written = self.dcp_dir / f"step-{self.last_saved:06d}"
+        return written if written.is_dir() else self.resume_path  # resumed from elsewhere, nothing saved here yet
 
     def warn(self, message: str) -> None:
         print(message, file=sys.stderr, flush=True)
@@ -226,14 +227,20 @@ class ShardedRun(Run):
     def finish(self, metrics: dict | None = None) -> dict:
         """Also leave the last and the best checkpoint as single files, checkpoints/last.pt and best.pt (rank 0
         writes them from their folders)."""
+        failed = [None]
         if not self.finished and self.last_saved is not None and self.is_main:
-            final = self.dcp_dir / f"step-{self.last_saved:06d}"
-            to_single_file(final, self.run_dir / "checkpoints" / "last.pt", self.recipe)
-            best = self.dcp_dir / f"step-{self.state.best_step:06d}"
-            if self.state.best_step and best.is_dir():
-                to_single_file(best, self.run_dir / "checkpoints" / "best.pt", self.recipe)
+            final, best = (self.dcp_dir / f"step-{step:06d}" for step in (self.last_saved, self.state.best_step))
+            try:
+                to_single_file(final, self.run_dir / "checkpoints" / "last.pt", self.recipe)
+                if self.state.best_step and best.is_dir():  # the same folder as last.pt's: converted again, cheap
+                    to_single_file(best, self.run_dir / "checkpoints" / "best.pt", self.recipe)
+            except OSError as err:  # a full disk, say: the sharded checkpoints are what counts, and they are whole
+                failed = [f"could not write the single-file checkpoints in {self.run_dir / 'checkpoints'}: "
+                          f"{err.strerror or err}; the sharded checkpoints in {self.dcp_dir} are intact"]
         if self.world_size > 1:
-            dist.barrier()
+            dist.broadcast_object_list(failed)  # every rank waits for rank 0, and stops with its error
+        if failed[0]:
+            raise RecipeError(failed[0])
         return super().finish(metrics)
 
 

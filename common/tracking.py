@@ -58,6 +58,8 @@ class Run:
                     chosen = [prepare_run_dir(recipe, run_dir[0], resume)[0]]
                 except (RecipeError, typer.BadParameter) as err:  # every rank stops with it, none waits
                     chosen = [err]
+                except OSError as err:
+                    chosen = [RecipeError(f"cannot use --run-dir {run_dir[0]}: {err.strerror or err}")]
             dist.broadcast_object_list(chosen)
             if isinstance(chosen[0], Exception):
                 raise chosen[0]
@@ -233,7 +235,8 @@ class Run:
 
     @property
     def last_checkpoint(self) -> Path:
-        return self.run_dir / "checkpoints" / "last.pt"
+        written = self.run_dir / "checkpoints" / "last.pt"
+        return written if written.is_file() else self.resume_path  # resumed from elsewhere, nothing saved here yet
 
     @property
     def throughput(self) -> float:
@@ -247,7 +250,9 @@ class Run:
                  score: Callable[[dict[str, float]], float] | None = None, note: str = "") -> None:
         """Evaluate with ``validate(model) -> {"loss": ..., "acc": ...}`` (and the EMA with --ema), log it and
         print a line for the interval; save best.pt when ``score(metrics)`` (higher is better: an accuracy, or
-        minus a loss; the EMA's with --ema) is the best so far, and the --keep-best best ones; then last.pt."""
+        minus a loss; the EMA's with --ema) is the best so far, and the --keep-best best ones; then last.pt.
+        With several processes ``validate`` must return the whole group's figures (reduced across the ranks):
+        every rank then decides alike on best.pt, early stopping and divergence."""
         self.flush()
         if self.interval_losses:
             self.train_loss = sum(self.interval_losses) / len(self.interval_losses)

@@ -17,7 +17,7 @@ e.g. on a shared file system, so that every rank can resume from the same checkp
     torchrun --nnodes=2 --nproc_per_node=1 --node-rank=0 --rdzv-backend=c10d --rdzv-endpoint=HOST0:29500 \\
         --rdzv-id=mnist-ddp recipes/ddp_mlp.py --run-dir /shared/runs/ddp --resume auto
 
-A good result: about 98% test accuracy after 5 epochs. Two processes on a 2-core CPU train about 1.8x as
+A good result: about 98% test accuracy after 5 epochs. Two processes on a 2-core CPU train 1.7-1.8x as
 many digits per second as one (see the README's Performance table); the bigger the per-process batch, the
 better the communication, which is fixed per step, is amortised.
 """

@@ -395,7 +395,7 @@ def main(
         float, typer.Option(callback=cli.finite_non_negative,
                             help="Weight decay on weight matrices (decoupled in adamw, L2 in adam/sgd).")
     ] = 0.01,
-    max_grad_norm: Annotated[float, typer.Option(callback=cli.positive_float, help="Gradient clipping norm.")] = 1.0,
+    max_grad_norm: Annotated[float, typer.Option(callback=cli.clip_norm, help="Gradient clipping norm.")] = 1.0,
     hidden: Annotated[int, typer.Option(min=1, help="Width of the hidden layers.")] = 256,
     depth: Annotated[int, typer.Option(min=1, help="Number of hidden layers.")] = 3,
     dropout: Annotated[float, typer.Option(min=0.0, max=0.9, help="Dropout after each hidden layer.")] = 0.1,
@@ -503,7 +503,7 @@ def main(
         run.log_eval(validate, score=lambda val: val["acc"] if classification else -val["rmse"])
 
     test = {}
-    if test_table is not None:  # Adult's official test file, scored once at the end
+    if test_table is not None and not run.finished:  # Adult's official test file, scored once at the end
         test_set = TabularDataset(*encode(spec, test_table))
         test = validate(model, make_loader(test_set, 1024, train=False, collate_fn=built_batch))
     run.finish({f"test_{k}": v for k, v in test.items()})

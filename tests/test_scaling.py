@@ -321,3 +321,40 @@ def test_pruning_keeps_the_last_complete_checkpoints_and_the_best_one(tmp_path):
     assert KEEP == 3
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000002", "step-000004", "step-000005", "step-000006",
                                                           "step-000007"]
+
+
+def test_a_full_disk_at_the_single_file_copies_is_one_line_and_leaves_the_sharded_checkpoints(
+        run_inprocess, corpus_txt, tmp_path, monkeypatch):
+    import errno
+
+    import common.sharded
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(common.sharded, "to_single_file", full)
+    run_dir = tmp_path / "run"
+    result = run_inprocess("tiny_transformer", "--text", corpus_txt, *TINY, "--parallel", "fsdp", "--batch-size", 8,
+                           "--run-dir", run_dir)
+    assert result.code == 1 and "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines() == [
+        f"error: could not write the single-file checkpoints in {run_dir / 'checkpoints'}: No space left on device; "
+        f"the sharded checkpoints in {run_dir / 'checkpoints' / 'dcp'} are intact"]
+    assert (run_dir / "checkpoints" / "dcp" / "step-000006" / ".metadata").is_file()
+
+
+def test_the_last_good_checkpoint_is_the_resumed_one_until_the_run_saves_its_own(tmp_path):
+    from types import SimpleNamespace
+
+    from common.sharded import ShardedRun
+    from common.tracking import Run
+
+    elsewhere = tmp_path / "other" / "last.pt"
+    run = SimpleNamespace(run_dir=tmp_path / "run", resume_path=elsewhere, dcp_dir=tmp_path / "run" / "dcp",
+                          last_saved=4)
+    assert Run.last_checkpoint.fget(run) == elsewhere and ShardedRun.last_checkpoint.fget(run) == elsewhere
+    (tmp_path / "run" / "checkpoints").mkdir(parents=True)
+    (tmp_path / "run" / "checkpoints" / "last.pt").write_bytes(b"")
+    (tmp_path / "run" / "dcp" / "step-000004").mkdir(parents=True)
+    assert Run.last_checkpoint.fget(run) == tmp_path / "run" / "checkpoints" / "last.pt"
+    assert ShardedRun.last_checkpoint.fget(run) == tmp_path / "run" / "dcp" / "step-000004"
