@@ -18,6 +18,7 @@ from conftest import (
     assert_same_weights,
     load_weights,
     read_metrics,
+    run_subprocess,
     run_torchrun,
     worker_died_of_a_signal,
     worker_pids,
@@ -158,8 +159,9 @@ def test_a_failure_on_the_ranks_ends_them_all_with_the_one_line_error(mnist_dir,
     result = torchrun("--nproc_per_node=2", "recipes/ddp_mlp.py", "--data-dir", mnist_dir,
                       "--resume", tmp_path / "missing.pt", "--run-dir", tmp_path / "run", *SMALL, timeout=120)
     assert result.code != 0
-    # every rank says it: two lines, which may interleave, so counted rather than split
-    assert result.stderr.count("missing.pt does not exist") == 2 and result.stderr.count("error: ") == 2
+    # Every rank that gets to say it says the same line. Not always both: once rank 0 has exited, torchrun may
+    # stop rank 1 (SIGTERM) before it prints. Lines may interleave, so they are counted, not split.
+    assert 1 <= result.stderr.count("missing.pt does not exist") == result.stderr.count("error: ") <= 2
 
 
 def test_a_failure_found_by_rank_0_alone_ends_every_rank_with_its_one_line_error(mnist_dir, tmp_path):
@@ -168,13 +170,15 @@ def test_a_failure_found_by_rank_0_alone_ends_every_rank_with_its_one_line_error
     run_dir = tmp_path / "run"
     (run_dir / "checkpoints").mkdir(parents=True)
     (run_dir / "checkpoints" / "last.pt").write_bytes(b"an earlier run's checkpoint")
-    result = torchrun("--nproc_per_node=2", "recipes/ddp_mlp.py", "--data-dir", mnist_dir, "--run-dir", run_dir,
-                      *SMALL, timeout=120)
+    # run_subprocess, not torchrun(): its one more try (for a worker killed by a signal) would empty --run-dir
+    result = run_subprocess([*TORCHRUN, "--nproc_per_node=2", "recipes/ddp_mlp.py", "--data-dir", mnist_dir,
+                             "--run-dir", run_dir, *SMALL], timeout=120)
     assert result.code != 0
     output = result.stdout + result.stderr  # torchrun's own traceback (ChildFailedError) aside, no worker's one
     assert 'recipes/ddp_mlp.py", line' not in output and 'common/tracking.py", line' not in output
     assert "Connection reset" not in output
-    assert result.stderr.count("already holds checkpoints") == 2 and result.stderr.count("error: ") == 2
+    # rank 1 says it too unless torchrun stops it (SIGTERM) once rank 0 has exited; lines may interleave
+    assert 1 <= output.count("already holds checkpoints") == result.stderr.count("error: ") <= 2
     assert (run_dir / "checkpoints" / "last.pt").read_bytes() == b"an earlier run's checkpoint"
 
 

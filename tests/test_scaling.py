@@ -200,8 +200,8 @@ def test_bad_input_to_a_sharded_run(run_inprocess, corpus_txt, tmp_path):
 def test_parallel_none_under_torchrun_is_refused_on_every_rank(corpus_txt, tmp_path):
     result = run_torchrun(["--nproc_per_node=2", RECIPE, "--text", corpus_txt, *TINY, "--parallel", "none",
                            "--run-dir", tmp_path / "run"])
-    assert result.code != 0  # every rank says it (two lines, which may interleave: counted, not split)
-    assert result.stderr.count("error: --parallel none trains one process, but torchrun started 2") == 2
+    assert result.code != 0  # every rank that gets to say it (torchrun may stop the other first); lines may interleave
+    assert 1 <= result.stderr.count("error: --parallel none trains one process, but torchrun started 2") <= 2
 
 
 def test_a_sharded_run_that_diverges_names_its_last_good_sharded_checkpoint(run_inprocess, corpus_txt, tmp_path):
