@@ -19,7 +19,7 @@ def memory_account(model: nn.Module, optimizer: torch.optim.Optimizer, device: t
     params = list(model.parameters())  # each shared (tied) parameter once
     # Bytes this process holds: of a DTensor (FSDP2's sharded parameters, their gradients and optimizer
     # state) only the local shard, so under FSDP the account is per rank.
-    size = lambda t: _local(t).numel() * t.element_size()  # noqa: E731
+    size = lambda t: local(t).numel() * t.element_size()  # noqa: E731
     state = [(key, value, p) for p in params for key, value in optimizer.state.get(p, {}).items()
              if isinstance(value, torch.Tensor)]
     per_parameter = sum(size(v) for key, v, p in state if key != "step" and v.shape == p.shape)  # exp_avg, momentum
@@ -35,7 +35,8 @@ def memory_account(model: nn.Module, optimizer: torch.optim.Optimizer, device: t
     return with_peaks(account, device)
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a tensor: its shard of a DTensor (FSDP2), else the tensor itself."""
     return t.to_local() if hasattr(t, "to_local") else t
 
 

@@ -34,10 +34,10 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_model_state_dict, set_state_dict
-from torch.distributed.tensor import DTensor
 
 from common.checkpoint import load_checkpoint, save_checkpoint
 from common.cli import OPTION_NAMES, RecipeError
+from common.resources import local
 from common.resume import check_same_run
 from common.rundir import prepare_run_dir
 from common.tracking import Run
@@ -52,11 +52,6 @@ def quiet_single_process():
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         yield
-
-
-def local(t: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a tensor: its shard of a DTensor, else the tensor itself."""
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def complete_checkpoints(folder: Path, warn=None) -> list[Path]:
@@ -227,21 +222,19 @@ class ShardedRun(Run):
     def finish(self, metrics: dict | None = None) -> dict:
         """Also leave the last and the best checkpoint as single files, checkpoints/last.pt and best.pt (rank 0
         writes them from their folders)."""
-        failed = [None]
-        if not self.finished and self.last_saved is not None and self.is_main:
-            final, best = (self.dcp_dir / f"step-{step:06d}" for step in (self.last_saved, self.state.best_step))
-            try:
-                to_single_file(final, self.run_dir / "checkpoints" / "last.pt", self.recipe)
-                if self.state.best_step and best.is_dir():  # the same folder as last.pt's: converted again, cheap
-                    to_single_file(best, self.run_dir / "checkpoints" / "best.pt", self.recipe)
-            except OSError as err:  # a full disk, say: the sharded checkpoints are what counts, and they are whole
-                failed = [f"could not write the single-file checkpoints in {self.run_dir / 'checkpoints'}: "
-                          f"{err.strerror or err}; the sharded checkpoints in {self.dcp_dir} are intact"]
-        if self.world_size > 1:
-            dist.broadcast_object_list(failed)  # every rank waits for rank 0, and stops with its error
-        if failed[0]:
-            raise RecipeError(failed[0])
+        if not self.finished and self.last_saved is not None:
+            self.from_rank_0(self.write_single_files)  # every rank waits for them, and stops with their error
         return super().finish(metrics)
+
+    def write_single_files(self) -> None:
+        final, best = (self.dcp_dir / f"step-{step:06d}" for step in (self.last_saved, self.state.best_step))
+        try:
+            to_single_file(final, self.run_dir / "checkpoints" / "last.pt", self.recipe)
+            if self.state.best_step and best.is_dir():  # the same folder as last.pt's: converted again, cheap
+                to_single_file(best, self.run_dir / "checkpoints" / "best.pt", self.recipe)
+        except OSError as err:  # a full disk, say: the sharded checkpoints are what counts, and they are whole
+            raise RecipeError(f"could not write the single-file checkpoints in {self.run_dir / 'checkpoints'}: "
+                              f"{err.strerror or err}; the sharded checkpoints in {self.dcp_dir} are intact") from None
 
 
 def fsync_dir(path: Path) -> None:

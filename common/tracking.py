@@ -52,18 +52,7 @@ class Run:
         self.is_main = self.rank == 0
         run_dir, resume = [self.options.get("run_dir")], self.options.get("resume")
         if self.world_size > 1:  # rank 0 names a default directory; every rank must use that one
-            chosen = [None]
-            if self.is_main:
-                try:
-                    chosen = [prepare_run_dir(recipe, run_dir[0], resume)[0]]
-                except (RecipeError, typer.BadParameter) as err:  # every rank stops with it, none waits
-                    chosen = [err]
-                except OSError as err:
-                    chosen = [RecipeError(f"cannot use --run-dir {run_dir[0]}: {err.strerror or err}")]
-            dist.broadcast_object_list(chosen)
-            if isinstance(chosen[0], Exception):
-                raise chosen[0]
-            run_dir = chosen
+            run_dir = [self.from_rank_0(lambda: prepare_run_dir(recipe, run_dir[0], resume)[0])]
         self.run_dir, self.resume_path, self.checkpoint = self.open_run_dir(run_dir[0], resume)
         self.config = plain_config(self.options)
         self.finished, self.state, self.writer, self.stop, self.metrics, self.memory = False, None, None, None, {}, {}
@@ -75,6 +64,23 @@ class Run:
         self.progress = Progress(TextColumn("step"), MofNCompleteColumn(), BarColumn(),
                                  TextColumn("{task.fields[status]}"), TimeRemainingColumn(),
                                  disable=not ((sys.stdout.isatty() if show is None else show) and self.is_main))
+
+    def from_rank_0(self, work: Callable[[], object]) -> object:
+        """``work()`` on rank 0 alone, its result on every rank. A problem it meets (a RecipeError, a usage error,
+        an OSError) is raised on every rank alike, so that none is left waiting for a broadcast that never comes."""
+        outcome = [None]
+        if self.is_main:
+            try:
+                outcome = [work()]
+            except (RecipeError, typer.BadParameter) as err:
+                outcome = [err]
+            except OSError as err:
+                outcome = [RecipeError(f"{err.filename or 'a file'}: {err.strerror or err}")]
+        if self.world_size > 1:
+            dist.broadcast_object_list(outcome)
+        if isinstance(outcome[0], Exception):
+            raise outcome[0]
+        return outcome[0]
 
     def open_run_dir(self, run_dir, resume: str | None) -> tuple:
         """(run directory, checkpoint to resume from or None, its contents): a subclass with checkpoints of

@@ -773,12 +773,12 @@ def torch_floor() -> dict:
     this machine). Median of three fresh processes: seconds from start to exit, and peak RSS."""
     code = ("import torch; from torch import nn; m = nn.Linear(10, 2); o = torch.optim.AdamW(m.parameters()); "
             "m(torch.randn(4, 10)).sum().backward(); o.step(); "
-            "print(next(line.split()[1] for line in open('/proc/self/status') if line.startswith('VmHWM:')))")
+            "from common.resources import peak_rss_bytes; print(peak_rss_bytes())")
     runs = []
     for _ in range(3):
         started = time.perf_counter()
         out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
-        runs.append((time.perf_counter() - started, int(out.stdout.split()[-1]) / 2**20))  # VmHWM is in KB
+        runs.append((time.perf_counter() - started, int(out.stdout.split()[-1]) / 2**30))
     seconds, rss = sorted(runs)[1]
     return {"seconds": seconds, "peak_rss_gb": rss}
 
