@@ -5,9 +5,12 @@
 
 Recipes import the shared core by name (``from common.loop import train_step``). To start a project of
 your own from a recipe without carrying ``common/`` along, eject writes OUTPUT: the recipe's docstring, one
-merged import block, the core's functions, classes and constants that the recipe needs (directly or through
-each other; nothing else), one section per core module, and then the recipe's own code. Definitions are
-copied as written, so their comments and docstrings stay.
+merged import block, the recipe's own code (the lesson comes first), then the core's functions, classes and
+constants that the recipe needs (directly or through each other; nothing else), one section per core module,
+and last the recipe's ``if __name__ == "__main__":`` block. Definitions are copied as written, so their
+comments and docstrings stay. ``from __future__ import annotations`` lets the recipe's annotations name core
+types defined below it; anything else the recipe evaluates when it is defined (a base class, a decorator, a
+default value) may not come from the core, and eject says so.
 
 What to copy is decided on the syntax tree, never on text: a name counts as used where code reads it as a
 module-level name; annotations, decorators and default values count, a function's parameters and local
@@ -200,6 +203,29 @@ def import_lines(imports: list[Import]) -> list[str]:
     return lines
 
 
+def is_main_guard(node: ast.stmt) -> bool:
+    """``if __name__ == "__main__":``, which eject moves to the end of the script, below the core."""
+    test = node.test if isinstance(node, ast.If) else None
+    return (isinstance(test, ast.Compare) and isinstance(test.left, ast.Name) and test.left.id == "__name__"
+            and len(test.comparators) == 1 and getattr(test.comparators[0], "value", None) == "__main__")
+
+
+def defined_with(node: ast.stmt) -> Iterator[ast.AST]:
+    """What Python evaluates when it runs a top-level statement: a function's decorators and defaults (not its
+    body; not annotations, under ``from __future__ import annotations``), a class's decorators, bases and body
+    as such, every other statement whole (an annotated assignment without its annotation)."""
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        yield from (*node.decorator_list, *node.args.defaults, *filter(None, node.args.kw_defaults))
+    elif isinstance(node, ast.ClassDef):
+        yield from (*node.decorator_list, *node.bases, *node.keywords)
+        for statement in node.body:
+            yield from defined_with(statement)
+    elif isinstance(node, ast.AnnAssign):
+        yield from filter(None, [node.target, node.value])
+    else:
+        yield node
+
+
 def is_header(node: ast.stmt) -> bool:
     """The docstring, the imports and the bootstrap at the top of a recipe: eject writes its own."""
     if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant):
@@ -237,10 +263,14 @@ class Ejection:
         self.body_start = header[-1].end_lineno if header else 0  # the recipe's own code starts below this line
         if late := next((n for n in self.body if isinstance(n, (ast.Import, ast.ImportFrom))), None):
             raise EjectError(f"{self.label}:{late.lineno}: move this import to the top of the recipe")
+        guard = next((n for n in self.body if is_main_guard(n)), None)
+        if guard is None or guard is not self.body[-1]:
+            raise EjectError(f"{self.label}: end the recipe with its `if __name__ == \"__main__\":` block")
         # definition -> its reads of imports, in the order they were reached
         self.taken: dict[Definition, list[tuple[ast.Name, Import]]] = {}
         self.module_reads: list[ast.Name] = []  # the `cli` of each `cli.Epochs`, to be cut out
         self.recipe_reads = self.take(self.recipe, self.body)
+        self.check_defined_before_core()
         self.sections = self.order_sections()
         self.renames = self.check_names()
 
@@ -286,6 +316,17 @@ class Ejection:
                     self.taken[target] = []  # first: a definition may read itself
                     self.taken[target] = self.take(target.source, [target.node])
         return import_reads
+
+    def check_defined_before_core(self) -> None:
+        """The recipe's code comes before the core in the script, so what it evaluates when it is defined (not
+        inside its functions) cannot read a core definition."""
+        for node in self.body[:-1]:
+            for part in defined_with(node):
+                for name, path in global_refs(part):
+                    target = self.resolve(self.recipe, path)
+                    if isinstance(target, Definition) and target.source is not self.recipe:
+                        raise EjectError(f"{self.label}:{name.lineno}: {path} comes from {CORE}/ and is read where the "
+                                         "recipe defines something; eject puts the recipe above the core")
 
     def order_sections(self) -> list[tuple[Source, list[Definition]]]:
         """Core modules after those they import from, definitions in source order: whatever a definition reads
@@ -355,22 +396,24 @@ class Ejection:
         used = {self.renames.get(item, item) for _, item in reads}
         stdlib = [item for item in used if item.module.split(".")[0] in sys.stdlib_module_names]
         third_party = [item for item in used if item not in stdlib]
-        return "\n\n".join("\n".join(import_lines(group)) for group in (stdlib, third_party) if group)
+        groups = [["from __future__ import annotations"], *(import_lines(g) for g in (stdlib, third_party) if g)]
+        return "\n\n".join("\n".join(group) for group in groups)
 
     def text(self) -> str:
         lines, tree = self.recipe.lines, self.recipe.tree
         docstring = ["\n".join(lines[: tree.body[0].end_lineno])] if ast.get_docstring(tree) else []
         generated = (f"# Generated by scripts/eject.py from {self.label} and the torch-recipes core ({CORE}/): the\n"
-                     "# core code it uses is copied in below, so this file runs on its own. Edit it freely.")
+                     "# recipe comes first, then the core code it uses, so this file runs on its own. Edit it freely.")
         head = "\n\n".join([*docstring, generated, self.import_block()]).rstrip("\n")
-        blocks = []
+        guard_start = self.body[-1].lineno
+        recipe = self.edited(list(lines[self.body_start : guard_start - 1]), self.body_start + 1, []).strip("\n")
+        blocks = [f"# ---- from {self.label} ----\n\n\n{recipe}"]
         for source, definitions in self.sections:
             text = self.definition_text(definitions[0])
             for previous, definition in zip(definitions, definitions[1:], strict=False):
                 text += "\n" * (blank_lines(previous, definition) + 1) + self.definition_text(definition)
             blocks.append(f"# ---- from {source.label} ----\n\n\n{text}")
-        body = self.edited(list(lines[self.body_start :]), self.body_start + 1, []).strip("\n")
-        blocks.append(f"# ---- from {self.label} ----\n\n\n{body}")
+        blocks.append(self.edited(list(lines[guard_start - 1 :]), guard_start, []).strip("\n"))
         return head + "\n\n" + "\n\n\n".join(blocks) + "\n"  # isort wants one blank line after the imports
 
 

@@ -80,6 +80,20 @@ def test_ejected_script_is_self_contained_and_holds_nothing_unused(name, ejected
 
 
 @pytest.mark.parametrize("name", RECIPES)
+def test_the_lesson_comes_first_and_the_core_after_it(name, ejected):
+    text = ejected(name).read_text()
+    headings = re.findall(r"^# ---- from (\S+) ----$", text, flags=re.M)
+    assert headings[0] == f"recipes/{name}.py" and len(headings) > 1
+    assert all(heading.startswith("common/") for heading in headings[1:])
+    recipe_text = (ROOT / "recipes" / f"{name}.py").read_text()
+    first_def = re.search(r"^(def|class) (\w+)", recipe_text, flags=re.M).group(2)  # the recipe's first definition
+    core_start = text.index("# ---- from common/")
+    assert re.search(rf"^(def|class) {first_def}\b", text[:core_start], flags=re.M)
+    assert text.rstrip().endswith("run_recipe(main)") and text.count('if __name__ == "__main__":') == 1
+    assert text.index('if __name__ == "__main__":') > text.rindex("# ---- from common/")
+
+
+@pytest.mark.parametrize("name", RECIPES)
 def test_ejecting_twice_gives_the_same_bytes(name, ejected, tmp_path):
     again = tmp_path / "train.py"
     result = run_subprocess(["scripts/eject.py", name, again], env={"PYTHONHASHSEED": "12345"})  # other set orders
@@ -110,6 +124,32 @@ def to_device(batch):  # common.loop.evaluate calls common.loop.to_device
 '''
 
 
+CORE_BASE_RECIPE = '''"""A recipe whose class is built on a core class: defined above the core, it could not be."""
+
+from common.data import ResumableSampler
+
+
+class MySampler(ResumableSampler):
+    pass
+
+
+if __name__ == "__main__":
+    MySampler(range(3))
+'''
+
+NO_GUARD_RECIPE = '''"""A recipe that runs its command without the `if __name__ == "__main__":` block."""
+
+from common import cli
+
+
+def main():
+    pass
+
+
+cli.run_recipe(main)
+'''
+
+
 @pytest.mark.parametrize(
     ("args", "code", "message"),
     [
@@ -119,10 +159,14 @@ def to_device(batch):  # common.loop.evaluate calls common.loop.to_device
         (["{tmp}/missing.py", "{tmp}/out.py"], 2, "no recipe"),
         (["mnist_onecycle", "{tmp}/no_folder/out.py"], 1, "does not exist"),
         (["{tmp}/clash.py", "{tmp}/out.py"], 1, "needs 'to_device' from common/loop.py"),
+        (["{tmp}/core_base.py", "{tmp}/out.py"], 1, "core_base.py:6: ResumableSampler comes from common/ and is read"),
+        (["{tmp}/no_guard.py", "{tmp}/out.py"], 1, 'end the recipe with its `if __name__ == "__main__":` block'),
     ],
 )
 def test_bad_input_is_a_one_line_error(args, code, message, tmp_path):
-    (tmp_path / "clash.py").write_text(CLASHING_RECIPE)
+    (tmp_path / "clash.py").write_text(CLASHING_RECIPE + '\n\nif __name__ == "__main__":\n    to_device(None)\n')
+    (tmp_path / "core_base.py").write_text(CORE_BASE_RECIPE)
+    (tmp_path / "no_guard.py").write_text(NO_GUARD_RECIPE)
     result = run_subprocess(["scripts/eject.py", *(arg.format(tmp=tmp_path) for arg in args)])
     assert result.code == code, result.stderr
     assert result.stderr.startswith("error: ") and result.stderr.count("\n") == 1, result.stderr
