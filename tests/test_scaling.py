@@ -91,6 +91,20 @@ def test_two_ranks_end_with_the_weights_of_one_process(parallel, per_rank, one_p
         assert same == (best["step"] == 6)
 
 
+def test_the_ejected_transformer_runs_sharded_under_torchrun_to_the_same_weights(one_process, corpus_txt, tmp_path):
+    """scripts/eject.py's copy of the recipe, without common/, is still the whole recipe: FSDP2 and DCP included."""
+    from conftest import run_subprocess
+
+    script, run_dir = tmp_path / "train.py", tmp_path / "run"
+    assert run_subprocess(["scripts/eject.py", "tiny_transformer", script]).code == 0
+    result = run_torchrun(["--nproc_per_node=2", script, "--text", corpus_txt, *TINY, "--batch-size", 8,
+                           "--parallel", "fsdp", "--run-dir", run_dir])
+    assert result.code == 0, result.stderr
+    assert sorted(p.name for p in (run_dir / "checkpoints" / "dcp").iterdir()) == ["step-000003", "step-000006"]
+    assert_close_weights(load_weights(one_process / "checkpoints" / "last.pt"),
+                         load_weights(run_dir / "checkpoints" / "last.pt"))
+
+
 def test_fsdp_bf16_computes_in_bf16_reduces_in_fp32_and_keeps_fp32_weights(one_process, corpus_txt, tmp_path):
     """--precision bf16 under FSDP2: MixedPrecisionPolicy gathers bf16 copies of the weights for compute and
     reduces gradients in fp32; the sharded master weights (and so the checkpoint) stay fp32. Against the fp32
