@@ -58,11 +58,9 @@ def load_checkpoint(path: Path, recipe: str) -> dict:
             warnings.simplefilter("ignore")
             state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:
-        code = re.search(r"GLOBAL (\S+)", str(err))
-        if code:  # a pickle that would import and call something: refused before anything ran
-            reason = f"it refers to Python code ({code.group(1)}) that safe loading refuses to run"
-        else:
-            reason = "it is corrupt, truncated, or not a PyTorch checkpoint"
+        code = re.search(r"GLOBAL (\S+)", str(err))  # a pickle that would import and call something
+        reason = (f"it refers to Python code ({code.group(1)}) that safe loading refuses to run" if code
+                  else "it is corrupt, truncated, or not a PyTorch checkpoint")
         raise RecipeError(f"cannot load checkpoint {path}: {reason}") from None
     if not isinstance(state, dict) or "model" not in state:
         raise RecipeError(f"{path} is not a training checkpoint of this project (no 'model' entry)")
@@ -88,10 +86,9 @@ def load_model_state(model: nn.Module, state_dict: dict, source: Path) -> None:
 
 
 def rng_state(loader_generator: torch.Generator | None = None, device: torch.device | None = None) -> dict:
-    """Every random stream a run draws from, so a resumed run continues with the same numbers. On CUDA only
-    the training device's generator: a list per visible GPU would tie the checkpoint to the machine's GPU
-    count. (The loader generator seeds DataLoader workers: resumed part-way through an epoch, workers get new
-    seeds, which matters only for random augmentation inside them, not for the order of samples.)"""
+    """Every random stream a run draws from, so a resumed run continues with the same numbers. Of CUDA only the
+    training device's generator, so the checkpoint does not depend on how many GPUs are visible. (Resumed
+    mid-epoch, DataLoader workers get new seeds: that changes random augmentation in them, not sample order.)"""
     on_cuda = device is not None and torch.device(device).type == "cuda"
     return {
         "python": random.getstate(),
@@ -104,21 +101,12 @@ def rng_state(loader_generator: torch.Generator | None = None, device: torch.dev
 def restore_rng_state(state: dict, loader_generator: torch.Generator | None = None,
                       device: torch.device | None = None) -> None:
     """Put back what ``rng_state`` saved. The CUDA stream goes to ``device``'s generator (``None``: CPU
-    streams only), whatever GPU or how many GPUs the checkpoint was written on."""
+    streams only), whichever GPU the checkpoint was written on."""
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))  # weights_only loading gives lists back
     torch.set_rng_state(state["torch"])
-    cuda = state.get("cuda")
-    if device is not None and torch.device(device).type == "cuda" and cuda is not None:
-        device = torch.device(device)
-        if isinstance(cuda, list | tuple):
-            # Checkpoints before the one-device form held one state per GPU visible to the saving process.
-            # Its own GPU's entry is the one it drew from; with fewer GPUs visible at save time than our
-            # index there is no stream to continue, and the generator keeps its seeded state.
-            index = device.index if device.index is not None else torch.cuda.current_device()
-            cuda = cuda[index] if index < len(cuda) else None
-        if cuda is not None:
-            torch.cuda.set_rng_state(cuda, device)
+    if device is not None and torch.device(device).type == "cuda" and state["cuda"] is not None:
+        torch.cuda.set_rng_state(state["cuda"], device)
     if loader_generator is not None and state["loader"] is not None:
         loader_generator.set_state(state["loader"])
 

@@ -73,27 +73,8 @@ def test_restores_the_cpu_streams_too(monkeypatch):
     assert random.random() == expected[0] and torch.equal(torch.rand(3), expected[1])
 
 
-def test_old_checkpoints_with_one_state_per_gpu_still_load(monkeypatch):
-    old = rng_state()
-    old["cuda"] = [torch.full((8,), 10 + i, dtype=torch.uint8) for i in range(4)]  # the former list form
+def test_cpu_resume_restores_no_cuda_state(monkeypatch):
     cuda = FakeCuda(monkeypatch, count=2)
-    restore_rng_state(old, device=torch.device("cuda", 1))  # no IndexError with 2 GPUs visible of 4 saved
-    assert [(i, s[0].item()) for i, s in cuda.set_calls] == [(1, 11)]  # its own GPU's entry, onto its GPU
-
-
-def test_old_list_without_an_entry_for_this_gpu_leaves_the_generator(monkeypatch):
-    old = rng_state()
-    old["cuda"] = [torch.zeros(8, dtype=torch.uint8)]  # saved where one GPU was visible
-    cuda = FakeCuda(monkeypatch, count=4)
-    restore_rng_state(old, device=torch.device("cuda", 3))
-    assert cuda.set_calls == []
-
-
-def test_old_empty_list_and_cpu_resume_restore_no_cuda_state(monkeypatch):
-    cuda = FakeCuda(monkeypatch, count=2)
-    old = rng_state()
-    old["cuda"] = []  # a CPU run's checkpoint before the change
-    restore_rng_state(old, device=torch.device("cuda", 0))
     saved_on_gpu = rng_state(device=torch.device("cuda", 1))
     restore_rng_state(saved_on_gpu)  # resumed on the CPU: the CUDA stream is not needed
     restore_rng_state(saved_on_gpu, device=torch.device("cpu"))
@@ -101,7 +82,7 @@ def test_old_empty_list_and_cpu_resume_restore_no_cuda_state(monkeypatch):
 
 
 def test_round_trip_through_a_checkpoint_file(monkeypatch, tmp_path):
-    """weights_only loading must accept the new form (a tensor or None under "cuda")."""
+    """weights_only loading must accept the saved form (a tensor or None under "cuda")."""
     from common.checkpoint import save_checkpoint
 
     FakeCuda(monkeypatch, count=2)
