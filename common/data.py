@@ -18,22 +18,14 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDa
 
 from common.cli import RecipeError
 
-MNIST_FILES = [
-    "train-images-idx3-ubyte",
-    "train-labels-idx1-ubyte",
-    "t10k-images-idx3-ubyte",
-    "t10k-labels-idx1-ubyte",
-]
+MNIST_FILES = ["train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"]
 MNIST_MEAN, MNIST_STD = 0.1307, 0.3081
 
 
 class ResumableSampler(Sampler):
-    """Wraps a training sampler so that a resumed run can start part-way through an epoch.
-
-    ``skip`` leaves out the first samples of the epoch's order (set by ``Run.batches``, which knows how far the
-    checkpointed run had got). Because the wrapped sampler's order depends only on (seed, epoch), the resumed
-    epoch rebuilds the interrupted one's order exactly: no sample is seen twice or missed.
-    """
+    """Wraps a training sampler so that a resumed run can start part-way through an epoch: ``skip`` (set by
+    ``Run.batches``) leaves out the epoch's first samples. The wrapped order depends only on (seed, epoch), so
+    the resumed epoch rebuilds the interrupted one's exactly: no sample is seen twice or missed."""
 
     def __init__(self, sampler: Sampler):
         self.sampler, self.skip = sampler, 0
@@ -49,10 +41,9 @@ class ResumableSampler(Sampler):
 
 
 class TensorBatches(TensorDataset):
-    """A TensorDataset whose DataLoader batches are one indexing of each tensor (``__getitems__``, which the
-    DataLoader calls with a whole batch of indices when it exists) instead of ``batch_size`` calls of
-    ``__getitem__`` and a stack of their results: at a batch of 4,096 rows, about 25 ms of Python per batch
-    become under 2 ms, which a fast training step would otherwise wait for."""
+    """A TensorDataset whose batches are one indexing of each tensor (the DataLoader passes ``__getitems__`` a
+    whole batch of indices) instead of ``batch_size`` ``__getitem__`` calls and a stack: at 4,096 rows, about
+    25 ms of Python per batch become under 2 ms, which a fast training step would otherwise wait for."""
 
     def __getitems__(self, indices: list[int]) -> tuple[torch.Tensor, ...]:
         index = torch.as_tensor(indices)
@@ -68,25 +59,15 @@ def _ignore_sigint(worker_id: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
-def make_loader(
-    dataset: Dataset,
-    batch_size: int | None,
-    *,
-    train: bool,
-    seed: int = 0,
-    num_workers: int = 0,
-    device: torch.device = torch.device("cpu"),
-    sampler: Sampler | Iterable[int] | None = None,
-    collate_fn: Callable | None = None,
-) -> DataLoader:
+def make_loader(dataset: Dataset, batch_size: int | None, *, train: bool, seed: int = 0, num_workers: int = 0,
+                device: torch.device = torch.device("cpu"), sampler: Sampler | Iterable[int] | None = None,
+                collate_fn: Callable | None = None) -> DataLoader:
     """A DataLoader for training (shuffled, also on CPU; full batches only) or evaluation (in order).
 
-    Training shuffles with a seeded ``DistributedSampler`` of one replica unless ``sampler`` is given (the DDP
-    recipe passes its own, sharded one); either way it is wrapped in a ``ResumableSampler``: call
-    ``loader.sampler.set_epoch(epoch)`` every epoch. An IterableDataset is expected to yield whole batches
-    and to order them itself.
-    ``collate_fn`` replaces the default one, e.g. ``built_batch`` to pass on batches that a ``__getitems__``
-    already built; a plain TensorDataset gets both (``TensorBatches``).
+    Training shuffles with a seeded one-replica ``DistributedSampler`` unless ``sampler`` is given (the DDP
+    recipe's sharded one), wrapped in a ``ResumableSampler``: call ``loader.sampler.set_epoch(epoch)`` every
+    epoch. An IterableDataset yields whole batches in its own order. ``collate_fn`` replaces the default, e.g.
+    ``built_batch`` for batches a ``__getitems__`` built; a plain TensorDataset gets both (``TensorBatches``).
     """
     worker_init_fn = _ignore_sigint if num_workers > 0 else None
     # Its own generator for worker seeds: every new iterator draws one, and drawing from the global RNG
@@ -101,29 +82,19 @@ def make_loader(
         # DistributedSampler's rule, a permutation seeded by seed + epoch, is what makes an epoch resumable
         sampler = ResumableSampler(sampler if sampler is not None else
                                    DistributedSampler(dataset, num_replicas=1, rank=0, seed=seed))
-    if train and len(sampler) < batch_size:
-        raise RecipeError(f"--batch-size {batch_size} is larger than the training set ({len(sampler)} samples"
-                          f"{' in this process' if getattr(sampler.sampler, 'num_replicas', 1) > 1 else ''})")
-    return DataLoader(
-        dataset,
-        batch_size=batch_size,
-        sampler=sampler,
-        drop_last=train,  # equal-sized steps: a tiny last batch gives a noisy, over-weighted update
-        num_workers=num_workers,
-        pin_memory=device.type == "cuda",  # page-locked host memory makes the copy to the GPU asynchronous
-        persistent_workers=num_workers > 0,  # no worker start-up cost every epoch
-        generator=generator,
-        worker_init_fn=worker_init_fn,
-        collate_fn=collate_fn,
-    )
+        if len(sampler) < batch_size:
+            raise RecipeError(f"--batch-size {batch_size} is larger than the training set ({len(sampler)} samples"
+                              f"{' in this process' if getattr(sampler.sampler, 'num_replicas', 1) > 1 else ''})")
+    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers, generator=generator,
+                      worker_init_fn=worker_init_fn, collate_fn=collate_fn,
+                      drop_last=train,  # equal-sized steps: a tiny last batch gives a noisy, over-weighted update
+                      pin_memory=device.type == "cuda",  # page-locked memory: the copy to the GPU is asynchronous
+                      persistent_workers=num_workers > 0)  # no worker start-up cost every epoch
 
 
 def load_mnist(data_dir: Path, *, train: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """MNIST as two tensors: images (N, 1, 28, 28) float32, normalised once, and labels (N,) int64.
-
-    Decoding once and normalising the whole set up front replaces torchvision's per-image PIL transforms,
-    which cost more CPU time than a small CNN's forward pass.
-    """
+    """MNIST as images (N, 1, 28, 28) float32, normalised once, and labels (N,) int64: decoded and normalised up
+    front instead of torchvision's per-image PIL transforms, which cost more CPU than a small CNN's forward."""
     from torchvision.datasets import MNIST  # imported here: only the MNIST recipes need torchvision
 
     raw = Path(data_dir) / "MNIST" / "raw"
@@ -132,10 +103,8 @@ def load_mnist(data_dir: Path, *, train: bool) -> tuple[torch.Tensor, torch.Tens
     except (OSError, RuntimeError, urllib.error.URLError) as err:
         if all((raw / name).exists() or (raw / f"{name}.gz").exists() for name in MNIST_FILES):
             raise RecipeError(f"MNIST files in {raw} are unreadable ({err}); delete them to download again") from None
-        raise RecipeError(
-            f"MNIST is not in {raw} and could not be downloaded (offline?): put {', '.join(MNIST_FILES)} "
-            f"(or their .gz) in {raw}"
-        ) from None
+        raise RecipeError(f"MNIST is not in {raw} and could not be downloaded (offline?): put "
+                          f"{', '.join(MNIST_FILES)} (or their .gz) in {raw}") from None
     except Exception as err:  # torchvision signals malformed IDX files with assorted exception types
         raise RecipeError(f"MNIST files in {raw} are corrupt ({type(err).__name__}: {err}); delete them to "
                           "download again") from None
