@@ -41,25 +41,15 @@ def counted(loss_fn: LossFn, target: torch.Tensor) -> torch.Tensor:
     return target != ignore_index
 
 
-def train_step(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    loss_fn: LossFn,
-    micro_batches: Sequence[Sequence[torch.Tensor]],
-    *,
-    device: torch.device,
-    precision: str = "fp32",
-    scaler: torch.amp.GradScaler | None = None,
-    scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
-    max_grad_norm: float | None = None,
-) -> StepStats:
-    """One optimizer step over one or more micro-batches, each ``(*inputs, target)``.
-
-    Gradients of several micro-batches are accumulated, each mean loss weighted by its share of the step's
-    counted targets, so that the step equals one over the concatenated batch even when the micro-batches
-    differ in size; under DDP only the last backward all-reduces. Pass ``scheduler`` only for schedules that
-    step every optimizer step (OneCycle, warmup + cosine).
-    """
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: LossFn,
+               micro_batches: Sequence[Sequence[torch.Tensor]], *, device: torch.device, precision: str = "fp32",
+               scaler: torch.amp.GradScaler | None = None,
+               scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
+               max_grad_norm: float | None = None) -> StepStats:
+    """One optimizer step over one or more micro-batches, each ``(*inputs, target)``. Their gradients add up,
+    each mean loss weighted by its share of the step's counted targets, so the step equals one over the
+    concatenated batch even when micro-batches differ in size; under DDP only the last backward all-reduces.
+    Pass ``scheduler`` only for schedules that step every optimizer step (OneCycle, warmup + cosine)."""
     scaler = scaler if scaler is not None and scaler.is_enabled() else None
     optimizer.zero_grad(set_to_none=True)
     batches = [to_device(batch, device) for batch in micro_batches]
@@ -69,8 +59,7 @@ def train_step(
     ddp = getattr(model, "_orig_mod", model)  # compiled after DDP-wrapping: the DDP module is inside
     for i, (*inputs, target) in enumerate(batches):
         last = i == len(batches) - 1
-        sync = nullcontext() if last or not isinstance(ddp, DistributedDataParallel) else ddp.no_sync()
-        with sync:
+        with nullcontext() if last or not isinstance(ddp, DistributedDataParallel) else ddp.no_sync():
             with autocast(device, precision):
                 loss = loss_fn(model(*inputs), target).float()
             # a micro-batch with nothing to count has a NaN mean loss and contributes nothing
@@ -78,14 +67,12 @@ def train_step(
             (scaler.scale(loss) if scaler else loss).backward()
         total_loss += loss.detach()
 
-    grad_norm = None
+    grad_norm = skipped = None
     if scaler:
         scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
     if max_grad_norm is not None or scaler:
         # With a scaler the norm is also the overflow test: it is inf/nan exactly when a gradient is.
         grad_norm = nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm or math.inf)
-
-    skipped = None
     if scaler:
         scaler.step(optimizer)  # skips the update when the unscaled gradients hold inf/nan
         scaler.update()  # ...and then halves the scale
@@ -98,20 +85,11 @@ def train_step(
 
 
 @torch.no_grad()
-def evaluate(
-    model: nn.Module,
-    batches: Iterable[Sequence[torch.Tensor]],
-    loss_fn: LossFn,
-    *,
-    device: torch.device,
-    precision: str = "fp32",
-    accuracy: bool = True,
-) -> dict[str, float]:
+def evaluate(model: nn.Module, batches: Iterable[Sequence[torch.Tensor]], loss_fn: LossFn, *, device: torch.device,
+             precision: str = "fp32", accuracy: bool = True) -> dict[str, float]:
     """Mean loss (and accuracy) over every counted target of ``batches``, in eval mode; restores the mode.
-
     Each batch's mean loss is weighted by its number of counted targets, so a short last batch counts for
-    what it holds and a target the loss ignores (``ignore_index``) counts nowhere, accuracy included.
-    """
+    what it holds and a target the loss ignores (``ignore_index``) counts nowhere, accuracy included."""
     was_training = model.training
     model.eval()  # dropout off, batch norm uses its running statistics
     totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, counted targets
