@@ -21,11 +21,7 @@ AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 def resolve_device(name: str) -> torch.device:
     """``auto`` picks cuda, else mps, else cpu; asking for a device that is absent is a RecipeError."""
     if name == "auto":
-        if torch.cuda.is_available():
-            return torch.device("cuda")
-        if torch.backends.mps.is_available():
-            return torch.device("mps")
-        return torch.device("cpu")
+        name = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
     device = torch.device(name)
     if device.type == "cuda":
         if not torch.cuda.is_available():
@@ -67,17 +63,13 @@ def unwrap(model: nn.Module) -> nn.Module:
 
 
 def measure_matmul_flops(device: torch.device, dtype: torch.dtype = torch.float32, size: int | None = None) -> float:
-    """Achievable matmul FLOP/s on ``device`` in ``dtype``, measured: square products of ``size`` (default
-    8192 on CUDA, 1024 elsewhere) run back to back and timed once for the batch, the batch doubled until
-    it lasts 0.2 s. A GPU needs both: a 1024^3 product with a sync after each one leaves an H100 or H200
-    mostly idle (launch and sync overhead), which reads as a peak far below the real one and an MFU several
-    times too high. For MFU prefer ``device_peak_flops``, which knows the datasheet figures of common GPUs.
-
-    fp32 is true fp32 unless TF32 was switched on (``torch.set_float32_matmul_precision("high")`` or
-    ``torch.backends.cuda.matmul.allow_tf32``): PyTorch's default is off, and so are the recipes'."""
+    """Achievable matmul FLOP/s on ``device`` in ``dtype``, measured: square products of ``size`` (default 8192
+    on CUDA, 1024 elsewhere) run back to back and timed as one batch, doubled until it lasts 0.2 s. A GPU needs
+    both: 1024^3 products with a sync after each leave an H100 mostly idle (launch and sync overhead), a peak far
+    below the real one and an MFU several times too high. For MFU prefer ``device_peak_flops`` (datasheet
+    figures). fp32 is true fp32 unless TF32 was switched on; PyTorch's default is off, and so are the recipes'."""
     device = torch.device(device)
-    if size is None:
-        size = 8192 if device.type == "cuda" else 1024
+    size = size or (8192 if device.type == "cuda" else 1024)
     # Not the global RNG: a resumed run's numbers must not shift. On CUDA a generator there avoids making
     # (and copying over) large matrices on the CPU.
     generator = torch.Generator(device if device.type == "cuda" else "cpu").manual_seed(0)
@@ -132,16 +124,14 @@ def device_peak_flops(device: torch.device, dtype: torch.dtype = torch.float32) 
     known (MFU's usual denominator), else ``measure_matmul_flops`` (an achievable peak: MFU reads higher
     than against a datasheet). fp32 on CUDA counts TF32 only when it is switched on (off by default)."""
     device = torch.device(device)
+    where = device.type
     if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
+        where = name = torch.cuda.get_device_name(device)
         tf32 = torch.get_float32_matmul_precision() != "highest"  # also follows allow_tf32
         figure = datasheet_peak(name, dtype, tf32)
-        kind = "tf32" if dtype == torch.float32 and tf32 else _DTYPE_KEYS.get(dtype, str(dtype))
         if figure is not None:
+            kind = "tf32" if dtype == torch.float32 and tf32 else _DTYPE_KEYS[dtype]
             return figure, f"datasheet: {name}, {kind} dense"
-        where = name
-    else:
-        where = device.type
     return measure_matmul_flops(device, dtype), f"measured: back-to-back {dtype} matmuls on {where}"
 
 
