@@ -73,8 +73,7 @@ def measure_matmul_flops(device: torch.device, dtype: torch.dtype = torch.float3
     # Not the global RNG: a resumed run's numbers must not shift. On CUDA a generator there avoids making
     # (and copying over) large matrices on the CPU.
     generator = torch.Generator(device if device.type == "cuda" else "cpu").manual_seed(0)
-    make = dict(generator=generator, device=generator.device)
-    a, b = (torch.randn(size, size, **make).to(device, dtype) for _ in range(2))
+    a, b = (torch.randn(size, size, generator=generator, device=generator.device).to(device, dtype) for _ in range(2))
     out = torch.empty_like(a)
     with torch.no_grad():
         torch.matmul(a, b, out=out)  # warm-up: first-call allocations and kernel selection
@@ -110,9 +109,7 @@ _DTYPE_KEYS = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp
 
 def datasheet_peak(device_name: str, dtype: torch.dtype, tf32: bool = False) -> float | None:
     """The datasheet figure for a GPU name (``torch.cuda.get_device_name``) and dtype, or None if unknown."""
-    key = _DTYPE_KEYS.get(dtype)
-    if key == "fp32" and tf32:
-        key = "tf32"
+    key = "tf32" if dtype == torch.float32 and tf32 else _DTYPE_KEYS.get(dtype)
     for pattern, figures in DATASHEET_PEAKS:
         if re.search(rf"(?<![A-Za-z0-9])(?:{pattern})(?![A-Za-z0-9])", device_name) and key in figures:
             return figures[key]
