@@ -90,12 +90,9 @@ def rng_state(loader_generator: torch.Generator | None = None, device: torch.dev
     training device's generator, so the checkpoint does not depend on how many GPUs are visible. (Resumed
     mid-epoch, DataLoader workers get new seeds: that changes random augmentation in them, not sample order.)"""
     on_cuda = device is not None and torch.device(device).type == "cuda"
-    return {
-        "python": random.getstate(),
-        "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state(device) if on_cuda else None,
-        "loader": loader_generator.get_state() if loader_generator is not None else None,
-    }
+    return {"python": random.getstate(), "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state(device) if on_cuda else None,
+            "loader": loader_generator.get_state() if loader_generator is not None else None}
 
 
 def restore_rng_state(state: dict, loader_generator: torch.Generator | None = None,

@@ -47,7 +47,7 @@ def device_name(value: str) -> str:
 
 
 def resume_target(value: str | None) -> str | None:
-    if value is not None and value != "auto" and not value.strip():
+    if value is not None and not value.strip():
         raise typer.BadParameter("give a checkpoint file, or auto")
     return value
 
