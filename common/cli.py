@@ -24,12 +24,10 @@ class RecipeError(Exception):
 def checked(accepts: Callable[[float], bool], rule: str) -> Callable[[float | None], float | None]:
     """A Typer callback: a value that ``accepts`` refuses is a usage error, "must be RULE"; None passes.
     Each rule below is a chain of comparisons, which also rejects nan."""
-
     def check(value: float | None) -> float | None:
         if value is not None and not accepts(value):
             raise typer.BadParameter(f"must be {rule}, got {value}")
         return value
-
     return check
 
 
