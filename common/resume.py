@@ -11,38 +11,31 @@ that only say where and how fast to run (``MAY_CHANGE``, plus what a recipe adds
 import json
 from pathlib import Path
 
-from common.cli import RecipeError
+from common.cli import OPTION_NAMES, RecipeError
 
 MAY_CHANGE = {"max_steps", "run_dir", "resume", "checkpoint_every", "progress", "num_workers", "device", "compile",
               "data_dir", "keep_best", "patience"}
 
 
-def check_same_run(state: dict, source: Path, config: dict, steps_per_epoch: int | None, may_change: set[str],
-                   option_names: dict[str, str] | None = None) -> None:
+def check_same_run(state: dict, source: Path, config: dict, steps_per_epoch: int, may_change: set[str]) -> None:
     """Raise a RecipeError if this run's options or epoch length are not the checkpoint's."""
-    saved, names = state.get("config", {}), option_names or {}
-    changed = [f"{names.get(key, '--' + key.replace('_', '-'))} {saved.get(key)} there, {config.get(key)} here"
+    saved = state.get("config", {})
+    changed = [f"{OPTION_NAMES.get(key, '--' + key.replace('_', '-'))} {saved.get(key)} there, {config.get(key)} here"
                for key in sorted(saved.keys() | config.keys())
                if key not in MAY_CHANGE | may_change and saved.get(key) != config.get(key)]
     if changed:
         raise RecipeError(f"checkpoint {source} was started with other options ({'; '.join(changed)}): resume "
                           "with the options it was started with, or start afresh in another --run-dir")
-    if steps_per_epoch is not None and state.get("steps_per_epoch") not in (None, steps_per_epoch):
+    if state.get("steps_per_epoch") not in (None, steps_per_epoch):
         raise RecipeError(f"checkpoint {source} has {state['steps_per_epoch']} steps per epoch, this run "
                           f"{steps_per_epoch}: resume with the data and processes it was started with")
 
 
 def already_finished(run_dir: Path, step: int, total_steps: int) -> bool:
-    """Whether the run in ``run_dir`` finished at ``step``: metrics.json says so, at the last step or stopped
-    early. A run stopped between its last checkpoint and metrics.json has not finished: it goes on."""
+    """Whether metrics.json says the run finished at ``step``: at its last step, or stopped early."""
     try:
         metrics = json.loads((run_dir / "metrics.json").read_text())
         return metrics["steps"] == step and (step >= total_steps or metrics.get("stopped_early") is True)
     except (OSError, ValueError, KeyError, TypeError):  # none yet, or not ours
         return False
 
-
-def resume_position(step: int, total_steps: int, steps_per_epoch: int) -> tuple[int, int]:
-    """(epoch, steps already done in it) to go on from ``step``. A run stopped at its last step but before its
-    final evaluation goes back into its last epoch, where the loop stops at once and evaluates."""
-    return divmod(min(step, total_steps - 1), steps_per_epoch)

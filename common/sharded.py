@@ -33,10 +33,10 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_model_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from common.checkpoint import load_checkpoint, save_checkpoint
-from common.cli import OPTION_NAMES, RecipeError
+from common.cli import RecipeError
 from common.resources import local
 from common.resume import check_same_run
 from common.rundir import prepare_run_dir
@@ -54,21 +54,18 @@ def quiet_single_process():
         yield
 
 
-def complete_checkpoints(folder: Path, warn=None) -> list[Path]:
-    """The complete step-N checkpoints in ``folder``, oldest first. An incomplete one (no ``.metadata`` or no
-    ``trainer.pt``: copied in part, or damaged) is skipped, with a warning through ``warn``."""
+def complete_checkpoints(folder: Path, warn: bool = False) -> list[Path]:
+    """The complete step-N checkpoints in ``folder``, oldest first; ``warn``: on stderr, of those that are not."""
     found = []
-    for path in sorted(folder.glob("step-*"), key=lambda p: int(STEP_DIR.fullmatch(p.name)[1])
-                       if STEP_DIR.fullmatch(p.name) else -1):
-        if not STEP_DIR.fullmatch(path.name) or not path.is_dir():
-            continue
+    steps = [path for path in folder.glob("step-*") if STEP_DIR.fullmatch(path.name) and path.is_dir()]
+    for path in sorted(steps, key=lambda path: int(path.name.removeprefix("step-"))):
         if (path / ".metadata").is_file() and (path / "trainer.pt").is_file():
             found.append(path)
-        elif warn:
-            warn(f"warning: {path} is incomplete (no .metadata or trainer.pt); not resuming from it")
+        elif warn:  # copied in part, or damaged
+            print(f"warning: {path} is incomplete (no .metadata or trainer.pt); not resuming from it", file=sys.stderr)
     if warn:
         for tmp in folder.glob(".step-*.tmp"):
-            warn(f"warning: {tmp} is a save that never finished; ignored")
+            print(f"warning: {tmp} is a save that never finished; ignored", file=sys.stderr)
     return found
 
 
@@ -90,28 +87,21 @@ def load_trainer_state(path: Path, recipe: str) -> dict:
 
 def load_sharded(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
     """Read a DCP checkpoint into ``model`` (and ``optimizer``), resharded to this run's layout."""
-    if optimizer is None:
-        model_sd, _ = get_state_dict(model, [])
-        state = {"model": model_sd}
-    else:
-        model_sd, optim_sd = get_state_dict(model, optimizer)  # also creates AdamW's (still lazy) state
-        state = {"model": model_sd, "optimizer": optim_sd}
+    optimizers = [] if optimizer is None else optimizer
+    model_sd, optim_sd = get_state_dict(model, optimizers)  # also creates AdamW's (still lazy) state
+    state = {"model": model_sd, "optimizer": optim_sd}
     try:
         with quiet_single_process():
             dcp.load(state, checkpoint_id=path)
     except Exception as err:
         reason = " ".join(str(err).split())[:300]
         raise RecipeError(f"checkpoint {path} does not fit this model or optimizer: {reason}") from None
-    if optimizer is None:
-        set_model_state_dict(model, state["model"])
-    else:
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    set_state_dict(model, optimizers, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
 
 
 def to_single_file(step_dir: Path, out: Path, recipe: str) -> None:
-    """Turn a DCP checkpoint folder into the usual single-file checkpoint (full tensors, one process, no
-    process group): what ``--sample-only`` and scripts/export.py read. The optimizer state stays keyed by
-    parameter name, as get_state_dict gives it."""
+    """A DCP checkpoint folder as the usual single file (full tensors, one process), which ``--sample-only`` and
+    scripts/export.py read. The optimizer state stays keyed by parameter name, as get_state_dict gives it."""
     trainer = load_trainer_state(step_dir, recipe)
     trainer.pop("sharded", None)
     tmp = out.with_name(f".{out.name}.{os.getpid()}.dcp.tmp")
@@ -124,24 +114,18 @@ def to_single_file(step_dir: Path, out: Path, recipe: str) -> None:
 
 
 class ShardedRun(Run):
-    """A ``Run`` whose checkpoints are DCP folders (see the module's docstring), written by every rank.
-    Resuming (``--resume auto``, or ``--resume`` a step folder) works at any number of ranks; the finished
-    run also leaves checkpoints/last.pt and best.pt as single files. During the run the best step's folder
-    stands for best.pt: pruning keeps it (its step is in metrics.json)."""
+    """A ``Run`` whose checkpoints are DCP folders written by every rank, resumable at any number of ranks; it ends
+    with single-file copies of the last and best. Until then the best step's folder, kept by pruning, is best.pt."""
 
     def open_run_dir(self, run_dir: Path | None, resume: str | None) -> tuple[Path, Path | None, dict | None]:
         run_dir, last = prepare_run_dir(self.recipe, run_dir, resume, self.is_main)
         self.dcp_dir = run_dir / "checkpoints" / "dcp"
-        path = None
-        if resume is None or resume == "auto":
-            # Rank 0 decides and tells the others: every rank must read the same checkpoint.
-            found = [complete_checkpoints(self.dcp_dir, self.warn) if self.is_main else None]
-            if self.world_size > 1:
-                dist.broadcast_object_list(found)
-            if found[0] and resume is None:
+        if resume in (None, "auto"):  # rank 0 looks: every rank must read the same checkpoint
+            found = self.from_rank_0(lambda: complete_checkpoints(self.dcp_dir, warn=True))
+            if found and resume is None:
                 raise RecipeError(f"{run_dir} already holds checkpoints; continue it with --resume auto, or choose "
                                   "another --run-dir")
-            path = found[0][-1] if found[0] else last
+            path = found[-1] if found else last
         else:
             path = Path(resume)
         return run_dir, path, load_trainer_state(path, self.recipe) if path else None
@@ -151,19 +135,14 @@ class ShardedRun(Run):
         written = self.dcp_dir / f"step-{self.last_saved:06d}"
         return written if written.is_dir() else self.resume_path  # resumed from elsewhere, nothing saved here yet
 
-    def warn(self, message: str) -> None:
-        print(message, file=sys.stderr, flush=True)
-
     def start(self, *, model, optimizer, **kwargs) -> None:
         if self.checkpoint and self.checkpoint.get("sharded"):
-            # Options first (a model of another shape fails here, in one line), then the tensors, read
-            # straight into this run's shards. Run.start then restores the rest (step, RNG, schedule) and
-            # finds the model and optimizer already in place.
+            # Options first (a model of another shape fails there, in one line), then the tensors, straight into
+            # this run's shards; Run.start restores the rest and finds the model and optimizer in place.
             steps_per_epoch = kwargs.get("eval_every") or kwargs.get("steps")
-            check_same_run(self.checkpoint, self.resume_path, self.config, steps_per_epoch, self.may_change,
-                           OPTION_NAMES)
+            check_same_run(self.checkpoint, self.resume_path, self.config, steps_per_epoch, self.may_change)
             load_sharded(self.resume_path, model, optimizer)
-            self.checkpoint = {**self.checkpoint, "model": {k: v for k, v in model.state_dict().items()},
+            self.checkpoint = {**self.checkpoint, "model": dict(model.state_dict()),
                                "optimizer": optimizer.state_dict()}
         super().start(model=model, optimizer=optimizer, **kwargs)
 
@@ -172,8 +151,7 @@ class ShardedRun(Run):
         if name != "last.pt":  # best.pt: the step folder written next is the best one; pruning keeps it
             return
         self.flush()  # raises on a non-finite loss before anything is written
-        model, optimizer = self.state.model, self.state.optimizer
-        model_sd, optim_sd = get_state_dict(model, optimizer)
+        model_sd, optim_sd = get_state_dict(self.state.model, self.state.optimizer)
         spoiled = torch.tensor([float(any(v.is_floating_point() and not torch.isfinite(local(v)).all()
                                           for v in model_sd.values()))])
         if self.world_size > 1:  # every rank holds other shards: the answer is the group's
@@ -206,22 +184,19 @@ class ShardedRun(Run):
         if self.world_size > 1:
             dist.barrier()  # no rank goes on (or stops) before the checkpoint is complete
         self.last_saved = self.step
-        self.window_start = time.perf_counter()  # saving is not training time
+        self.window_start = time.perf_counter()  # evaluating and saving are not training time
         if self.stop_agreed():
             self.close()
-            self.stop.exit_if_requested(self.step, self.run_dir)
-            sys.exit(143)  # another rank was asked to stop: leave at the same step
+            self.stop.exit(self.step, self.run_dir)
 
     def prune(self) -> None:
-        keep = complete_checkpoints(self.dcp_dir)[-KEEP:]
         best = self.dcp_dir / f"step-{self.state.best_step:06d}"
-        for path in complete_checkpoints(self.dcp_dir):
-            if path not in keep and path != best:
+        for path in complete_checkpoints(self.dcp_dir)[:-KEEP]:
+            if path != best:
                 shutil.rmtree(path, ignore_errors=True)
 
     def finish(self, metrics: dict | None = None) -> dict:
-        """Also leave the last and the best checkpoint as single files, checkpoints/last.pt and best.pt (rank 0
-        writes them from their folders)."""
+        """Also leave checkpoints/last.pt and best.pt, single files that rank 0 writes from their folders."""
         if not self.finished and self.last_saved is not None:
             self.from_rank_0(self.write_single_files)  # every rank waits for them, and stops with their error
         return super().finish(metrics)

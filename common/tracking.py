@@ -33,11 +33,11 @@ from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from torch.utils.tensorboard import SummaryWriter
 
 from common.checkpoint import TrainingState, load_checkpoint, save_checkpoint
-from common.cli import OPTION_NAMES, RecipeError
+from common.cli import RecipeError
 from common.loop import StepStats
 from common.resources import format_account, memory_account, reset_peak_memory, with_peaks
-from common.resume import already_finished, check_same_run, resume_position
-from common.rundir import StopRequest, plain_config, prepare_run_dir, write_json
+from common.resume import already_finished, check_same_run
+from common.rundir import StopRequest, prepare_run_dir, write_json
 from common.runtime import unwrap
 
 MAX_SKIPPED_IN_A_ROW = 50  # fp16 steps the GradScaler may skip in a row before the run is called diverged
@@ -50,24 +50,23 @@ class Run:
         self.unit, self.log_every = unit, log_every
         self.rank, self.world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
         self.is_main = self.rank == 0
-        run_dir, resume = [self.options.get("run_dir")], self.options.get("resume")
+        run_dir, resume = self.options.get("run_dir"), self.options.get("resume")
         if self.world_size > 1:  # rank 0 names a default directory; every rank must use that one
-            run_dir = [self.from_rank_0(lambda: prepare_run_dir(recipe, run_dir[0], resume)[0])]
-        self.run_dir, self.resume_path, self.checkpoint = self.open_run_dir(run_dir[0], resume)
-        self.config = plain_config(self.options)
-        self.finished, self.state, self.writer, self.stop, self.metrics, self.memory = False, None, None, None, {}, {}
-        self.stopped_early = False
+            run_dir = self.from_rank_0(lambda: prepare_run_dir(recipe, run_dir, resume)[0])
+        self.run_dir, self.resume_path, self.checkpoint = self.open_run_dir(run_dir, resume)
+        self.config = {k: str(v) if isinstance(v, Path) else v for k, v in self.options.items()}  # JSON-safe
+        self.finished = self.stopped_early = False
+        self.state, self.writer, self.stop, self.metrics, self.memory = None, None, None, {}, {}
         self.pending: list[tuple[int, StepStats, float, int]] = []  # steps not yet read back from the device
         self.items, self.train_seconds, self.first_window = 0, 0.0, None  # throughput leaves the first window out
         self.train_loss, self.interval_losses, self.skipped_steps, self.skipped_in_a_row = math.nan, [], 0, 0
         show = self.options.get("progress")
-        self.progress = Progress(TextColumn("step"), MofNCompleteColumn(), BarColumn(),
-                                 TextColumn("{task.fields[status]}"), TimeRemainingColumn(),
-                                 disable=not ((sys.stdout.isatty() if show is None else show) and self.is_main))
+        self.progress = Progress(
+            TextColumn("step"), MofNCompleteColumn(), BarColumn(), TextColumn("{task.fields[status]}"),
+            TimeRemainingColumn(), disable=not ((sys.stdout.isatty() if show is None else show) and self.is_main))
 
     def from_rank_0(self, work: Callable[[], object]) -> object:
-        """``work()`` on rank 0 alone, its result on every rank. A problem it meets (a RecipeError, a usage error,
-        an OSError) is raised on every rank alike, so that none is left waiting for a broadcast that never comes."""
+        """``work()`` on rank 0 alone; its result, or its error, on every rank (none waits for a broadcast in vain)."""
         outcome = [None]
         if self.is_main:
             try:
@@ -83,8 +82,7 @@ class Run:
         return outcome[0]
 
     def open_run_dir(self, run_dir, resume: str | None) -> tuple:
-        """(run directory, checkpoint to resume from or None, its contents): a subclass with checkpoints of
-        another kind (ShardedRun, for DCP folders) finds and reads its own here."""
+        """(run directory, checkpoint to resume from or None, its contents); ShardedRun finds its DCP folders here."""
         run_dir, resume_path = prepare_run_dir(self.recipe, run_dir, resume, self.is_main)
         return run_dir, resume_path, load_checkpoint(resume_path, self.recipe) if resume_path else None
 
@@ -102,8 +100,8 @@ class Run:
 
     def start(self, *, model, optimizer, scheduler=None, scaler=None, loader=None, epochs: int | None = None,
               steps: int | None = None, eval_every: int | None = None, extra: dict | None = None) -> None:
-        """Restore a resumed run, then open the run's outputs and print its header. Epoch-based recipes pass
-        ``epochs`` and their training ``loader``; step-based ones ``steps`` and ``eval_every`` (their "epoch")."""
+        """Restore a resumed run, open its outputs, print its header. Epoch-based recipes pass ``epochs`` and the
+        training ``loader``; step-based ones ``steps`` and ``eval_every`` (their "epoch")."""
         self.steps_per_epoch = len(loader) if epochs else eval_every or steps
         schedule_steps = epochs * self.steps_per_epoch if epochs else steps
         self.total_steps = min(schedule_steps, self.options.get("max_steps") or schedule_steps)
@@ -115,8 +113,7 @@ class Run:
         self.state = TrainingState(self.recipe, self.config, model, optimizer, scheduler, scaler,
                                    getattr(loader, "generator", None), self.steps_per_epoch, extra or {}, ema)
         if self.checkpoint:
-            check_same_run(self.checkpoint, self.resume_path, self.config, self.steps_per_epoch, self.may_change,
-                           OPTION_NAMES)
+            check_same_run(self.checkpoint, self.resume_path, self.config, self.steps_per_epoch, self.may_change)
             self.state.load_state_dict(self.checkpoint, self.resume_path)
         # Relaunched once finished (the same command on every restart), a run must neither train past its end
         # nor overwrite its results. One stopped between its last checkpoint and metrics.json goes on.
@@ -148,7 +145,8 @@ class Run:
         """The epochs still to train, from the one a resumed run stopped in; none if the run had finished."""
         if self.finished:
             return
-        first, self.done_in_epoch = resume_position(self.step, self.total_steps, self.steps_per_epoch)
+        # stopped at its last step before the final evaluation: back into the last epoch, which evaluates at once
+        first, self.done_in_epoch = divmod(min(self.step, self.total_steps - 1), self.steps_per_epoch)
         for epoch in range(first, self.n_epochs):
             self.epoch = epoch
             yield epoch
@@ -173,9 +171,8 @@ class Run:
     # ---- logging
 
     def log_train(self, stats: StepStats, *, lr: float, items: int) -> None:
-        """Count one optimizer step and log it; ``items`` is samples (or tokens) in it, across all ranks.
-        Saves every ``--checkpoint-every`` steps and on a stop request, but not at an epoch's end: there
-        ``log_eval`` saves once the epoch is evaluated, so a resume never skips an evaluation."""
+        """Count and log one step; ``items``: its samples (or tokens) on all ranks. Saves every --checkpoint-every
+        steps and on a stop, but not at an epoch's end: log_eval saves after evaluating, so no resume skips one."""
         self.state.step += 1
         if self.state.ema is not None:
             self.state.ema.update_parameters(unwrap(self.state.model))
@@ -196,9 +193,8 @@ class Run:
             self.save()
 
     def flush(self, ends_now: bool = False) -> None:
-        """Read pending losses back from the device (one transfer for the whole window), log them, and stop
-        the run at the first non-finite one. ``ends_now``: called right after a step, so the read-back's return
-        (the device has finished the window's work) ends the window; after an evaluation, its last step does."""
+        """Read the window's losses back in one transfer, log them, stop at the first non-finite one. ``ends_now``
+        (right after a step): the window ends once the device is done with it, as the read-back returns."""
         if not self.pending:
             return
         nan = torch.tensor(math.nan, device=self.pending[0][1].loss.device)
@@ -211,14 +207,15 @@ class Run:
         self.items, self.train_seconds = self.items + items, self.train_seconds + seconds
         self.first_window = self.first_window or (items, seconds)  # start-up and compilation live here
         for (step, _, lr, _), (loss, grad_norm, skip) in zip(pending, rows, strict=True):
-            self.skipped_in_a_row = self.skipped_in_a_row + 1 if skip == 1 else 0  # fp16: skipped, no loss
-            self.skipped_steps += skip == 1
-            if skip != 1:
+            skipped = skip == 1  # fp16: the scaler skipped the step, whose loss counts for nothing
+            self.skipped_in_a_row = self.skipped_in_a_row + 1 if skipped else 0
+            self.skipped_steps += skipped
+            if not skipped:
                 self.interval_losses.append(loss)
                 self.train_loss = loss
             if self.writer:  # the steps before a divergence are logged too: the curve shows it coming
                 self.writer.add_scalar("train/lr", lr, step)
-                if skip != 1:
+                if not skipped:
                     self.writer.add_scalar("train/loss", loss, step)
                 if math.isfinite(grad_norm):
                     self.writer.add_scalar("train/grad_norm", grad_norm, step)
@@ -254,11 +251,9 @@ class Run:
 
     def log_eval(self, validate: Callable[[nn.Module], dict[str, float]], *,
                  score: Callable[[dict[str, float]], float] | None = None, note: str = "") -> None:
-        """Evaluate with ``validate(model) -> {"loss": ..., "acc": ...}`` (and the EMA with --ema), log it and
-        print a line for the interval; save best.pt when ``score(metrics)`` (higher is better: an accuracy, or
-        minus a loss; the EMA's with --ema) is the best so far, and the --keep-best best ones; then last.pt.
-        With several processes ``validate`` must return the whole group's figures (reduced across the ranks):
-        every rank then decides alike on best.pt, early stopping and divergence."""
+        """Evaluate with ``validate(model) -> {"loss": ..., "acc": ...}`` (the EMA too), log and print it; keep the
+        best by ``score(metrics)`` (higher is better; the EMA's with --ema), then save last.pt. ``validate`` returns
+        the group's figures, reduced across ranks: every rank decides alike on best.pt, early stopping, divergence."""
         self.flush()
         if self.interval_losses:
             self.train_loss = sum(self.interval_losses) / len(self.interval_losses)
@@ -280,11 +275,9 @@ class Run:
         if score is not None:
             self.keep_best(score(results.get("ema_val", results["val"])))
         self.save()
-        self.window_start = time.perf_counter()  # evaluation time is not training time
 
     def keep_best(self, score: float) -> None:
-        """best.pt for a new best score; with --keep-best K also best-stepN.pt for each of the K best; counts
-        the evaluations without a better score for --patience."""
+        """best.pt for a new best score, best-stepN.pt for each of the --keep-best K best; counts for --patience."""
         state, keep = self.state, self.options.get("keep_best") or 1
         if score > state.best_score:
             state.best_score, state.best_step, state.evals_since_best = score, self.step, 0
@@ -336,15 +329,14 @@ class Run:
         if self.world_size > 1:
             dist.barrier()
         self.last_saved = self.step if name == "last.pt" else self.last_saved
-        self.window_start = time.perf_counter()  # saving is not training time
+        self.window_start = time.perf_counter()  # evaluating and saving are not training time
         if name == "last.pt" and self.stop_agreed():
             self.close()
-            self.stop.exit_if_requested(self.step, self.run_dir)
-            sys.exit(143)  # another rank was asked to stop: leave at the same step
+            self.stop.exit(self.step, self.run_dir)
 
     def finish(self, metrics: dict[str, float] | None = None) -> dict:
-        """Write metrics.json (the last evaluation, ``metrics``, throughput) and the hparams summary, close
-        everything, print the ``done:`` line. Does nothing for a run that had already finished."""
+        """Write metrics.json (the last evaluation, ``metrics``, throughput) and the hparams, close everything,
+        print the ``done:`` line. Does nothing for a run that had already finished."""
         if self.finished:
             return {}
         self.flush()
