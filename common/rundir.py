@@ -72,7 +72,7 @@ class StopRequest:
         """Once a checkpoint of ``step`` is written: say how to resume, and exit (SystemExit: atexit still runs)."""
         if self.requested:
             self.announce(f"interrupted at step {step}; checkpoint saved. Resume with:\n  {resume_command(run_dir)}")
-        sys.exit(128 + (self.signal or signal.SIGTERM))  # a rank not signalled leaves like one that was
+        sys.exit(128 + (self.signal or signal.SIGTERM))  # a rank not signalled itself: as if SIGTERMed
 
     def handle(self, signum, frame) -> None:
         if self.requested:

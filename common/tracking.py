@@ -100,8 +100,8 @@ class Run:
 
     def start(self, *, model, optimizer, scheduler=None, scaler=None, loader=None, epochs: int | None = None,
               steps: int | None = None, eval_every: int | None = None, extra: dict | None = None) -> None:
-        """Restore a resumed run, open its outputs, print its header. Epoch-based recipes pass ``epochs`` and the
-        training ``loader``; step-based ones ``steps`` and ``eval_every`` (their "epoch")."""
+        """Restore a resumed run, open its outputs, print its header. Pass ``epochs`` and the training ``loader``,
+        or ``steps`` and ``eval_every`` (the steps of an "epoch")."""
         self.steps_per_epoch = len(loader) if epochs else eval_every or steps
         schedule_steps = epochs * self.steps_per_epoch if epochs else steps
         self.total_steps = min(schedule_steps, self.options.get("max_steps") or schedule_steps)
@@ -251,9 +251,8 @@ class Run:
 
     def log_eval(self, validate: Callable[[nn.Module], dict[str, float]], *,
                  score: Callable[[dict[str, float]], float] | None = None, note: str = "") -> None:
-        """Evaluate with ``validate(model) -> {"loss": ..., "acc": ...}`` (the EMA too), log and print it; keep the
-        best by ``score(metrics)`` (higher is better; the EMA's with --ema), then save last.pt. ``validate`` returns
-        the group's figures, reduced across ranks: every rank decides alike on best.pt, early stopping, divergence."""
+        """Evaluate (the EMA too) with ``validate(model) -> {"loss": ..., "acc": ...}``, log, keep the best by ``score``
+        (higher is better), save last.pt. ``validate`` returns figures reduced across ranks: all ranks decide alike."""
         self.flush()
         if self.interval_losses:
             self.train_loss = sum(self.interval_losses) / len(self.interval_losses)
@@ -335,8 +334,7 @@ class Run:
             self.stop.exit(self.step, self.run_dir)
 
     def finish(self, metrics: dict[str, float] | None = None) -> dict:
-        """Write metrics.json (the last evaluation, ``metrics``, throughput) and the hparams, close everything,
-        print the ``done:`` line. Does nothing for a run that had already finished."""
+        """Write metrics.json and the hparams, close everything, print the ``done:`` line (not if already finished)."""
         if self.finished:
             return {}
         self.flush()
