@@ -122,7 +122,7 @@ class Run:
             return self.print(f"already finished: step {self.step} of {self.total_steps}; nothing trained, "
                               f"{self.run_dir} left as it was (a run cut short by --max-steps goes on with a larger "
                               "one)")
-        device = next(model.parameters()).device
+        device = self.state.device
         self.started = self.window_start = self.last_step_time = time.perf_counter()
         self.last_saved = self.step if self.checkpoint else None
         self.config_json = {**self.config, "run_dir": str(self.run_dir), "torch_version": torch.__version__,
@@ -303,7 +303,7 @@ class Run:
             return self.stop.requested
         if self.step % self.log_every and self.step < self.total_steps:
             return False
-        flag = torch.tensor([float(self.stop.requested)], device=next(self.state.model.parameters()).device)
+        flag = torch.tensor([float(self.stop.requested)], device=self.state.device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
 
