@@ -94,6 +94,14 @@ def test_the_lesson_comes_first_and_the_core_after_it(name, ejected):
 
 
 @pytest.mark.parametrize("name", RECIPES)
+def test_the_readme_gives_the_ejected_length(name, ejected):
+    """The README's table of lengths is what eject writes today (within 2%: a line's edit needs no README edit)."""
+    rows = dict(re.findall(r"^\| (\w+) \| [\d,]+ \| ([\d,]+) \|$", (ROOT / "README.md").read_text(), flags=re.M))
+    stated, actual = int(rows[name].replace(",", "")), len(ejected(name).read_text().splitlines())
+    assert abs(actual - stated) <= 0.02 * stated, f"README says {stated} lines, eject writes {actual}"
+
+
+@pytest.mark.parametrize("name", RECIPES)
 def test_ejecting_twice_gives_the_same_bytes(name, ejected, tmp_path):
     again = tmp_path / "train.py"
     result = run_subprocess(["scripts/eject.py", name, again], env={"PYTHONHASHSEED": "12345"})  # other set orders
