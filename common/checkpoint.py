@@ -58,7 +58,7 @@ def load_checkpoint(path: Path, recipe: str) -> dict:
             warnings.simplefilter("ignore")
             state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:
-        code = re.search(r"GLOBAL (\S+)", str(err))  # a pickle that would import and call something
+        code = re.search(r"GLOBAL (\S+)", str(err))  # a pickle that would import and call code: refused unrun
         reason = (f"it refers to Python code ({code.group(1)}) that safe loading refuses to run" if code
                   else "it is corrupt, truncated, or not a PyTorch checkpoint")
         raise RecipeError(f"cannot load checkpoint {path}: {reason}") from None
@@ -86,8 +86,8 @@ def load_model_state(model: nn.Module, state_dict: dict, source: Path) -> None:
 
 
 def rng_state(loader_generator: torch.Generator | None = None, device: torch.device | None = None) -> dict:
-    """Every random stream a run draws from, so a resumed run continues with the same numbers. Of CUDA only the
-    training device's generator, so the checkpoint does not depend on how many GPUs are visible. (Resumed
+    """Every random stream a run draws from, so a resumed run continues with the same numbers. Only the training
+    device's CUDA generator, so the checkpoint does not depend on how many GPUs are visible. (Resumed
     mid-epoch, DataLoader workers get new seeds: that changes random augmentation in them, not sample order.)"""
     on_cuda = device is not None and torch.device(device).type == "cuda"
     return {"python": random.getstate(), "torch": torch.get_rng_state(),
@@ -163,6 +163,10 @@ class TrainingState:
                 self.ema.load_state_dict(state["ema"])
         except (ValueError, KeyError, RuntimeError, TypeError) as err:
             raise RecipeError(f"checkpoint {source} does not fit this run's optimizer or schedule: {err}") from None
-        restore_rng_state(state["rng"], self.loader_generator, self.device)
-        self.step, self.best_score, self.best_step = state["step"], state["best_score"], state["best_step"]
-        self.kept_best, self.evals_since_best = state["kept_best"], state["evals_since_best"]
+        try:  # a checkpoint of an older version of the recipe may lack a part, or hold it in another form
+            restore_rng_state(state["rng"], self.loader_generator, self.device)
+            self.step, self.best_score, self.best_step = state["step"], state["best_score"], state["best_step"]
+            self.kept_best, self.evals_since_best = state["kept_best"], state["evals_since_best"]
+        except (KeyError, TypeError, ValueError, AttributeError, RuntimeError) as err:
+            raise RecipeError(f"checkpoint {source} lacks part of the training state, or holds it in another "
+                              f"form ({type(err).__name__}: {err}): another version of this recipe wrote it") from None

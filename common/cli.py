@@ -23,11 +23,15 @@ class RecipeError(Exception):
 
 def checked(accepts: Callable[[float], bool], rule: str) -> Callable[[float | None], float | None]:
     """A Typer callback: a value that ``accepts`` refuses is a usage error, "must be RULE"; None passes.
-    Each rule below is a chain of comparisons, which also rejects nan."""
+
+    Each rule below is a chain of comparisons, which also rejects nan (every comparison with nan is false).
+    """
+
     def check(value: float | None) -> float | None:
         if value is not None and not accepts(value):
             raise typer.BadParameter(f"must be {rule}, got {value}")
         return value
+
     return check
 
 
@@ -89,8 +93,10 @@ OPTION_NAMES: dict[str, str] = {}  # parameter -> option, e.g. csv_path -> --csv
 
 
 def run_recipe(main: Callable[..., object], argv: list[str] | None = None) -> None:
-    """Run ``main`` as a one-command Typer CLI: exit 0 on success, 2 on usage errors, 1 on RecipeError. The
-    process group (if any) is destroyed on every way out, so no rank is left waiting on a dead one."""
+    """Run ``main`` as a one-command Typer CLI: exit 0 on success, 2 on usage errors, 1 on RecipeError.
+
+    The process group (if any) is destroyed on every way out, so no rank is left waiting on a dead one.
+    """
     app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, rich_markup_mode=None)
     app.command()(main)
     OPTION_NAMES.update({param.name: param.opts[0] for param in typer.main.get_command(app).params})

@@ -59,7 +59,9 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Loss
     ddp = getattr(model, "_orig_mod", model)  # compiled after DDP-wrapping: the DDP module is inside
     for i, (*inputs, target) in enumerate(batches):
         last = i == len(batches) - 1
-        with nullcontext() if last or not isinstance(ddp, DistributedDataParallel) else ddp.no_sync():
+        # under DDP only the last micro-batch's backward all-reduces; the others accumulate locally
+        sync = nullcontext() if last or not isinstance(ddp, DistributedDataParallel) else ddp.no_sync()
+        with sync:
             with autocast(device, precision):
                 loss = loss_fn(model(*inputs), target).float()
             # a micro-batch with nothing to count has a NaN mean loss and contributes nothing
@@ -88,6 +90,7 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Loss
 def evaluate(model: nn.Module, batches: Iterable[Sequence[torch.Tensor]], loss_fn: LossFn, *, device: torch.device,
              precision: str = "fp32", accuracy: bool = True) -> dict[str, float]:
     """Mean loss (and accuracy) over every counted target of ``batches``, in eval mode; restores the mode.
+
     Each batch's mean loss is weighted by its number of counted targets, so a short last batch counts for
     what it holds and a target the loss ignores (``ignore_index``) counts nowhere, accuracy included."""
     was_training = model.training

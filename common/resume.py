@@ -17,7 +17,8 @@ MAY_CHANGE = {"max_steps", "run_dir", "resume", "checkpoint_every", "progress", 
               "data_dir", "keep_best", "patience"}
 
 
-def check_same_run(state: dict, source: Path, config: dict, steps_per_epoch: int, may_change: set[str]) -> None:
+def check_same_run(state: dict, source: Path, config: dict, steps_per_epoch: int | None,
+                   may_change: set[str]) -> None:
     """Raise a RecipeError if this run's options or epoch length are not the checkpoint's."""
     saved = state.get("config", {})
     changed = [f"{OPTION_NAMES.get(key, '--' + key.replace('_', '-'))} {saved.get(key)} there, {config.get(key)} here"
@@ -26,7 +27,7 @@ def check_same_run(state: dict, source: Path, config: dict, steps_per_epoch: int
     if changed:
         raise RecipeError(f"checkpoint {source} was started with other options ({'; '.join(changed)}): resume "
                           "with the options it was started with, or start afresh in another --run-dir")
-    if state.get("steps_per_epoch") not in (None, steps_per_epoch):
+    if steps_per_epoch is not None and state.get("steps_per_epoch") not in (None, steps_per_epoch):
         raise RecipeError(f"checkpoint {source} has {state['steps_per_epoch']} steps per epoch, this run "
                           f"{steps_per_epoch}: resume with the data and processes it was started with")
 

@@ -22,7 +22,8 @@ def write_json(path: Path, data: dict) -> None:
     os.replace(tmp, path)  # readers see the old file or the new one, never half of one
 
 
-def prepare_run_dir(recipe: str, run_dir: Path | None, resume: str | None, is_main: bool = True) -> tuple:
+def prepare_run_dir(recipe: str, run_dir: Path | None, resume: str | None,
+                    is_main: bool = True) -> tuple[Path, Path | None]:
     """(run directory, checkpoint to resume from or None) from ``--run-dir`` and ``--resume``. A fresh run never
     starts in a folder that holds checkpoints: nothing gets overwritten."""
     if resume == "auto" and run_dir is None:
@@ -48,8 +49,14 @@ def prepare_run_dir(recipe: str, run_dir: Path | None, resume: str | None, is_ma
 
 def resume_command(run_dir: Path) -> str:
     """This process's own command line, made to continue from ``run_dir``'s last checkpoint."""
-    argv, ours = sys.argv[1:], ("--resume", "--run-dir")  # left out, with their values
-    args = [arg for i, arg in enumerate(argv) if arg.split("=")[0] not in ours and (i == 0 or argv[i - 1] not in ours)]
+    args, skip = [], False
+    for arg in sys.argv[1:]:  # --resume and --run-dir are left out, with their values
+        if skip:
+            skip = False
+        elif arg in ("--resume", "--run-dir"):
+            skip = True
+        elif not arg.startswith(("--resume=", "--run-dir=")):
+            args.append(arg)
     launcher = ["torchrun", f"--nproc_per_node={os.environ['LOCAL_WORLD_SIZE']}"] if "LOCAL_WORLD_SIZE" in os.environ \
         else ["python"]  # under torchrun: its options beyond the process count are not known here
     return shlex.join([*launcher, sys.argv[0], *args, "--resume", "auto", "--run-dir", str(run_dir)])

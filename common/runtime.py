@@ -69,7 +69,8 @@ def measure_matmul_flops(device: torch.device, dtype: torch.dtype = torch.float3
     below the real one and an MFU several times too high. For MFU prefer ``device_peak_flops`` (datasheet
     figures). fp32 is true fp32 unless TF32 was switched on; PyTorch's default is off, and so are the recipes'."""
     device = torch.device(device)
-    size = size or (8192 if device.type == "cuda" else 1024)
+    if size is None:
+        size = 8192 if device.type == "cuda" else 1024
     # Not the global RNG: a resumed run's numbers must not shift. On CUDA a generator there avoids making
     # (and copying over) large matrices on the CPU.
     generator = torch.Generator(device if device.type == "cuda" else "cpu").manual_seed(0)

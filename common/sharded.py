@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
@@ -87,15 +88,15 @@ def load_trainer_state(path: Path, recipe: str) -> dict:
 
 def load_sharded(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
     """Read a DCP checkpoint into ``model`` (and ``optimizer``), resharded to this run's layout."""
-    optimizers = [] if optimizer is None else optimizer
+    optimizers = [] if optimizer is None else [optimizer]
     model_sd, optim_sd = get_state_dict(model, optimizers)  # also creates AdamW's (still lazy) state
     state = {"model": model_sd, "optimizer": optim_sd}
     try:
         with quiet_single_process():
             dcp.load(state, checkpoint_id=path)
-    except Exception as err:
-        reason = " ".join(str(err).split())[:300]
-        raise RecipeError(f"checkpoint {path} does not fit this model or optimizer: {reason}") from None
+    except (Exception, CheckpointException) as err:  # DCP's CheckpointException is a BaseException
+        reason = (str(err).strip().splitlines() or [type(err).__name__])[-1][:300]  # DCP's: a traceback; its last line
+        raise RecipeError(f"checkpoint {path} does not fit this model or optimizer, or is damaged: {reason}") from None
     set_state_dict(model, optimizers, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
 
 
@@ -114,8 +115,9 @@ def to_single_file(step_dir: Path, out: Path, recipe: str) -> None:
 
 
 class ShardedRun(Run):
-    """A ``Run`` whose checkpoints are DCP folders written by every rank, resumable at any number of ranks; it ends
-    with single-file copies of the last and best. Until then the best step's folder, kept by pruning, is best.pt."""
+    """A ``Run`` whose checkpoints are DCP folders written by every rank, resumable (``--resume auto``, or a step
+    folder) at any number of ranks; it ends with single-file copies of the last and best. Until then the best
+    step's folder (its step is in metrics.json), kept by pruning, stands for best.pt."""
 
     def open_run_dir(self, run_dir: Path | None, resume: str | None) -> tuple[Path, Path | None, dict | None]:
         run_dir, last = prepare_run_dir(self.recipe, run_dir, resume, self.is_main)

@@ -100,8 +100,8 @@ class Run:
 
     def start(self, *, model, optimizer, scheduler=None, scaler=None, loader=None, epochs: int | None = None,
               steps: int | None = None, eval_every: int | None = None, extra: dict | None = None) -> None:
-        """Restore a resumed run, open its outputs, print its header. Pass ``epochs`` and the training ``loader``,
-        or ``steps`` and ``eval_every`` (the steps of an "epoch")."""
+        """Restore a resumed run, open its outputs, print its header. Epoch-based recipes pass ``epochs`` and
+        their training ``loader``; step-based ones ``steps`` and ``eval_every`` (the steps of their "epoch")."""
         self.steps_per_epoch = len(loader) if epochs else eval_every or steps
         schedule_steps = epochs * self.steps_per_epoch if epochs else steps
         self.total_steps = min(schedule_steps, self.options.get("max_steps") or schedule_steps)
@@ -194,7 +194,8 @@ class Run:
 
     def flush(self, ends_now: bool = False) -> None:
         """Read the window's losses back in one transfer, log them, stop at the first non-finite one. ``ends_now``
-        (right after a step): the window ends once the device is done with it, as the read-back returns."""
+        (right after a step): the window ends once the device is done with it, as the read-back returns; after
+        an evaluation it ended with the last step."""
         if not self.pending:
             return
         nan = torch.tensor(math.nan, device=self.pending[0][1].loss.device)
@@ -251,8 +252,10 @@ class Run:
 
     def log_eval(self, validate: Callable[[nn.Module], dict[str, float]], *,
                  score: Callable[[dict[str, float]], float] | None = None, note: str = "") -> None:
-        """Evaluate (the EMA too) with ``validate(model) -> {"loss": ..., "acc": ...}``, log, keep the best by ``score``
-        (higher is better), save last.pt. ``validate`` returns figures reduced across ranks: all ranks decide alike."""
+        """Evaluate with ``validate(model) -> {"loss": ..., "acc": ...}`` (and the EMA with --ema), log, keep the
+        best by ``score`` (higher is better: an accuracy, or minus a loss; the EMA's with --ema), save last.pt.
+        With several processes ``validate`` must return the whole group's figures (reduced across the ranks), so
+        that every rank decides alike on best.pt, early stopping and divergence."""
         self.flush()
         if self.interval_losses:
             self.train_loss = sum(self.interval_losses) / len(self.interval_losses)

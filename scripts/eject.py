@@ -206,24 +206,40 @@ def import_lines(imports: list[Import]) -> list[str]:
 def is_main_guard(node: ast.stmt) -> bool:
     """``if __name__ == "__main__":``, which eject moves to the end of the script, below the core."""
     test = node.test if isinstance(node, ast.If) else None
-    return (isinstance(test, ast.Compare) and isinstance(test.left, ast.Name) and test.left.id == "__name__"
-            and len(test.comparators) == 1 and getattr(test.comparators[0], "value", None) == "__main__")
+    if not (isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], ast.Eq)):
+        return False
+    sides = [test.left, test.comparators[0]]
+    return any(isinstance(s, ast.Name) and s.id == "__name__" for s in sides) and \
+        any(isinstance(s, ast.Constant) and s.value == "__main__" for s in sides)
 
 
-def defined_with(node: ast.stmt) -> Iterator[ast.AST]:
-    """What Python evaluates when it runs a top-level statement: a function's decorators and defaults (not its
-    body; not annotations, under ``from __future__ import annotations``), a class's decorators, bases and body
-    as such, every other statement whole (an annotated assignment without its annotation)."""
-    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-        yield from (*node.decorator_list, *node.args.defaults, *filter(None, node.args.kw_defaults))
+def evaluated_now(node: ast.AST, called: bool = False) -> Iterator[tuple[ast.AST, bool]]:
+    """The names (as ``dotted`` reads them) that Python evaluates when it runs a top-level statement, each with
+    whether it is called there. Of a function or lambda: only its decorators (called) and defaults, not its body,
+    nor annotations under ``from __future__ import annotations``; of a class: its decorators, bases and body;
+    of an annotated assignment: all but the annotation."""
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+        for decorator in getattr(node, "decorator_list", []):
+            yield from evaluated_now(decorator, called=True)
+        for default in (*node.args.defaults, *filter(None, node.args.kw_defaults)):
+            yield from evaluated_now(default)
     elif isinstance(node, ast.ClassDef):
-        yield from (*node.decorator_list, *node.bases, *node.keywords)
-        for statement in node.body:
-            yield from defined_with(statement)
+        for decorator in node.decorator_list:
+            yield from evaluated_now(decorator, called=True)
+        for part in (*node.bases, *node.keywords, *node.body):
+            yield from evaluated_now(part)
     elif isinstance(node, ast.AnnAssign):
-        yield from filter(None, [node.target, node.value])
+        for part in filter(None, [node.target, node.value]):
+            yield from evaluated_now(part)
+    elif dotted(node) is not None:
+        yield node, called
+    elif isinstance(node, ast.Call):
+        yield from evaluated_now(node.func, called=True)
+        for part in (*node.args, *node.keywords):
+            yield from evaluated_now(part)
     else:
-        yield node
+        for child in ast.iter_child_nodes(node):
+            yield from evaluated_now(child)
 
 
 def is_header(node: ast.stmt) -> bool:
@@ -318,15 +334,27 @@ class Ejection:
         return import_reads
 
     def check_defined_before_core(self) -> None:
-        """The recipe's code comes before the core in the script, so what it evaluates when it is defined (not
-        inside its functions) cannot read a core definition."""
+        """The recipe's code comes before the core in the script, so what it runs when it is defined (not inside
+        its functions, unless it calls them there) cannot read a core definition."""
+        called: list[Definition] = []
         for node in self.body[:-1]:
-            for part in defined_with(node):
+            for part, is_called in evaluated_now(node):
                 for name, path in global_refs(part):
                     target = self.resolve(self.recipe, path)
                     if isinstance(target, Definition) and target.source is not self.recipe:
                         raise EjectError(f"{self.label}:{name.lineno}: {path} comes from {CORE}/ and is read where the "
                                          "recipe defines something; eject puts the recipe above the core")
+                    if isinstance(target, Definition) and is_called and target not in called:
+                        called.append(target)
+        for definition in called:  # a recipe function (or class) called at import time runs then: all of it counts
+            for name, path in global_refs(definition.node):
+                target = self.resolve(self.recipe, path)
+                if isinstance(target, Definition) and target.source is not self.recipe:
+                    raise EjectError(f"{self.label}:{name.lineno}: {path} comes from {CORE}/ and is read by "
+                                     f"{min(definition.names)}, which the recipe calls where it defines something; "
+                                     "eject puts the recipe above the core")
+                if isinstance(target, Definition) and target not in called:
+                    called.append(target)
 
     def order_sections(self) -> list[tuple[Source, list[Definition]]]:
         """Core modules after those they import from, definitions in source order: whatever a definition reads

@@ -145,6 +145,47 @@ if __name__ == "__main__":
     MySampler(range(3))
 '''
 
+CALLED_AT_IMPORT_RECIPE = '''"""A recipe that calls its own function where it defines a constant, at import."""
+
+from common.data import MNIST_FILES
+
+
+def files():
+    return list(MNIST_FILES)
+
+
+FILES = files()
+
+if __name__ == "__main__":
+    print(FILES)
+'''
+
+LATER_RECIPE = '''"""Core names read only in lambdas and functions that run after the core is defined: accepted."""
+
+from common.data import MNIST_FILES, MNIST_MEAN
+
+LOOKUPS = {"files": lambda: MNIST_FILES}
+
+
+def main(mean=lambda: MNIST_MEAN):
+    print(len(LOOKUPS["files"]()), mean())
+
+
+if "__main__" == __name__:
+    main()
+'''
+
+NOT_A_GUARD_RECIPE = '''"""A recipe whose last block runs when it is imported, not when it is run."""
+
+
+def main():
+    pass
+
+
+if __name__ != "__main__":
+    main()
+'''
+
 NO_GUARD_RECIPE = '''"""A recipe that runs its command without the `if __name__ == "__main__":` block."""
 
 from common import cli
@@ -169,14 +210,27 @@ cli.run_recipe(main)
         (["{tmp}/clash.py", "{tmp}/out.py"], 1, "needs 'to_device' from common/loop.py"),
         (["{tmp}/core_base.py", "{tmp}/out.py"], 1, "core_base.py:6: ResumableSampler comes from common/ and is read"),
         (["{tmp}/no_guard.py", "{tmp}/out.py"], 1, 'end the recipe with its `if __name__ == "__main__":` block'),
+        (["{tmp}/not_a_guard.py", "{tmp}/out.py"], 1, 'end the recipe with its `if __name__ == "__main__":` block'),
+        (["{tmp}/called.py", "{tmp}/out.py"], 1, "called.py:7: MNIST_FILES comes from common/ and is read by files, "
+                                                "which the recipe calls"),
     ],
 )
 def test_bad_input_is_a_one_line_error(args, code, message, tmp_path):
     (tmp_path / "clash.py").write_text(CLASHING_RECIPE + '\n\nif __name__ == "__main__":\n    to_device(None)\n')
     (tmp_path / "core_base.py").write_text(CORE_BASE_RECIPE)
     (tmp_path / "no_guard.py").write_text(NO_GUARD_RECIPE)
+    (tmp_path / "not_a_guard.py").write_text(NOT_A_GUARD_RECIPE)
+    (tmp_path / "called.py").write_text(CALLED_AT_IMPORT_RECIPE)
     result = run_subprocess(["scripts/eject.py", *(arg.format(tmp=tmp_path) for arg in args)])
     assert result.code == code, result.stderr
     assert result.stderr.startswith("error: ") and result.stderr.count("\n") == 1, result.stderr
     assert message in result.stderr
     assert not (tmp_path / "out.py").exists()
+
+
+def test_core_names_read_only_after_import_are_accepted(tmp_path):
+    (tmp_path / "later.py").write_text(LATER_RECIPE)
+    result = run_subprocess(["scripts/eject.py", tmp_path / "later.py", tmp_path / "out.py"])
+    assert result.code == 0, result.stderr
+    run = run_subprocess([sys.executable, tmp_path / "out.py"], cwd=tmp_path, env={"PYTHONPATH": ""})
+    assert run.code == 0 and run.stdout.split() == ["4", "0.1307"], run.stdout + run.stderr

@@ -176,6 +176,7 @@ USAGE_CASES = {  # exit 2: (extra arguments, text the error line must hold)
 }
 RUNTIME_CASES = [  # exit 1
     "missing checkpoint", "random bytes", "truncated checkpoint", "other recipe's checkpoint", "pickle payload",
+    "older version's checkpoint",
     "cuda absent", "unwritable run dir", "resumed with another schedule",
 ]
 INPUT_CASES = {  # recipe inputs, exit 1
@@ -254,6 +255,11 @@ def bad_arguments(recipe: str, case: str, request, tmp_path: Path, trained) -> t
         state["extra"] = Payload(tmp_path / "payload-ran")
         torch.save(state, checkpoint)
         return ["--resume", checkpoint], 1, "refuses to run"
+    if case == "older version's checkpoint":  # as written before --keep-best existed
+        state = torch.load(good, weights_only=True)
+        del state["kept_best"]
+        torch.save(state, checkpoint)
+        return ["--resume", checkpoint], 1, "lacks part of the training state, or holds it in another form (KeyError"
     if case == "cuda absent":
         return [*resume, "--device", "cuda"], 1, "CUDA is not available"
     if case == "resumed with another schedule":  # the saved schedule would silently override the new length

@@ -4,6 +4,7 @@ with the same weights, and FSDP holds about 1/N of the model state per rank."""
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -189,6 +190,14 @@ def test_bad_input_to_a_sharded_run(run_inprocess, corpus_txt, tmp_path):
     other_batch = run_inprocess("tiny_transformer", *args, "--batch-size", 4, "--run-dir", tmp_path / "b",
                                 "--resume", step)
     assert other_batch.code == 1 and "--global-batch 8 there, 4 here" in other_batch.stderr
+    # a shard that is damaged (DCP raises a BaseException for it): still one line
+    damaged = tmp_path / "damaged" / "step-000003"
+    shutil.copytree(step, damaged)
+    (damaged / "__0_0.distcp").write_bytes(b"\0" * 64)
+    broken = run_inprocess("tiny_transformer", *args, "--run-dir", tmp_path / "broken", "--resume", damaged)
+    assert broken.code == 1 and len(broken.stderr.strip().splitlines()) == 1, broken.stderr
+    assert broken.stderr.startswith(f"error: checkpoint {damaged} does not fit this model or optimizer, or is "
+                                    "damaged: ")
     # another recipe's sharded checkpoint
     trainer = torch.load(step / "trainer.pt", weights_only=True)
     torch.save({**trainer, "recipe": "ddp_mlp"}, step / "trainer.pt")
