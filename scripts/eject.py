@@ -9,8 +9,9 @@ merged import block, the recipe's own code (the lesson comes first), then the co
 constants that the recipe needs (directly or through each other; nothing else), one section per core module,
 and last the recipe's ``if __name__ == "__main__":`` block. Definitions are copied as written, so their
 comments and docstrings stay. ``from __future__ import annotations`` lets the recipe's annotations name core
-types defined below it; anything else the recipe evaluates when it is defined (a base class, a decorator, a
-default value) may not come from the core, and eject says so.
+types defined below it; anything else the recipe runs when it is imported (a base class, a decorator, a default
+value, a function called at the top level) may not use the core. Eject runs the new script's top level once to
+make sure, and writes OUTPUT only if it imports.
 
 What to copy is decided on the syntax tree, never on text: a name counts as used where code reads it as a
 module-level name; annotations, decorators and default values count, a function's parameters and local
@@ -25,7 +26,11 @@ every error is one line ``error: ...`` on stderr.
 import argparse
 import ast
 import itertools
+import os
+import re
+import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -213,35 +218,6 @@ def is_main_guard(node: ast.stmt) -> bool:
         any(isinstance(s, ast.Constant) and s.value == "__main__" for s in sides)
 
 
-def evaluated_now(node: ast.AST, called: bool = False) -> Iterator[tuple[ast.AST, bool]]:
-    """The names (as ``dotted`` reads them) that Python evaluates when it runs a top-level statement, each with
-    whether it is called there. Of a function or lambda: only its decorators (called) and defaults, not its body,
-    nor annotations under ``from __future__ import annotations``; of a class: its decorators, bases and body;
-    of an annotated assignment: all but the annotation."""
-    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
-        for decorator in getattr(node, "decorator_list", []):
-            yield from evaluated_now(decorator, called=True)
-        for default in (*node.args.defaults, *filter(None, node.args.kw_defaults)):
-            yield from evaluated_now(default)
-    elif isinstance(node, ast.ClassDef):
-        for decorator in node.decorator_list:
-            yield from evaluated_now(decorator, called=True)
-        for part in (*node.bases, *node.keywords, *node.body):
-            yield from evaluated_now(part)
-    elif isinstance(node, ast.AnnAssign):
-        for part in filter(None, [node.target, node.value]):
-            yield from evaluated_now(part)
-    elif dotted(node) is not None:
-        yield node, called
-    elif isinstance(node, ast.Call):
-        yield from evaluated_now(node.func, called=True)
-        for part in (*node.args, *node.keywords):
-            yield from evaluated_now(part)
-    else:
-        for child in ast.iter_child_nodes(node):
-            yield from evaluated_now(child)
-
-
 def is_header(node: ast.stmt) -> bool:
     """The docstring, the imports and the bootstrap at the top of a recipe: eject writes its own."""
     if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant):
@@ -286,7 +262,6 @@ class Ejection:
         self.taken: dict[Definition, list[tuple[ast.Name, Import]]] = {}
         self.module_reads: list[ast.Name] = []  # the `cli` of each `cli.Epochs`, to be cut out
         self.recipe_reads = self.take(self.recipe, self.body)
-        self.check_defined_before_core()
         self.sections = self.order_sections()
         self.renames = self.check_names()
 
@@ -332,29 +307,6 @@ class Ejection:
                     self.taken[target] = []  # first: a definition may read itself
                     self.taken[target] = self.take(target.source, [target.node])
         return import_reads
-
-    def check_defined_before_core(self) -> None:
-        """The recipe's code comes before the core in the script, so what it runs when it is defined (not inside
-        its functions, unless it calls them there) cannot read a core definition."""
-        called: list[Definition] = []
-        for node in self.body[:-1]:
-            for part, is_called in evaluated_now(node):
-                for name, path in global_refs(part):
-                    target = self.resolve(self.recipe, path)
-                    if isinstance(target, Definition) and target.source is not self.recipe:
-                        raise EjectError(f"{self.label}:{name.lineno}: {path} comes from {CORE}/ and is read where the "
-                                         "recipe defines something; eject puts the recipe above the core")
-                    if isinstance(target, Definition) and is_called and target not in called:
-                        called.append(target)
-        for definition in called:  # a recipe function (or class) called at import time runs then: all of it counts
-            for name, path in global_refs(definition.node):
-                target = self.resolve(self.recipe, path)
-                if isinstance(target, Definition) and target.source is not self.recipe:
-                    raise EjectError(f"{self.label}:{name.lineno}: {path} comes from {CORE}/ and is read by "
-                                     f"{min(definition.names)}, which the recipe calls where it defines something; "
-                                     "eject puts the recipe above the core")
-                if isinstance(target, Definition) and target not in called:
-                    called.append(target)
 
     def order_sections(self) -> list[tuple[Source, list[Definition]]]:
         """Core modules after those they import from, definitions in source order: whatever a definition reads
@@ -445,6 +397,22 @@ class Ejection:
         return head + "\n\n" + "\n\n\n".join(blocks) + "\n"  # isort wants one blank line after the imports
 
 
+def check_imports(script: Path) -> None:
+    """Run the script's top level once, as an import would (its ``__main__`` block does not run), away from the
+    repository. The recipe comes first in the script, so a recipe that uses a core name when it is imported
+    (a base class, a decorator, a default value, a function called at the top level) fails here, not later."""
+    runner = "import runpy, sys; runpy.run_path(sys.argv[1], run_name='ejected')"
+    with tempfile.TemporaryDirectory() as away:  # neither common/ nor the recipe's folder is importable there
+        result = subprocess.run([sys.executable, "-c", runner, str(script.resolve())], cwd=away, text=True,
+                                capture_output=True, env={**os.environ, "PYTHONPATH": ""})
+    if result.returncode != 0:
+        lines = result.stderr.strip().splitlines() or ["no error message"]
+        where = re.findall(rf'File "{re.escape(str(script.resolve()))}", line (\d+)', result.stderr)
+        at = f" at its line {where[-1]}" if where else ""
+        raise EjectError(f"the ejected script fails when it is imported{at} ({lines[-1]}); the recipe comes first "
+                         "in it, so code that runs at import (not inside a function) cannot use the core")
+
+
 class Parser(argparse.ArgumentParser):
     def error(self, message: str):  # one line instead of argparse's usage block; exit 2 like every usage error
         print(f"error: {message} (usage: python scripts/eject.py RECIPE OUTPUT)", file=sys.stderr)
@@ -468,13 +436,18 @@ def main(argv: list[str] | None = None) -> int:
         if output.resolve() == recipe.resolve():
             raise EjectError(f"{output} is the recipe itself; write the script somewhere else")
         ejection = Ejection(recipe)
-        output.write_text(ejection.text(), encoding="utf-8", newline="\n")
+        draft = output.with_name(f".{output.name}.tmp")
+        draft.write_text(ejection.text(), encoding="utf-8", newline="\n")
+        check_imports(draft)
+        os.replace(draft, output)  # only a script that imports replaces OUTPUT
     except EjectError as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
     except OSError as err:
         print(f"error: {err.filename or output}: {err.strerror or err}", file=sys.stderr)
         return 1
+    finally:
+        Path(output.with_name(f".{output.name}.tmp")).unlink(missing_ok=True)
     modules = ", ".join(Path(source.label).stem for source, _ in ejection.sections)
     print(f"wrote {output}: {ejection.label} with {len(ejection.taken)} definitions from {CORE}/ ({modules})")
     return 0

@@ -160,15 +160,44 @@ if __name__ == "__main__":
     print(FILES)
 '''
 
+BUILT_AT_IMPORT_RECIPE = '''"""A recipe that builds an object of its own class at import: its __init__ runs then."""
+
+from common.data import MNIST_MEAN
+
+
+class Probe:
+    def __init__(self):
+        self.mean = MNIST_MEAN
+
+
+PROBE = Probe()
+
+if __name__ == "__main__":
+    print(PROBE.mean)
+'''
+
 LATER_RECIPE = '''"""Core names read only in lambdas and functions that run after the core is defined: accepted."""
+
+import functools
 
 from common.data import MNIST_FILES, MNIST_MEAN
 
 LOOKUPS = {"files": lambda: MNIST_FILES}
+SQUARES = [MNIST_MEAN * MNIST_MEAN for MNIST_MEAN in range(3)]  # a comprehension's own variable
 
 
+def announced(fn):  # a decorator runs at import; the wrapper it returns runs later
+    @functools.wraps(fn)
+    def wrapper(*args):
+        print(len(MNIST_FILES))
+        return fn(*args)
+
+    return wrapper
+
+
+@announced
 def main(mean=lambda: MNIST_MEAN):
-    print(len(LOOKUPS["files"]()), mean())
+    print(len(LOOKUPS["files"]()), mean(), SQUARES[-1])
 
 
 if "__main__" == __name__:
@@ -208,11 +237,13 @@ cli.run_recipe(main)
         (["{tmp}/missing.py", "{tmp}/out.py"], 2, "no recipe"),
         (["mnist_onecycle", "{tmp}/no_folder/out.py"], 1, "does not exist"),
         (["{tmp}/clash.py", "{tmp}/out.py"], 1, "needs 'to_device' from common/loop.py"),
-        (["{tmp}/core_base.py", "{tmp}/out.py"], 1, "core_base.py:6: ResumableSampler comes from common/ and is read"),
+        (["{tmp}/core_base.py", "{tmp}/out.py"], 1, "fails when it is imported at its line"),
+        (["{tmp}/core_base.py", "{tmp}/out.py"], 1, "(NameError: name 'ResumableSampler' is not defined)"),
         (["{tmp}/no_guard.py", "{tmp}/out.py"], 1, 'end the recipe with its `if __name__ == "__main__":` block'),
         (["{tmp}/not_a_guard.py", "{tmp}/out.py"], 1, 'end the recipe with its `if __name__ == "__main__":` block'),
-        (["{tmp}/called.py", "{tmp}/out.py"], 1, "called.py:7: MNIST_FILES comes from common/ and is read by files, "
-                                                "which the recipe calls"),
+        (["{tmp}/called.py", "{tmp}/out.py"], 1, "(NameError: name 'MNIST_FILES' is not defined); the recipe comes "
+                                                "first in it, so code that runs at import"),
+        (["{tmp}/built.py", "{tmp}/out.py"], 1, "(NameError: name 'MNIST_MEAN' is not defined)"),
     ],
 )
 def test_bad_input_is_a_one_line_error(args, code, message, tmp_path):
@@ -221,11 +252,12 @@ def test_bad_input_is_a_one_line_error(args, code, message, tmp_path):
     (tmp_path / "no_guard.py").write_text(NO_GUARD_RECIPE)
     (tmp_path / "not_a_guard.py").write_text(NOT_A_GUARD_RECIPE)
     (tmp_path / "called.py").write_text(CALLED_AT_IMPORT_RECIPE)
+    (tmp_path / "built.py").write_text(BUILT_AT_IMPORT_RECIPE)
     result = run_subprocess(["scripts/eject.py", *(arg.format(tmp=tmp_path) for arg in args)])
     assert result.code == code, result.stderr
     assert result.stderr.startswith("error: ") and result.stderr.count("\n") == 1, result.stderr
     assert message in result.stderr
-    assert not (tmp_path / "out.py").exists()
+    assert not (tmp_path / "out.py").exists() and not (tmp_path / ".out.py.tmp").exists()
 
 
 def test_core_names_read_only_after_import_are_accepted(tmp_path):
@@ -233,4 +265,12 @@ def test_core_names_read_only_after_import_are_accepted(tmp_path):
     result = run_subprocess(["scripts/eject.py", tmp_path / "later.py", tmp_path / "out.py"])
     assert result.code == 0, result.stderr
     run = run_subprocess([sys.executable, tmp_path / "out.py"], cwd=tmp_path, env={"PYTHONPATH": ""})
-    assert run.code == 0 and run.stdout.split() == ["4", "0.1307"], run.stdout + run.stderr
+    assert run.code == 0 and run.stdout.split() == ["4", "4", "0.1307", "4"], run.stdout + run.stderr
+
+
+def test_a_script_that_fails_at_import_leaves_an_existing_output_as_it_was(tmp_path):
+    (tmp_path / "core_base.py").write_text(CORE_BASE_RECIPE)
+    (tmp_path / "out.py").write_text("# my edited copy\n")
+    result = run_subprocess(["scripts/eject.py", tmp_path / "core_base.py", tmp_path / "out.py"])
+    assert result.code == 1 and "fails when it is imported at its line 15 " in result.stderr, result.stderr
+    assert (tmp_path / "out.py").read_text() == "# my edited copy\n"
