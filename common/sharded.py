@@ -19,6 +19,7 @@ whatever layout the loading run has, so a checkpoint written at 2 ranks loads at
 property of the format. Without a process group, DCP reads and writes in one process.
 """
 
+import logging
 import os
 import re
 import shutil
@@ -91,12 +92,19 @@ def load_sharded(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer 
     optimizers = [] if optimizer is None else [optimizer]
     model_sd, optim_sd = get_state_dict(model, optimizers)  # also creates AdamW's (still lazy) state
     state = {"model": model_sd, "optimizer": optim_sd}
+    previous = logging.root.manager.disable
+    logging.disable(logging.WARNING)  # DCP logs a traceback for a damaged .metadata; the error below is one line
     try:
         with quiet_single_process():
             dcp.load(state, checkpoint_id=path)
-    except (Exception, CheckpointException) as err:  # DCP's CheckpointException is a BaseException
+    except (Exception, CheckpointException) as err:  # DCP's CheckpointException is a BaseException...
+        interrupted = [e for e, _ in getattr(err, "failures", {}).values() if not isinstance(e, Exception)]
+        if interrupted:  # ...that also wraps a Ctrl-C during the load: that is no damaged checkpoint
+            raise interrupted[0] from None
         reason = (str(err).strip().splitlines() or [type(err).__name__])[-1][:300]  # DCP's: a traceback; its last line
         raise RecipeError(f"checkpoint {path} does not fit this model or optimizer, or is damaged: {reason}") from None
+    finally:
+        logging.disable(previous)
     set_state_dict(model, optimizers, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
 
 

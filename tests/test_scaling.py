@@ -198,6 +198,12 @@ def test_bad_input_to_a_sharded_run(run_inprocess, corpus_txt, tmp_path):
     assert broken.code == 1 and len(broken.stderr.strip().splitlines()) == 1, broken.stderr
     assert broken.stderr.startswith(f"error: checkpoint {damaged} does not fit this model or optimizer, or is "
                                     "damaged: ")
+    (damaged / ".metadata").write_bytes(b"junk")  # DCP logs tracebacks of its own for this one (to the root logger,
+    from conftest import run_subprocess  # whose last-resort handler a process of its own shows on stderr)
+
+    broken = run_subprocess([RECIPE, *args, "--run-dir", tmp_path / "broken2", "--resume", damaged])
+    assert broken.code == 1 and len(broken.stderr.strip().splitlines()) == 1, broken.stderr
+    assert "or is damaged: AssertionError: metadata is None" in broken.stderr
     # another recipe's sharded checkpoint
     trainer = torch.load(step / "trainer.pt", weights_only=True)
     torch.save({**trainer, "recipe": "ddp_mlp"}, step / "trainer.pt")
@@ -381,3 +387,27 @@ def test_the_last_good_checkpoint_is_the_resumed_one_until_the_run_saves_its_own
     (tmp_path / "run" / "dcp" / "step-000004").mkdir(parents=True)
     assert Run.last_checkpoint.fget(run) == tmp_path / "run" / "checkpoints" / "last.pt"
     assert ShardedRun.last_checkpoint.fget(run) == tmp_path / "run" / "dcp" / "step-000004"
+
+
+def test_ctrl_c_while_loading_a_sharded_checkpoint_is_no_damaged_checkpoint(monkeypatch, tmp_path):
+    """DCP wraps whatever a rank raised, Ctrl-C included, in its CheckpointException: a KeyboardInterrupt during
+    the load must stay one (and stop the run as Ctrl-C does), not read as a checkpoint that does not fit."""
+    import traceback
+
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from common import sharded
+
+    def interrupted(*args, **kwargs):
+        raise CheckpointException("load failed", {0: (KeyboardInterrupt(), traceback.StackSummary())})
+
+    def damaged(*args, **kwargs):
+        raise CheckpointException("load failed", {0: (EOFError(), traceback.StackSummary())})
+
+    model = torch.nn.Linear(2, 2)
+    monkeypatch.setattr(sharded.dcp, "load", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        sharded.load_sharded(tmp_path, model)
+    monkeypatch.setattr(sharded.dcp, "load", damaged)
+    with pytest.raises(sharded.RecipeError, match="or is damaged"):
+        sharded.load_sharded(tmp_path, model)
