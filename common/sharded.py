@@ -149,7 +149,8 @@ class ShardedRun(Run):
         if self.checkpoint and self.checkpoint.get("sharded"):
             # Options first (a model of another shape fails there, in one line), then the tensors, straight into
             # this run's shards; Run.start restores the rest and finds the model and optimizer in place.
-            steps_per_epoch = kwargs.get("eval_every") or kwargs.get("steps")
+            epochs, loader = kwargs.get("epochs"), kwargs.get("loader")  # the epoch length as Run.start finds it
+            steps_per_epoch = len(loader) if epochs else kwargs.get("eval_every") or kwargs.get("steps")
             check_same_run(self.checkpoint, self.resume_path, self.config, steps_per_epoch, self.may_change)
             load_sharded(self.resume_path, model, optimizer)
             self.checkpoint = {**self.checkpoint, "model": dict(model.state_dict()),
