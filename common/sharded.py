@@ -93,12 +93,14 @@ def load_sharded(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer 
     model_sd, optim_sd = get_state_dict(model, optimizers)  # also creates AdamW's (still lazy) state
     state = {"model": model_sd, "optimizer": optim_sd}
     previous = logging.root.manager.disable
-    logging.disable(logging.WARNING)  # DCP logs a traceback for a damaged .metadata; the error below is one line
+    # DCP logs tracebacks for a damaged .metadata (root logger); the error below says it in one line
+    logging.disable(max(previous, logging.WARNING))
     try:
         with quiet_single_process():
             dcp.load(state, checkpoint_id=path)
     except (Exception, CheckpointException) as err:  # DCP's CheckpointException is a BaseException...
-        interrupted = [e for e, _ in getattr(err, "failures", {}).values() if not isinstance(e, Exception)]
+        failures = err.failures.values() if isinstance(err, CheckpointException) else []
+        interrupted = [e for e, _ in failures if isinstance(e, KeyboardInterrupt | SystemExit)]
         if interrupted:  # ...that also wraps a Ctrl-C during the load: that is no damaged checkpoint
             raise interrupted[0] from None
         reason = (str(err).strip().splitlines() or [type(err).__name__])[-1][:300]  # DCP's: a traceback; its last line

@@ -28,6 +28,7 @@ import ast
 import itertools
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -386,7 +387,11 @@ class Ejection:
                      "# recipe comes first, then the core code it uses, so this file runs on its own. Edit it freely.")
         head = "\n\n".join([*docstring, generated, self.import_block()]).rstrip("\n")
         guard_start = self.body[-1].lineno
-        recipe = self.edited(list(lines[self.body_start : guard_start - 1]), self.body_start + 1, []).strip("\n")
+        own = lines[self.body_start : guard_start - 1]
+        recipe = self.edited(list(own), self.body_start + 1, []).strip("\n")
+        # where the recipe's block starts, in the recipe (1-based, after the blank lines strip() took) and below
+        self.recipe_start = self.body_start + 1 + next((i for i, line in enumerate(own) if line), len(own))
+        self.recipe_length = len(recipe.splitlines())
         blocks = [f"# ---- from {self.label} ----\n\n\n{recipe}"]
         for source, definitions in self.sections:
             text = self.definition_text(definitions[0])
@@ -394,23 +399,56 @@ class Ejection:
                 text += "\n" * (blank_lines(previous, definition) + 1) + self.definition_text(definition)
             blocks.append(f"# ---- from {source.label} ----\n\n\n{text}")
         blocks.append(self.edited(list(lines[guard_start - 1 :]), guard_start, []).strip("\n"))
+        self.script_start = len(head.splitlines()) + 5  # a blank line, the block's heading, two blank lines
         return head + "\n\n" + "\n\n\n".join(blocks) + "\n"  # isort wants one blank line after the imports
 
+    def import_failure(self, line: int, error: str) -> str:
+        """What ``check_imports`` found, said of the recipe's own line where the script's line is the recipe's."""
+        offset = line - self.script_start
+        at = f"{self.label}:{self.recipe_start + offset}" if 0 <= offset < self.recipe_length else \
+            f"line {line} of the script"
+        missing = re.fullmatch(r"NameError: name '(\w+)' is not defined", error)
+        why = ("; the recipe comes first in the script, so what runs when it is imported (its top level, and the "
+               "functions that calls) cannot use the core: use it inside a function that runs later") \
+            if missing and any(missing[1] in d.names for d in self.taken) else ""
+        return f"the ejected script fails when it is imported, at {at} ({error}){why}"
 
-def check_imports(script: Path) -> None:
-    """Run the script's top level once, as an import would (its ``__main__`` block does not run), away from the
-    repository. The recipe comes first in the script, so a recipe that uses a core name when it is imported
-    (a base class, a decorator, a default value, a function called at the top level) fails here, not later."""
-    runner = "import runpy, sys; runpy.run_path(sys.argv[1], run_name='ejected')"
-    with tempfile.TemporaryDirectory() as away:  # neither common/ nor the recipe's folder is importable there
-        result = subprocess.run([sys.executable, "-c", runner, str(script.resolve())], cwd=away, text=True,
-                                capture_output=True, env={**os.environ, "PYTHONPATH": ""})
-    if result.returncode != 0:
-        lines = result.stderr.strip().splitlines() or ["no error message"]
-        where = re.findall(rf'File "{re.escape(str(script.resolve()))}", line (\d+)', result.stderr)
-        at = f" at its line {where[-1]}" if where else ""
-        raise EjectError(f"the ejected script fails when it is imported{at} ({lines[-1]}); the recipe comes first "
-                         "in it, so code that runs at import (not inside a function) cannot use the core")
+
+# Runs a script's top level as the module "ejected", named as OUTPUT, and writes "LINE<tab>Type: message" of
+# what fails there (the innermost line of the script in the traceback) to a report file: the script's own
+# output cannot be mistaken for it.
+IMPORT_RUNNER = """
+import sys, traceback, types
+draft, name, report = sys.argv[1:]
+module = sys.modules["ejected"] = types.ModuleType("ejected")
+module.__file__, sys.argv = name, [name]
+try:
+    exec(compile(open(draft, encoding="utf-8").read(), name, "exec"), module.__dict__)
+except BaseException as err:
+    lines = [frame.lineno for frame in traceback.extract_tb(err.__traceback__) if frame.filename == name]
+    message = (str(err).splitlines() or [""])[0]
+    with open(report, "w", encoding="utf-8") as f:
+        print(lines[-1] if lines else 0, type(err).__name__ + (": " + message if message else ""), sep="\\t", file=f)
+    sys.exit(1)
+"""
+
+
+def check_imports(script: Path, name: Path, timeout: float = 300) -> tuple[int, str] | None:
+    """Run ``script``'s top level once, as an import of it under ``name`` would (its ``__main__`` block does not
+    run), in an empty folder with nothing of the repository importable: (line, error) if it fails, else None."""
+    with tempfile.TemporaryDirectory() as away:
+        report = Path(away) / "report.txt"
+        try:
+            result = subprocess.run([sys.executable, "-c", IMPORT_RUNNER, str(script), str(name), str(report)],
+                                    cwd=away, text=True, capture_output=True, stdin=subprocess.DEVNULL,
+                                    timeout=timeout, env={**os.environ, "PYTHONPATH": ""})
+        except subprocess.TimeoutExpired:
+            raise EjectError(f"the ejected script's top level did not finish in {timeout:.0f} s when imported (does it "
+                             "wait for input, or start work that does not end?)") from None
+        if result.returncode == 0:
+            return None
+        line, _, error = report.read_text().strip().partition("\t") if report.is_file() else ("0", "", "")
+    return int(line), error or (result.stderr.strip().splitlines() or ["it exits with an error"])[-1]
 
 
 class Parser(argparse.ArgumentParser):
@@ -430,24 +468,42 @@ def main(argv: list[str] | None = None) -> int:
     if not recipe.is_file():
         known = ", ".join(sorted(path.stem for path in (ROOT / "recipes").glob("*.py")))
         parser.error(f"no recipe {args.recipe!r}; give one of {known}, or the path of a recipe file")
+    draft = None
     try:
+        if output.is_dir():
+            raise EjectError(f"{output} is a folder; give the path of the script to write, e.g. {output / 'train.py'}")
         if not output.parent.is_dir():
             raise EjectError(f"cannot write {output}: the folder {output.parent} does not exist")
         if output.resolve() == recipe.resolve():
             raise EjectError(f"{output} is the recipe itself; write the script somewhere else")
         ejection = Ejection(recipe)
-        draft = output.with_name(f".{output.name}.tmp")
-        draft.write_text(ejection.text(), encoding="utf-8", newline="\n")
-        check_imports(draft)
-        os.replace(draft, output)  # only a script that imports replaces OUTPUT
+        target = output.resolve()  # through a symbolic link: the file it points to is replaced
+        handle, name = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name[:100]}.", suffix=".tmp")
+        draft = Path(name)
+        with os.fdopen(handle, "w", encoding="utf-8", newline="\n") as f:
+            f.write(ejection.text())
+        if failure := check_imports(draft, output):
+            raise EjectError(ejection.import_failure(*failure))
+        if target.exists():
+            shutil.copymode(target, draft)  # an executable copy stays executable
+        else:
+            umask = os.umask(0)
+            os.umask(umask)
+            draft.chmod(0o666 & ~umask)  # mkstemp's file is private; a new script gets the usual mode
+        os.replace(draft, target)  # only a script that imports replaces OUTPUT, whole
+        draft = None
     except EjectError as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
     except OSError as err:
         print(f"error: {err.filename or output}: {err.strerror or err}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print(f"error: interrupted; {output} left as it was", file=sys.stderr)
+        return 130
     finally:
-        Path(output.with_name(f".{output.name}.tmp")).unlink(missing_ok=True)
+        if draft is not None:
+            draft.unlink(missing_ok=True)
     modules = ", ".join(Path(source.label).stem for source, _ in ejection.sections)
     print(f"wrote {output}: {ejection.label} with {len(ejection.taken)} definitions from {CORE}/ ({modules})")
     return 0

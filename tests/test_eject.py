@@ -237,13 +237,15 @@ cli.run_recipe(main)
         (["{tmp}/missing.py", "{tmp}/out.py"], 2, "no recipe"),
         (["mnist_onecycle", "{tmp}/no_folder/out.py"], 1, "does not exist"),
         (["{tmp}/clash.py", "{tmp}/out.py"], 1, "needs 'to_device' from common/loop.py"),
-        (["{tmp}/core_base.py", "{tmp}/out.py"], 1, "fails when it is imported at its line"),
-        (["{tmp}/core_base.py", "{tmp}/out.py"], 1, "(NameError: name 'ResumableSampler' is not defined)"),
+        (["{tmp}/core_base.py", "{tmp}/out.py"], 1, "fails when it is imported, at core_base.py:6 (NameError: name "
+                                                   "'ResumableSampler' is not defined); the recipe comes first"),
         (["{tmp}/no_guard.py", "{tmp}/out.py"], 1, 'end the recipe with its `if __name__ == "__main__":` block'),
         (["{tmp}/not_a_guard.py", "{tmp}/out.py"], 1, 'end the recipe with its `if __name__ == "__main__":` block'),
-        (["{tmp}/called.py", "{tmp}/out.py"], 1, "(NameError: name 'MNIST_FILES' is not defined); the recipe comes "
-                                                "first in it, so code that runs at import"),
-        (["{tmp}/built.py", "{tmp}/out.py"], 1, "(NameError: name 'MNIST_MEAN' is not defined)"),
+        (["{tmp}/called.py", "{tmp}/out.py"], 1, "at called.py:7 (NameError: name 'MNIST_FILES' is not defined); "
+                                                "the recipe comes first"),
+        (["{tmp}/built.py", "{tmp}/out.py"], 1, "at built.py:8 (NameError: name 'MNIST_MEAN' is not defined)"),
+        (["{tmp}/waits.py", "{tmp}/out.py"], 1, "at waits.py:3 (EOFError: EOF when reading a line)"),
+        (["mnist_onecycle", "{tmp}"], 1, "is a folder; give the path of the script to write"),
     ],
 )
 def test_bad_input_is_a_one_line_error(args, code, message, tmp_path):
@@ -253,11 +255,13 @@ def test_bad_input_is_a_one_line_error(args, code, message, tmp_path):
     (tmp_path / "not_a_guard.py").write_text(NOT_A_GUARD_RECIPE)
     (tmp_path / "called.py").write_text(CALLED_AT_IMPORT_RECIPE)
     (tmp_path / "built.py").write_text(BUILT_AT_IMPORT_RECIPE)
+    (tmp_path / "waits.py").write_text('"""Asks at import."""\n\nANSWER = input("data folder? ")\n\n'
+                                       'if __name__ == "__main__":\n    print(ANSWER)\n')
     result = run_subprocess(["scripts/eject.py", *(arg.format(tmp=tmp_path) for arg in args)])
     assert result.code == code, result.stderr
     assert result.stderr.startswith("error: ") and result.stderr.count("\n") == 1, result.stderr
     assert message in result.stderr
-    assert not (tmp_path / "out.py").exists() and not (tmp_path / ".out.py.tmp").exists()
+    assert not (tmp_path / "out.py").exists() and not list(tmp_path.glob(".*.tmp"))
 
 
 def test_core_names_read_only_after_import_are_accepted(tmp_path):
@@ -272,5 +276,15 @@ def test_a_script_that_fails_at_import_leaves_an_existing_output_as_it_was(tmp_p
     (tmp_path / "core_base.py").write_text(CORE_BASE_RECIPE)
     (tmp_path / "out.py").write_text("# my edited copy\n")
     result = run_subprocess(["scripts/eject.py", tmp_path / "core_base.py", tmp_path / "out.py"])
-    assert result.code == 1 and "fails when it is imported at its line 15 " in result.stderr, result.stderr
-    assert (tmp_path / "out.py").read_text() == "# my edited copy\n"
+    assert result.code == 1 and "fails when it is imported, at core_base.py:6 " in result.stderr, result.stderr
+    assert (tmp_path / "out.py").read_text() == "# my edited copy\n" and not list(tmp_path.glob(".*.tmp"))
+
+
+def test_an_output_behind_a_link_is_written_where_the_link_points_and_keeps_its_mode(tmp_path):
+    (tmp_path / "real.py").write_text("# an older copy\n")
+    (tmp_path / "real.py").chmod(0o755)
+    (tmp_path / "link.py").symlink_to("real.py")
+    result = run_subprocess(["scripts/eject.py", "mixed_precision", tmp_path / "link.py"])
+    assert result.code == 0, result.stderr
+    assert (tmp_path / "link.py").is_symlink() and "def amp_step(" in (tmp_path / "real.py").read_text()
+    assert (tmp_path / "real.py").stat().st_mode & 0o777 == 0o755
