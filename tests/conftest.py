@@ -22,7 +22,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from scripts.mnist_files import write_mnist  # noqa: E402
+from benchmarks.mnist_files import write_mnist  # noqa: E402
 
 RECIPES = sorted(path.stem for path in (ROOT / "recipes").glob("*.py"))
 

@@ -1,4 +1,4 @@
-"""scripts/benchmark.py runs every item in --quick mode and writes well-formed JSON (it is never timed here)."""
+"""benchmarks/run.py runs every item in --quick mode and writes well-formed JSON (it is never timed here)."""
 
 import json
 import sys
@@ -11,7 +11,7 @@ from conftest import run_subprocess
 
 def test_quick_benchmark_writes_every_item(tmp_path):
     out = tmp_path / "bench.json"
-    result = run_subprocess([sys.executable, "scripts/benchmark.py", "--quick", "--out", out,
+    result = run_subprocess([sys.executable, "benchmarks/run.py", "--quick", "--out", out,
                              "--mnist-dir", tmp_path / "absent", "--adult-csv", tmp_path / "absent.csv"], timeout=600)
     assert result.code == 0, result.stderr[-3000:]
     data = json.loads(out.read_text())
@@ -44,7 +44,7 @@ def test_a_failing_item_is_recorded_and_the_others_still_run(tmp_path):
     bad_csv = tmp_path / "adult.csv"
     bad_csv.write_text("age,colour\n30,red\n40,blue\n")
     out = tmp_path / "bench.json"
-    result = run_subprocess([sys.executable, "scripts/benchmark.py", "--quick", "--only", "8,5", "--out", out,
+    result = run_subprocess([sys.executable, "benchmarks/run.py", "--quick", "--only", "8,5", "--out", out,
                              "--adult-csv", bad_csv], timeout=600)
     assert result.code == 1, result.stderr[-3000:]
     data = json.loads(out.read_text())
@@ -59,7 +59,7 @@ def test_a_failing_item_is_recorded_and_the_others_still_run(tmp_path):
 
 def test_hardware_says_whether_the_cpu_multiplies_bf16_natively(tmp_path):
     out = tmp_path / "bench.json"
-    result = run_subprocess([sys.executable, "scripts/benchmark.py", "--quick", "--only", "8", "--out", out,
+    result = run_subprocess([sys.executable, "benchmarks/run.py", "--quick", "--only", "8", "--out", out,
                              "--adult-csv", tmp_path / "absent.csv"], timeout=300)
     assert result.code == 0, result.stderr[-3000:]
     hardware = json.loads(out.read_text())["hardware"]
@@ -75,25 +75,25 @@ def test_hardware_says_whether_the_cpu_multiplies_bf16_natively(tmp_path):
 
 def test_bad_options_are_usage_errors_naming_them(tmp_path):
     for args, option in ((["--device", "gpu"], "--device"), (["--only", "4,99"], "--only")):
-        result = run_subprocess([sys.executable, "scripts/benchmark.py", *args], timeout=120)
+        result = run_subprocess([sys.executable, "benchmarks/run.py", *args], timeout=120)
         assert result.code == 2 and f"argument {option}" in result.stderr, result.stderr
 
 
 def test_an_absent_device_is_one_error_line():
     if torch.cuda.is_available():
         return  # the device exists here: nothing to refuse
-    result = run_subprocess([sys.executable, "scripts/benchmark.py", "--device", "cuda"], timeout=120)
+    result = run_subprocess([sys.executable, "benchmarks/run.py", "--device", "cuda"], timeout=120)
     assert result.code == 1 and result.stderr.strip().splitlines() == [
         "error: --device cuda: CUDA is not available on this machine; use --device cpu"]
 
 
 @pytest.fixture
 def bench(monkeypatch):
-    """scripts/bench.py in this process, its subprocesses recorded instead of run."""
+    """benchmarks/run.py in this process, its subprocesses recorded instead of run."""
     import subprocess
     from types import SimpleNamespace
 
-    import scripts.benchmark as bench
+    import benchmarks.run as bench
 
     calls = []
 

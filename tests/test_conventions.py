@@ -51,6 +51,6 @@ def test_no_file_names_a_document_that_is_not_in_the_project():
         if name.endswith((".py", ".md", ".sh", ".toml", ".txt")) and (ROOT / name).is_file():
             cited |= {(name, m) for m in re.findall(r"\b([\w./-]+\.md)\b", (ROOT / name).read_text())}
     documents = {f.rsplit("/", 1)[-1] for f in files if f.endswith(".md")}
-    written = {"table.md"}  # what scripts/gpu_check.sh writes, not a document of the project
+    written = {"table.md"}  # what benchmarks/gpu_check.sh writes, not a document of the project
     missing = [(name, doc) for name, doc in cited if doc.rsplit("/", 1)[-1] not in documents | written]
     assert not missing  # e.g. a contract that only exists outside the repository

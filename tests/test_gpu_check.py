@@ -1,4 +1,4 @@
-"""scripts/gpu_check.sh: --smoke runs its whole plumbing on the CPU (every recipe, DDP under torchrun, the
+"""benchmarks/gpu_check.sh: --smoke runs its whole plumbing on the CPU (every recipe, DDP under torchrun, the
 table); without CUDA and without --smoke it stops at once with one line."""
 
 import json
@@ -12,11 +12,11 @@ import pytest
 import torch
 from conftest import RECIPES, ROOT
 
-from scripts.gpu_check import markdown_table, read_run
+from benchmarks.gpu_check import markdown_table, read_run
 
 
 def gpu_check(*args, timeout: float = 240, **env) -> subprocess.CompletedProcess:
-    return subprocess.run(["bash", "scripts/gpu_check.sh", *map(str, args)], cwd=ROOT, capture_output=True,
+    return subprocess.run(["bash", "benchmarks/gpu_check.sh", *map(str, args)], cwd=ROOT, capture_output=True,
                           text=True, timeout=timeout,
                           env={**os.environ, "PYTHON": sys.executable, **{k: str(v) for k, v in env.items()}})
 
@@ -98,7 +98,7 @@ def test_a_check_killed_midway_leaves_the_table_of_what_it_did(tmp_path):
     """Killed with SIGKILL (no trap can run) while its third run is going: the table written before that run
     still holds the two finished runs and says which one did not finish."""
     out, work = tmp_path / "out", tmp_path / "work"
-    check = subprocess.Popen(["bash", "scripts/gpu_check.sh", "--smoke", str(out)], cwd=ROOT, start_new_session=True,
+    check = subprocess.Popen(["bash", "benchmarks/gpu_check.sh", "--smoke", str(out)], cwd=ROOT, start_new_session=True,
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                              env={**os.environ, "PYTHON": sys.executable, "GPU_CHECK_WORK": str(work)})
     try:

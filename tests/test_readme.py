@@ -68,7 +68,7 @@ def strip_options(args: list[str], names: set[str]) -> list[str]:
 
 def test_readme_tools_and_files_exist():
     assert shutil.which("tensorboard") or (ROOT / ".venv" / "bin" / "tensorboard").exists()
-    for path in re.findall(r"`((?:recipes|common|scripts|data|tests)/[\w./-]+\.(?:py|md|sh))`", README):
+    for path in re.findall(r"`((?:recipes|common|scripts|benchmarks|data|tests)/[\w./-]+\.(?:py|md|sh))`", README):
         assert (ROOT / path).exists(), path
 
 

@@ -27,7 +27,7 @@ from conftest import (
     write_table,
 )
 
-from scripts.mnist_files import write_mnist
+from benchmarks.mnist_files import write_mnist
 
 # Long enough (about two seconds of training here) to be killed part-way in each of three launches,
 # checkpointing at every step so that many kills land in the middle of writing one.

@@ -1,6 +1,6 @@
 """recipes/mixed_precision.py and recipes/compiled_model.py: correctness of what they measure.
 
-Their speed targets are measured by scripts/benchmark.py, never asserted here.
+Their speed targets are measured by benchmarks/run.py, never asserted here.
 """
 
 import json

@@ -1,6 +1,6 @@
 """Write MNIST-format (IDX) files, e.g. to split the official test set into a small train/test pair.
 
-    python scripts/mnist_files.py split MNIST_DIR /tmp/mnist8k --train 8000 [--seed 0]
+    python benchmarks/mnist_files.py split MNIST_DIR /tmp/mnist8k --train 8000 [--seed 0]
 
 MNIST_DIR holds the official test set, t10k-{images-idx3,labels-idx1}-ubyte.gz (as torchvision leaves them
 in data/MNIST/raw);
@@ -60,7 +60,7 @@ def split_test_set(source: Path, dest: Path, n_train: int, seed: int | None = No
 
 if __name__ == "__main__":
     if len(sys.argv) < 4 or sys.argv[1] != "split":
-        sys.exit("usage: python scripts/mnist_files.py split SOURCE_DIR DEST_DIR [--train N] [--seed S]")
+        sys.exit("usage: python benchmarks/mnist_files.py split SOURCE_DIR DEST_DIR [--train N] [--seed S]")
     n = int(sys.argv[sys.argv.index("--train") + 1]) if "--train" in sys.argv else 8000
     seed = int(sys.argv[sys.argv.index("--seed") + 1]) if "--seed" in sys.argv else None
     print(split_test_set(Path(sys.argv[2]), Path(sys.argv[3]), n, seed))

@@ -1,11 +1,11 @@
 """AdamW's beta2 for recipes/tiny_transformer.py: validation loss with 0.95 and 0.99, at two batch sizes.
 
-    python scripts/beta2_sweep.py --steps 2000 --out beta2.json
+    python benchmarks/beta2_sweep.py --steps 2000 --out beta2.json
 
 Each run trains the recipe on a character-level text (the first 1,115,394 characters of this Python's
 standard library, nanoGPT's shakespeare_char length) at nanoGPT's CPU shape (4 layers, 128 wide, 4 heads,
 block 64), otherwise with the recipe's defaults, and scores last.pt on the whole validation split (the last
-10%) in non-overlapping windows (scripts/benchmark.py's score_windows). --jobs runs that many at once, one
+10%) in non-overlapping windows (benchmarks/run.py's score_windows). --jobs runs that many at once, one
 thread each.
 """
 
@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from scripts import benchmark as bench
+from benchmarks import run as bench
 
 
 def main() -> None:

@@ -1,9 +1,9 @@
 """What each recipe and the core cost, measured side by side in one run.
 
-    python scripts/benchmark.py --mnist-dir DIR --adult-csv FILE --out benchmark.json  # about 25 minutes
-    python scripts/benchmark.py --only 1,2,3,4,5,6,7,8,9,10,11 ...  # without item 12: about 5 minutes
-    python scripts/benchmark.py --quick --out quick.json  # every item, tiny sizes: checks the script runs
-    python scripts/benchmark.py --device cuda ...         # the recipes on a GPU (default: cpu, even there)
+    python benchmarks/run.py --mnist-dir DIR --adult-csv FILE --out benchmark.json  # about 25 minutes
+    python benchmarks/run.py --only 1,2,3,4,5,6,7,8,9,10,11 ...  # without item 12: about 5 minutes
+    python benchmarks/run.py --quick --out quick.json  # every item, tiny sizes: checks the script runs
+    python benchmarks/run.py --device cuda ...         # the recipes on a GPU (default: cpu, even there)
 
 Prints a markdown table and writes the same figures as JSON. This machine (like most) is shared and noisy:
 every speed figure is a ratio of two things measured in the same run, interleaved, repeated, and reported as
@@ -33,18 +33,18 @@ from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # common/ and scripts/ from a clone, without installing
+sys.path.insert(0, str(ROOT))  # common/ and benchmarks/ from a clone, without installing
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import TensorDataset
 
+from benchmarks.mnist_files import read_idx, split_test_set, write_mnist
 from common.data import make_loader, synthetic_classification
 from common.loop import train_step
 from common.runtime import device_peak_flops, measure_matmul_flops
 from common.tracking import Run
-from scripts.mnist_files import read_idx, split_test_set, write_mnist
 
 CPU = torch.device("cpu")
 DEVICE = CPU  # where the recipes run: --device, set by main() and passed to every recipe run
@@ -259,7 +259,7 @@ def mnist_vs_examples(quick: bool, mnist_dir: Path | None, work: Path) -> dict:
         return seconds, float(re.search(r"test_acc=([\d.]+)", out)[1])
 
     # a process of its own, like ours: both pay the interpreter's and torch's start-up
-    code = (f"import sys; sys.path.insert(0, {str(ROOT)!r}); from scripts.benchmark import examples_recipe; "
+    code = (f"import sys; sys.path.insert(0, {str(ROOT)!r}); from benchmarks.run import examples_recipe; "
             f"print(examples_recipe(__import__('pathlib').Path({str(split)!r}), {epochs})[1])")
 
     def theirs() -> tuple[float, float]:

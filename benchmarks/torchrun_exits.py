@@ -1,6 +1,6 @@
 """Launch a finished-job torchrun N times in a row and count how each launch ended (the gloo SIGABRT study).
 
-    python scripts/torchrun_exits.py --launches 20 --parallel fsdp
+    python benchmarks/torchrun_exits.py --launches 20 --parallel fsdp
 
 Each launch trains recipes/tiny_transformer.py for a few steps on 2 CPU ranks (gloo) in a fresh run
 directory. A launch counts as clean when torchrun exits 0 and reports no worker killed by a signal; the

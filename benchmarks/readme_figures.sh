@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The README's pictures: each recipe's run with its default options, drawn by scripts/plot_runs.py.
 #
-#     bash scripts/readme_figures.sh MNIST_DIR ADULT_CSV
+#     bash benchmarks/readme_figures.sh MNIST_DIR ADULT_CSV
 #
 # MNIST_DIR: a folder with MNIST's official test set (t10k-*-ubyte.gz, as torchvision leaves them in
 # data/MNIST/raw); ADULT_CSV: the Adult census table as one CSV with a header row and an income column.
@@ -11,13 +11,13 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ $# -ne 2 ]; then
-    echo "usage: bash scripts/readme_figures.sh MNIST_DIR ADULT_CSV" >&2
+    echo "usage: bash benchmarks/readme_figures.sh MNIST_DIR ADULT_CSV" >&2
     exit 2
 fi
 mnist=$1 adult=$2
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
-python scripts/mnist_files.py split "$mnist" "$work/mnist" --train 8000 >/dev/null
+python benchmarks/mnist_files.py split "$mnist" "$work/mnist" --train 8000 >/dev/null
 common=(--device cpu --no-progress)
 python recipes/mnist_onecycle.py --epochs 3 --data-dir "$work/mnist" --run-dir "$work/mnist_onecycle" \
     "${common[@]}" | tail -1

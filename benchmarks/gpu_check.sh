@@ -5,8 +5,8 @@
 # (throughput, final train loss, MFU, peak GPU memory, wall time, status) after every run, so a check cut
 # short still says what it did, with every figure in OUT/results.json and one short log in OUT/log.txt.
 #
-#   bash scripts/gpu_check.sh [OUT]            # on a CUDA machine; OUT defaults to gpu_check_out/
-#   bash scripts/gpu_check.sh --smoke OUT      # the same plumbing on this CPU: 2 steps, tiny models
+#   bash benchmarks/gpu_check.sh [OUT]            # on a CUDA machine; OUT defaults to gpu_check_out/
+#   bash benchmarks/gpu_check.sh --smoke OUT      # the same plumbing on this CPU: 2 steps, tiny models
 #
 # Made for a GPU lent for a few minutes with no network, whose tool brings back only a few files: OUT gets
 # four (table.md, results.json, log.txt, the .gpu_check marker); the data, the runs and each run's full
@@ -23,7 +23,7 @@
 
 set -euo pipefail
 
-usage() { echo "usage: bash scripts/gpu_check.sh [--smoke] [OUT]   (OUT defaults to gpu_check_out)" >&2; exit 2; }
+usage() { echo "usage: bash benchmarks/gpu_check.sh [--smoke] [OUT]   (OUT defaults to gpu_check_out)" >&2; exit 2; }
 
 SMOKE=0
 OUT=""
@@ -38,7 +38,7 @@ done
 OUT=${OUT:-gpu_check_out}
 PYTHON=${PYTHON:-$(command -v python || command -v python3 || echo python)}
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-cd "$REPO"  # recipes/ and scripts/ are addressed from the repository root
+cd "$REPO"  # recipes/ and benchmarks/ are addressed from the repository root
 for name in GPU_CHECK_STEPS GPU_CHECK_BUDGET GPU_CHECK_TIMEOUT; do
     value=${!name:-1}
     [[ $value =~ ^[0-9]+$ ]] || { echo "usage: $name must be a whole number of ${name#GPU_CHECK_}, not '$value'" >&2; exit 2; }
@@ -48,8 +48,8 @@ done
 # ---- packages, the APIs an older torch lacks, and one recipe's --help, all in one Python process -------
 # -W ignore and 2>/dev/null: torch warns on stderr when it finds a driver but no device; one line is enough.
 PROBE_START=$(date +%s.%N)
-if ! probe_out=$("$PYTHON" -W ignore scripts/gpu_check.py probe --need-cuda $((1 - SMOKE)) 2>/dev/null); then
-    echo "error: $PYTHON cannot run scripts/gpu_check.py probe, so CUDA cannot be checked:" \
+if ! probe_out=$("$PYTHON" -W ignore benchmarks/gpu_check.py probe --need-cuda $((1 - SMOKE)) 2>/dev/null); then
+    echo "error: $PYTHON cannot run benchmarks/gpu_check.py probe, so CUDA cannot be checked:" \
          "$(head -n 1 <<<"$probe_out") (install requirements.txt, or set PYTHON)" >&2
     exit 1
 fi
@@ -111,7 +111,7 @@ if [[ $SMOKE == 1 ]]; then
     NPROC=2
     BACKEND=gloo
     BUDGET=${GPU_CHECK_BUDGET:-900}
-    "$PYTHON" scripts/gpu_check.py data "$WORK/data" --digits 512 200 --rows 300 >>"$LOG"
+    "$PYTHON" benchmarks/gpu_check.py data "$WORK/data" --digits 512 200 --rows 300 >>"$LOG"
     TT_ARGS="--steps $STEPS --eval-every $STEPS --n-layer 2 --n-head 2 --n-embd 32 --block-size 16 --batch-size 8
              --eval-batches 2 --sample-tokens 20"
     declare -A ARGS=(
@@ -133,7 +133,7 @@ else
     BACKEND=nccl
     BUDGET=${GPU_CHECK_BUDGET:-240}
     N_TRAIN=20000
-    "$PYTHON" scripts/gpu_check.py data "$WORK/data" --digits "$N_TRAIN" 2000 --rows 20000 >>"$LOG"
+    "$PYTHON" benchmarks/gpu_check.py data "$WORK/data" --digits "$N_TRAIN" 2000 --rows 20000 >>"$LOG"
     # --max-steps stops a run early; --epochs must still be large enough to reach it:
     # epochs SAMPLES BATCH -> passes over SAMPLES in batches of BATCH (last one dropped) to make $STEPS steps
     epochs() {
@@ -184,7 +184,7 @@ left() { awk -v a="$START" -v b="$(date +%s.%N)" -v budget="$BUDGET" 'BEGIN { pr
 
 # table [--running RECIPE/VARIANT] [--final]: rewrite OUT/table.md and OUT/results.json from runs.tsv
 table() {
-    "$PYTHON" scripts/gpu_check.py table "$OUT" --runs "$RUNS" --environment "$ENVIRONMENT" \
+    "$PYTHON" benchmarks/gpu_check.py table "$OUT" --runs "$RUNS" --environment "$ENVIRONMENT" \
         --elapsed "$(since "$START")" --smoke "$SMOKE" --steps "$STEPS" "$@"
 }
 # record RECIPE VARIANT EXIT WALL RUN_DIR STDERR_LOG COMMAND NOTE: one line of runs.tsv

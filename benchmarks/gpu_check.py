@@ -1,9 +1,9 @@
-"""The Python half of scripts/gpu_check.sh: it probes the machine, makes the check's data and turns its
+"""The Python half of benchmarks/gpu_check.sh: it probes the machine, makes the check's data and turns its
 runs into one table.
 
-    python scripts/gpu_check.py probe [--need-cuda 0|1]
-    python scripts/gpu_check.py data DIR [--digits 20000 2000] [--rows 20000]
-    python scripts/gpu_check.py table OUT --runs RUNS_TSV [--environment TEXT] [--elapsed SECONDS] [--smoke 0|1]
+    python benchmarks/gpu_check.py probe [--need-cuda 0|1]
+    python benchmarks/gpu_check.py data DIR [--digits 20000 2000] [--rows 20000]
+    python benchmarks/gpu_check.py table OUT --runs RUNS_TSV [--environment TEXT] [--elapsed SECONDS] [--smoke 0|1]
                                       [--steps N] [--running RECIPE/VARIANT] [--final]
 
 ``probe`` imports torch once and says in one go what the machine has: its first line, tab-separated, is
@@ -33,9 +33,9 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # `python scripts/gpu_check.py` from a clone
+sys.path.insert(0, str(ROOT))  # `python benchmarks/gpu_check.py` from a clone
 
-from scripts.mnist_files import write_mnist
+from benchmarks.mnist_files import write_mnist
 
 # ----------------------------------------------------------------------------------------------------
 # Probe
