@@ -5,7 +5,7 @@
 Each run trains the recipe on a character-level text (the first 1,115,394 characters of this Python's
 standard library, nanoGPT's shakespeare_char length) at nanoGPT's CPU shape (4 layers, 128 wide, 4 heads,
 block 64), otherwise with the recipe's defaults, and scores last.pt on the whole validation split (the last
-10%) in non-overlapping windows (benchmarks/run.py's score_windows). --jobs runs that many at once, one
+10%) in non-overlapping windows (benchmarks/char_lm.py's score_windows). --jobs runs that many at once, one
 thread each.
 """
 
@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks import run as bench
+from benchmarks import char_lm
 
 
 def main() -> None:
@@ -34,7 +34,7 @@ def main() -> None:
     args = parser.parse_args()
     os.environ["OMP_NUM_THREADS"] = "1" if args.jobs > 1 else os.environ.get("OMP_NUM_THREADS", "2")
     with tempfile.TemporaryDirectory() as tmp:
-        text = bench.char_text(Path(tmp) / "text.txt")
+        text = char_lm.char_text(Path(tmp) / "text.txt")
         grid = [(b, beta2, seed) for b in map(int, args.batch_sizes.split(","))
                 for beta2 in map(float, args.betas.split(",")) for seed in map(int, args.seeds.split(","))]
 
@@ -42,7 +42,7 @@ def main() -> None:
             batch, beta2, seed = point
             settings = {"--steps": args.steps, "--batch-size": batch, "--beta2": beta2, "--n-layer": 4,
                         "--n-embd": 128, "--n-head": 4, "--block-size": 64}
-            seconds, loss = bench.train_recipe_lm(text, Path(tmp) / f"run_{batch}_{beta2}_{seed}", settings, seed)
+            seconds, loss = char_lm.train_recipe_lm(text, Path(tmp) / f"run_{batch}_{beta2}_{seed}", settings, seed)
             print(f"batch {batch} beta2 {beta2} seed {seed}: val loss {loss:.4f} ({seconds:.0f} s)", flush=True)
             return {"batch": batch, "beta2": beta2, "seed": seed, "val_loss": loss, "seconds": seconds}
 

@@ -87,13 +87,40 @@ def test_an_absent_device_is_one_error_line():
         "error: --device cuda: CUDA is not available on this machine; use --device cpu"]
 
 
+def test_only_item_1_imports_the_run_logger():
+    """common.tracking is imported by item 1's file alone (and by the recipes an item runs): the runner, the
+    shared helpers and every other item import without it."""
+    code = ("import importlib, pathlib, sys; import benchmarks.run, benchmarks.char_lm, benchmarks.nanogpt; "
+            "[importlib.import_module(f'benchmarks.items.{p.stem}') for p in pathlib.Path('benchmarks/items')"
+            ".glob('*.py') if p.stem not in ('__init__', 'core_overhead')]; "
+            "print('common.tracking' in sys.modules)")
+    result = run_subprocess([sys.executable, "-c", code], timeout=120)
+    assert result.code == 0 and result.stdout.split() == ["False"], result.stderr[-3000:]
+
+
+def test_an_item_that_cannot_be_imported_fails_alone(tmp_path):
+    """Items are imported as they run: with common.tracking unimportable, item 1 fails and item 8 still runs."""
+    out = tmp_path / "bench.json"
+    args = ["--quick", "--only", "1,8", "--out", str(out), "--adult-csv", str(tmp_path / "absent.csv")]
+    code = ("import runpy, sys; sys.modules['common.tracking'] = None; "  # None: importing it raises
+            f"sys.argv = ['benchmarks/run.py', *{args!r}]; runpy.run_path('benchmarks/run.py', run_name='__main__')")
+    result = run_subprocess([sys.executable, "-c", code], timeout=300)
+    assert result.code == 1, result.stderr[-3000:]
+    items = json.loads(out.read_text())["items"]
+    assert "common.tracking" in items["1"]["error"] and items["1"]["met"] is None
+    assert "error" not in items["8"] and items["8"]["result"].startswith("skipped")
+    assert result.stderr.strip().splitlines()[-1].startswith("error: 1 of 2 items failed: 1 (")
+
+
 @pytest.fixture
 def bench(monkeypatch):
-    """benchmarks/run.py in this process, its subprocesses recorded instead of run."""
+    """The harness in this process (benchmarks/harness.py, run.py and two items), its subprocesses recorded
+    instead of run."""
     import subprocess
     from types import SimpleNamespace
 
-    import benchmarks.run as bench
+    from benchmarks import harness, run
+    from benchmarks.items import ddp, tabular_adult
 
     calls = []
 
@@ -101,16 +128,16 @@ def bench(monkeypatch):
         calls.append(args)
         return subprocess.CompletedProcess(args, 0, stdout="done: val_acc=0.9000 samples_per_s=100.0\n", stderr="")
 
-    monkeypatch.setattr(bench, "subprocess", SimpleNamespace(run=fake_run))  # this module's, not everyone's
-    monkeypatch.setattr(bench, "calls", calls, raising=False)
-    return bench
+    monkeypatch.setattr(harness, "subprocess", SimpleNamespace(run=fake_run))  # the harness's, not everyone's
+    return SimpleNamespace(harness=harness, calls=calls, tabular=tabular_adult.tabular, ddp=ddp.ddp,
+                           run_items=run.run_items)
 
 
 def test_every_recipe_subprocess_gets_the_device(bench, monkeypatch, tmp_path):
     csv = tmp_path / "adult.csv"
     csv.write_text("x\n")
     bench.tabular(True, csv, tmp_path)  # the default: cpu, said explicitly
-    monkeypatch.setattr(bench, "DEVICE", torch.device("cuda", 1))
+    monkeypatch.setattr(bench.harness, "DEVICE", torch.device("cuda", 1))
     bench.tabular(True, csv, tmp_path)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     bench.ddp(True, tmp_path)  # one process and two, twice each in quick mode: once each
@@ -119,7 +146,7 @@ def test_every_recipe_subprocess_gets_the_device(bench, monkeypatch, tmp_path):
 
 
 def test_ddp_is_skipped_with_one_gpu_not_run_as_two_ranks_on_it(bench, monkeypatch, tmp_path):
-    monkeypatch.setattr(bench, "DEVICE", torch.device("cuda"))
+    monkeypatch.setattr(bench.harness, "DEVICE", torch.device("cuda"))
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     result = bench.ddp(True, tmp_path)
     assert result["met"] is None and result["result"].startswith("skipped: --device cuda with 1 GPU")

@@ -1,0 +1,1 @@
+"""One benchmark item per file, each imported by benchmarks/run.py only when that item runs."""

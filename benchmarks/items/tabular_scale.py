@@ -1,0 +1,101 @@
+"""Item 10. Tabular at scale: from a large CSV file to training."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from benchmarks import harness
+from benchmarks.harness import ROOT
+
+
+def adult_like_table(path: Path, rows: int, seed: int = 0) -> Path:
+    """A CSV with Adult's column types (6 integer, 8 text columns and an income label that depends on
+    both kinds), a few cells missing, written column-wise so that millions of rows take seconds."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.csv as pacsv
+
+    rng = np.random.default_rng(seed)
+    numbers = {"age": (17, 90), "fnlwgt": (12_000, 1_500_000), "education_num": (1, 16), "capital_gain": (0, 99_999),
+               "capital_loss": (0, 4_356), "hr_per_week": (1, 99)}
+    texts = {"type_employer": 8, "education": 16, "marital": 7, "occupation": 14, "relationship": 6, "race": 5,
+             "sex": 2, "country": 41}
+    columns = {name: rng.integers(low, high, rows) for name, (low, high) in numbers.items()}
+    codes = {name: rng.integers(0, k, rows) for name, k in texts.items()}
+    score = (columns["age"] - 40) / 12 + (columns["education_num"] - 10) / 3 + (codes["marital"] == 1) * 1.5
+    for name, k in texts.items():  # dictionary arrays: an index per cell, each word once
+        words = pa.array([f"{name}-{i}" for i in range(k)] + ["?"])  # "?": Adult's missing value
+        columns[name] = pa.DictionaryArray.from_arrays(np.where(rng.random(rows) < 0.01, k, codes[name]), words)
+    income = (score + rng.normal(0, 1, rows) > 1).astype(np.int8)
+    columns["income"] = pa.DictionaryArray.from_arrays(income, pa.array(["<=50K", ">50K"]))
+    pacsv.write_csv(pa.table(columns), path, pacsv.WriteOptions(quoting_style="none"))
+    return path
+
+
+def first_step(recipe: Path, args: list, run_dir: Path) -> dict:
+    """Run the recipe; seconds from process start to the end of its first step (the line it prints then),
+    its peak RSS (from its metrics.json: the child's own VmHWM; the ru_maxrss that wait4 reports would start
+    at this large process's size, which survives fork and exec), and its training throughput."""
+    started = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, recipe, *map(str, args)], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    seconds = None
+    for line in proc.stdout:
+        if seconds is None and line.startswith("memory after the first step"):
+            seconds = time.perf_counter() - started
+        done = line
+    stderr = proc.stderr.read()
+    if proc.wait() != 0 or seconds is None:
+        raise RuntimeError(f"{recipe.name} failed: {stderr.strip().splitlines()[-1:]}")
+    memory = json.loads((run_dir / "metrics.json").read_text())["memory"]
+    return {"first_step_s": seconds, "peak_rss_gb": memory["peak_rss_bytes"] / 2**30,
+            "samples_per_s": float(re.search(r"samples_per_s=([\d.]+)", done)[1])}
+
+
+def tabular_scale(quick: bool, work: Path, recipe: Path = ROOT / "recipes" / "tabular_mlp.py") -> dict:
+    import pandas as pd
+
+    sizes = [2_000, 20_000] if quick else [100_000, 1_000_000, 3_000_000]
+    figures = {}
+    for rows in sizes:
+        path = adult_like_table(work / f"table_{rows}.csv", rows)
+        started = time.perf_counter()
+        pd.read_csv(path)
+        pandas_s = time.perf_counter() - started
+        run_dir = work / f"table_run_{rows}"
+        run = first_step(recipe, ["--csv", path, "--target", "income", "--max-steps", 20 if quick else 300,
+                                  "--run-dir", run_dir, "--no-progress", "--device", harness.DEVICE], run_dir)
+        figures[rows] = run | {"pandas_read_csv_s": pandas_s}
+        path.unlink()
+    floor = torch_floor()
+    shown = "; ".join(f"{rows:,} rows: {f['first_step_s']:.1f} s to the first step (pandas.read_csv "
+                      f"{f['pandas_read_csv_s']:.1f} s), {f['peak_rss_gb']:.2f} GB, {f['samples_per_s']:,.0f} "
+                      "samples/s" for rows, f in figures.items())
+    shown += (f"; floor, a script that only imports torch and takes one AdamW step: {floor['seconds']:.1f} s, "
+              f"{floor['peak_rss_gb']:.2f} GB")
+    at_1m = figures.get(1_000_000)
+    met = None if at_1m is None else at_1m["first_step_s"] <= 3 and at_1m["peak_rss_gb"] <= 1.5
+    return {"item": "Tabular at scale: an Adult-like CSV to the first training step, default options",
+            "result": shown, "target": "1M rows: <= 3 s to the first step, <= 1.5 GB peak RSS; linear in rows",
+            "met": met, "sizes": figures, "torch_floor": floor}
+
+
+def torch_floor() -> dict:
+    """What any PyTorch training script pays before its first step, whatever its data: the interpreter,
+    ``import torch``, and the first optimizer (whose construction imports torch._dynamo, about a second on
+    this machine). Median of three fresh processes: seconds from start to exit, and peak RSS."""
+    code = ("import torch; from torch import nn; m = nn.Linear(10, 2); o = torch.optim.AdamW(m.parameters()); "
+            "m(torch.randn(4, 10)).sum().backward(); o.step(); "
+            "from common.resources import peak_rss_bytes; print(peak_rss_bytes())")
+    runs = []
+    for _ in range(3):
+        started = time.perf_counter()
+        out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+        runs.append((time.perf_counter() - started, int(out.stdout.split()[-1]) / 2**30))
+    seconds, rss = sorted(runs)[1]
+    return {"seconds": seconds, "peak_rss_gb": rss}
+
