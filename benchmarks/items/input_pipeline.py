@@ -15,18 +15,21 @@ from common.loop import train_step
 
 def input_pipeline(quick: bool, mnist_dir: Path | None) -> dict:
     mnist = load_recipe("mnist_onecycle")
+    steps, batch_size = (15 if quick else 150), 32  # the recipe's default batch
     if mnist_dir:
         images, labels = (torch.from_numpy(read_idx(mnist_dir / f"t10k-{k}-ubyte.gz").copy())
                           for k in ("images-idx3", "labels-idx1"))
         dataset = TensorDataset((images.unsqueeze(1).float() / 255 - 0.1307) / 0.3081, labels.long())
-    else:
-        data = synthetic_classification(4096, 784, 10, seed=0)
+    else:  # one epoch of stand-in digits lasts every step timed (4,096 were 128 batches, short of 150 steps)
+        data = synthetic_classification(max(4096, batch_size * steps), 784, 10, seed=0)
         dataset = TensorDataset(data.tensors[0].view(-1, 1, 28, 28), data.tensors[1])
-    loader = make_loader(dataset, 32, train=True, seed=0)  # the recipe's defaults: batch 32, 0 workers
+    loader = make_loader(dataset, batch_size, train=True, seed=0)  # the recipe's defaults: batch 32, 0 workers
+    if len(loader) < steps:
+        raise RuntimeError(f"{mnist_dir}: {len(dataset):,} digits are {len(loader)} batches of {batch_size}, "
+                           f"fewer than the {steps} steps timed")
     torch.manual_seed(0)
     model = mnist.DigitNet().to(memory_format=torch.channels_last)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    steps = 15 if quick else 150
     waited = total = 0.0
     loader.sampler.set_epoch(0)
     batches = iter(loader)
