@@ -66,7 +66,7 @@ def train_recipe_lm(text: Path, run_dir: Path, settings: dict, seed: int) -> tup
     options = [str(a) for k, v in settings.items() for a in (k, v)]
     seconds, _ = run_command([sys.executable, "recipes/tiny_transformer.py", "--text", text, "--vocab", "chars",
                               *options, "--eval-every", settings["--steps"], "--eval-batches", 1,
-                              "--sample-tokens", 1, "--seed", seed, "--run-dir", run_dir, "--no-progress",
+                              "--sample-tokens", 1, "--seed", seed, "--run-dir", run_dir,
                               *device_args()])
     return seconds, recipe_val_loss(run_dir, char_split(text)[2])
 

@@ -209,7 +209,7 @@ run_one() {
     fi
     local limit=$(( remaining < TIMEOUT ? remaining : TIMEOUT ))
     local run_dir="$WORK/runs/$recipe-$variant" log="$WORK/logs/$recipe-$variant"
-    local command=("$@" --device "$DEVICE" --run-dir "$run_dir" --no-progress)
+    local command=("$@" --device "$DEVICE" --run-dir "$run_dir")
     table --running "$recipe/$variant"  # killed during this run, the table still says what was done
     printf '%-17s %-24s ' "$recipe" "$variant"  # before the run: a hung run still shows in the output
     local started rc=0

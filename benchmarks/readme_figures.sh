@@ -18,7 +18,7 @@ mnist=$1 adult=$2
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 python benchmarks/mnist_files.py split "$mnist" "$work/mnist" --train 8000 >/dev/null
-common=(--device cpu --no-progress)
+common=(--device cpu)
 python recipes/mnist_onecycle.py --epochs 3 --data-dir "$work/mnist" --run-dir "$work/mnist_onecycle" \
     "${common[@]}" | tail -1
 python -m torch.distributed.run --nproc_per_node=2 recipes/ddp_mlp.py --data-dir "$work/mnist" \

@@ -17,8 +17,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--steps", "4", "--eval-every", "2", "--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--block-size",
-        "16", "--batch-size", "8", "--eval-batches", "2", "--sample-tokens", "8", "--peak-flops", "1e11",
-        "--no-progress"]
+        "16", "--batch-size", "8", "--eval-batches", "2", "--sample-tokens", "8", "--peak-flops", "1e11"]
 
 
 def main() -> None:

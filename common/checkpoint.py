@@ -1,25 +1,23 @@
 """Checkpoints (docs/conventions.md): plain dicts of tensors and numbers, written atomically, loaded safely.
 
-- Writing goes to a temporary file in the same folder, is flushed and fsynced, then ``os.replace``d over the
-  target: a crash at any moment leaves either the old checkpoint or the new one, never half of one.
-- Loading uses ``torch.load(weights_only=True)``, which only rebuilds tensors and plain containers; a pickle
-  that would run code is refused before any of it runs.
-- The model is saved unwrapped (no ``module.`` / ``_orig_mod.`` prefixes), so a checkpoint from a compiled
-  or DDP run loads into a plain model.
+Writing goes to a temporary file beside the target, flushed and fsynced, then ``os.replace``d over it: a crash
+leaves the old checkpoint or the new one, never half of one. Loading uses ``torch.load(weights_only=True)``,
+which rebuilds only tensors and plain containers: a pickle that would run code is refused unrun. The model is
+saved unwrapped (no ``module.`` or ``_orig_mod.`` prefixes): a compiled or DDP run's loads into a plain model.
 """
 
-import math
 import os
 import random
 import re
 import warnings
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from common.cli import RecipeError
+from common.cli import RecipeError, option_name
+from common.rundir import RunFolder
 from common.runtime import unwrap
 
 
@@ -41,16 +39,20 @@ def save_checkpoint(path: Path, state: dict) -> None:
         if isinstance(err, RuntimeError) and isinstance(err.__context__, OSError):
             raise err.__context__ from None
         raise
-    # Make the rename itself durable: the folder entry must reach the disk too.
-    dir_fd = os.open(path.parent, os.O_RDONLY)
+    fsync_dir(path.parent)  # the rename itself must reach the disk too
+
+
+def fsync_dir(path: Path) -> None:
+    """Make the folder's entries durable (a rename into it, say)."""
+    fd = os.open(path, os.O_RDONLY)
     try:
-        os.fsync(dir_fd)
+        os.fsync(fd)
     finally:
-        os.close(dir_fd)
+        os.close(fd)
 
 
 def load_checkpoint(path: Path, recipe: str) -> dict:
-    """Load a checkpoint written by ``recipe``; any problem is one RecipeError saying what to do."""
+    """A checkpoint written by ``recipe``; any problem is one RecipeError saying what to do."""
     if not path.is_file():
         raise RecipeError(f"checkpoint {path} {'is a directory' if path.is_dir() else 'does not exist'}")
     try:
@@ -72,12 +74,10 @@ def load_checkpoint(path: Path, recipe: str) -> dict:
 def load_model_state(model: nn.Module, state_dict: dict, source: Path) -> None:
     """``load_state_dict`` with an error that lists what did not match, e.g. a checkpoint of another model."""
     model = unwrap(model)
-    expected = model.state_dict()
-    problems = {
-        "missing": sorted(set(expected) - set(state_dict)),
-        "unexpected": sorted(set(state_dict) - set(expected)),
-        "wrong shape": sorted(k for k in set(expected) & set(state_dict) if expected[k].shape != state_dict[k].shape),
-    }
+    ours = model.state_dict()
+    problems = {"missing": sorted(ours.keys() - state_dict.keys()),
+                "unexpected": sorted(state_dict.keys() - ours.keys()),
+                "wrong shape": sorted(k for k in ours.keys() & state_dict if ours[k].shape != state_dict[k].shape)}
     if any(problems.values()):
         shown = "; ".join(f"{label}: {', '.join(keys[:5])}{' ...' * (len(keys) > 5)}"
                           for label, keys in problems.items() if keys)
@@ -86,9 +86,9 @@ def load_model_state(model: nn.Module, state_dict: dict, source: Path) -> None:
 
 
 def rng_state(loader_generator: torch.Generator | None = None, device: torch.device | None = None) -> dict:
-    """Every random stream a run draws from, so a resumed run continues with the same numbers. Only the training
-    device's CUDA generator, so the checkpoint does not depend on how many GPUs are visible. (Resumed
-    mid-epoch, DataLoader workers get new seeds: that changes random augmentation in them, not sample order.)"""
+    """Every random stream a run draws from: python, torch, the training device's CUDA generator (so the checkpoint
+    does not depend on how many GPUs are visible), and the loader's (DataLoader workers resumed mid-epoch get new
+    seeds: that changes random augmentation in them, not the order of the samples)."""
     on_cuda = device is not None and torch.device(device).type == "cuda"
     return {"python": random.getstate(), "torch": torch.get_rng_state(),
             "cuda": torch.cuda.get_rng_state(device) if on_cuda else None,
@@ -97,8 +97,7 @@ def rng_state(loader_generator: torch.Generator | None = None, device: torch.dev
 
 def restore_rng_state(state: dict, loader_generator: torch.Generator | None = None,
                       device: torch.device | None = None) -> None:
-    """Put back what ``rng_state`` saved. The CUDA stream goes to ``device``'s generator (``None``: CPU
-    streams only), whichever GPU the checkpoint was written on."""
+    """Put back what ``rng_state`` saved; its CUDA stream onto ``device``, whichever GPU it was saved on."""
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))  # weights_only loading gives lists back
     torch.set_rng_state(state["torch"])
@@ -108,65 +107,115 @@ def restore_rng_state(state: dict, loader_generator: torch.Generator | None = No
         loader_generator.set_state(state["loader"])
 
 
-@dataclass(eq=False)
-class TrainingState:
-    """What a checkpoint holds, and how a run is restored from one: model, optimizer, scheduler, scaler,
-    the step (which fixes the loader's position), every random stream and the best score so far, plus
-    ``extra``: what the recipe needs to rebuild its model and data (sizes, vocabulary, feature statistics)."""
+# Options that only say where and how fast to run (or only cut a run short): a resume may change them.
+MAY_CHANGE = {"max_steps", "run_dir", "resume", "checkpoint_every", "log_every", "num_workers", "device", "compile",
+              "data_dir", "config"}
 
-    recipe: str
-    config: dict
-    model: nn.Module
-    optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
-    scaler: torch.amp.GradScaler | None = None
-    loader_generator: torch.Generator | None = None
-    steps_per_epoch: int | None = None
-    extra: dict = field(default_factory=dict)
-    ema: nn.Module | None = None  # an AveragedModel of the weights, with --ema
-    step: int = 0
-    best_score: float = -math.inf  # higher is better: an accuracy, or minus a loss
-    best_step: int = 0
-    kept_best: list = field(default_factory=list)  # [score, step] of each checkpoint kept by --keep-best
-    evals_since_best: int = 0  # for --patience
+
+def check_same_run(checkpoint: dict, source: Path, config: dict, may_change: set[str] = frozenset()) -> None:
+    """Refuse, naming each difference, a resume with other options than the checkpoint's: the optimizer and scheduler
+    state it loads would silently override them (another epoch count, batch size, learning rate), or draw a curve
+    nobody asked for. Only ``MAY_CHANGE`` and a recipe's ``may_change`` (sampling, prediction) may differ."""
+    saved = checkpoint.get("config", {})
+    changed = [f"{option_name(key)} {saved.get(key)} there, {config.get(key)} here"
+               for key in sorted(saved.keys() | config.keys())
+               if key not in MAY_CHANGE | may_change and saved.get(key) != config.get(key)]
+    if changed:
+        raise RecipeError(f"checkpoint {source} was started with other options ({'; '.join(changed)}): resume "
+                          "with the options it was started with, or start afresh in another --run-dir")
+
+
+def resume_checkpoint(run: RunFolder, recipe: str, config: dict, may_change: set[str] = frozenset(),
+                      load: Callable[[Path, str], dict] = load_checkpoint) -> dict | None:
+    """The checkpoint ``run`` resumes from, loaded safely and checked to be of this run's options; None: none."""
+    if run.resume_from is None:
+        return None
+    checkpoint = load(run.resume_from, recipe)
+    check_same_run(checkpoint, run.resume_from, config, may_change)
+    return checkpoint
+
+
+def diverged(what: str, last_good: Path | None) -> RecipeError:
+    kept = "no checkpoint yet" if last_good is None else f"the last good checkpoint is {last_good}"
+    return RecipeError(f"training diverged: {what}; {kept}. Try a lower --lr")
+
+
+class Checkpointer:
+    """A run's checkpoints, RUN_DIR/checkpoints/NAME, and restoring a run from one. Each holds the model, optimizer,
+    scheduler and GradScaler, the step (which fixes the loader's position), every random stream, the recipe and
+    its options, the state of the run's other ``parts`` (its log, best score, an EMA: objects with ``state_dict``
+    and ``load_state_dict``), and ``data``, what the recipe needs to rebuild its model and data (vocabulary,
+    feature statistics). With several processes, rank 0 saves (``from_rank_0``) and every rank restores."""
+
+    def __init__(self, run: RunFolder, recipe: str, config: dict, *, model: nn.Module, optimizer: torch.optim.Optimizer,
+                 scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
+                 scaler: torch.amp.GradScaler | None = None, loader_generator: torch.Generator | None = None,
+                 steps_per_epoch: int | None = None, parts: dict | None = None, data: dict | None = None):
+        self.folder, self.source, self.recipe, self.config = run.path / "checkpoints", run.resume_from, recipe, config
+        self.model, self.optimizer, self.scheduler, self.scaler = model, optimizer, scheduler, scaler
+        self.loader_generator, self.steps_per_epoch = loader_generator, steps_per_epoch
+        self.parts, self.data = parts or {}, data or {}
+        self.last_good, self.last_step = run.resume_from, None  # what a failure leaves to resume from
 
     @property
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
-    def state_dict(self) -> dict:
-        return {
-            "recipe": self.recipe, "config": self.config, "step": self.step,
-            "epoch": self.step // self.steps_per_epoch if self.steps_per_epoch else 0,
-            "steps_per_epoch": self.steps_per_epoch, "best_score": self.best_score, "best_step": self.best_step,
-            "kept_best": self.kept_best, "evals_since_best": self.evals_since_best,
-            "ema": self.ema.state_dict() if self.ema is not None else None,
-            "model": unwrap(self.model).state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
-            "scaler": self.scaler.state_dict() if self.scaler is not None and self.scaler.is_enabled() else None,
-            "rng": rng_state(self.loader_generator, self.device),
-            **self.extra,
-        }
+    def training_state(self, step: int) -> dict:
+        """Everything but the model and optimizer tensors."""
+        return {"recipe": self.recipe, "config": self.config, "step": step, "steps_per_epoch": self.steps_per_epoch,
+                "epoch": step // self.steps_per_epoch if self.steps_per_epoch else 0,
+                **{name: part.state_dict() for name, part in self.parts.items()},
+                "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+                "scaler": self.scaler.state_dict() if self.scaler is not None and self.scaler.is_enabled() else None,
+                "rng": rng_state(self.loader_generator, self.device), **self.data}
 
-    def load_state_dict(self, state: dict, source: Path) -> None:
-        """Put everything back where ``state_dict`` found it. Call it after the model is on its device
-        (optimizer state loads onto the device of the parameters) and after ``check_same_run``."""
-        load_model_state(self.model, state["model"], source)
+    def save(self, step: int, name: str = "last.pt", weights: nn.Module | None = None) -> None:
+        """Write checkpoints/NAME, never with spoiled weights; ``weights``: another module's as its model (an EMA's)."""
+        state = self.training_state(step)  # first: the log's read-back raises here on a non-finite loss
+        state |= {"model": unwrap(weights or self.model).state_dict(), "optimizer": self.optimizer.state_dict()}
+        # A step can end with a finite loss yet inf/nan gradients, which spoil the weights it just updated.
+        spoiled = [k for k, v in state["model"].items() if v.is_floating_point() and not torch.isfinite(v).all()]
+        if spoiled:
+            raise diverged(f"the weights hold inf/nan after step {step} ({spoiled[0]})", self.last_good)
+        path = self.folder / name
         try:
-            self.optimizer.load_state_dict(state["optimizer"])
-            if self.scheduler is not None:
-                self.scheduler.load_state_dict(state["scheduler"])
-            if self.scaler is not None and state["scaler"] is not None:
-                self.scaler.load_state_dict(state["scaler"])
-            if self.ema is not None:
-                self.ema.load_state_dict(state["ema"])
+            save_checkpoint(path, state)
+        except OSError as err:
+            raise not_written(path, err, self.last_step) from None
+        if name == "last.pt":
+            self.last_good, self.last_step = path, step
+
+    def restore(self, checkpoint: dict) -> int:
+        """Put everything back as ``save`` found it; the step. Call it once the model is on its device (optimizer
+        state loads onto the device of the parameters)."""
+        load_model_state(self.model, checkpoint["model"], self.source)
+        try:
+            self.optimizer.load_state_dict(checkpoint["optimizer"])
         except (ValueError, KeyError, RuntimeError, TypeError) as err:
-            raise RecipeError(f"checkpoint {source} does not fit this run's optimizer or schedule: {err}") from None
+            raise RecipeError(f"checkpoint {self.source} does not fit this run's optimizer: {err}") from None
+        return self.restore_training(checkpoint)
+
+    def restore_training(self, checkpoint: dict) -> int:
+        """What ``training_state`` saved; the step."""
+        source = self.source
+        if checkpoint.get("steps_per_epoch") != self.steps_per_epoch:
+            raise RecipeError(f"checkpoint {source} has {checkpoint.get('steps_per_epoch')} steps per epoch, this run "
+                              f"{self.steps_per_epoch}: resume with the data and processes it was started with")
         try:  # a checkpoint of an older version of the recipe may lack a part, or hold it in another form
-            restore_rng_state(state["rng"], self.loader_generator, self.device)
-            self.step, self.best_score, self.best_step = state["step"], state["best_score"], state["best_step"]
-            self.kept_best, self.evals_since_best = state["kept_best"], state["evals_since_best"]
+            if self.scheduler is not None:
+                self.scheduler.load_state_dict(checkpoint["scheduler"])
+            if self.scaler is not None and checkpoint["scaler"] is not None:
+                self.scaler.load_state_dict(checkpoint["scaler"])
+            for name, part in self.parts.items():
+                part.load_state_dict(checkpoint[name])
+            restore_rng_state(checkpoint["rng"], self.loader_generator, self.device)
+            return checkpoint["step"]
         except (KeyError, TypeError, ValueError, AttributeError, RuntimeError) as err:
-            raise RecipeError(f"checkpoint {source} lacks part of the training state, or holds it in another "
-                              f"form ({type(err).__name__}: {err}): another version of this recipe wrote it") from None
+            raise RecipeError(f"checkpoint {source} lacks part of the training state, or holds it in another form "
+                              f"({type(err).__name__}: {err}): another version of this recipe wrote it") from None
+
+
+def not_written(path: Path, err: OSError, last_step: int | None) -> RecipeError:
+    intact = "no earlier checkpoint" if last_step is None else f"the previous checkpoint (step {last_step}) is intact"
+    return RecipeError(f"could not write checkpoint {path}: {err.strerror or err}; {intact}")

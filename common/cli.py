@@ -6,12 +6,16 @@ can cause at run time raise ``RecipeError`` and end as one line ``error: ...`` o
 traceback either way.
 """
 
+import atexit
 import math
+import os
 import re
 import sys
 from collections.abc import Callable
+from contextlib import ExitStack
+from contextvars import ContextVar
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Literal, NamedTuple
 
 import torch.distributed as dist
 import typer
@@ -22,10 +26,8 @@ class RecipeError(Exception):
 
 
 def checked(accepts: Callable[[float], bool], rule: str) -> Callable[[float | None], float | None]:
-    """A Typer callback: a value that ``accepts`` refuses is a usage error, "must be RULE"; None passes.
-
-    Each rule below is a chain of comparisons, which also rejects nan (every comparison with nan is false).
-    """
+    """A Typer callback refusing, as "must be RULE", what ``accepts`` refuses (a chain of comparisons: nan fails
+    every one of them)."""
 
     def check(value: float | None) -> float | None:
         if value is not None and not accepts(value):
@@ -56,56 +58,92 @@ def resume_target(value: str | None) -> str | None:
 
 Epochs = Annotated[int, typer.Option(min=1, help="Passes over the training set.")]
 Steps = Annotated[int, typer.Option(min=1, help="Optimizer steps to train for.")]
-MaxSteps = Annotated[int | None, typer.Option(
-    min=1, help="Stop after this many optimizer steps, whatever --epochs says.")]
-BatchSize = Annotated[int, typer.Option(min=1, help="Samples per batch (per process under DDP).")]
+MaxSteps = Annotated[int | None, typer.Option(min=1, help="Stop after this many optimizer steps.")]
+BatchSize = Annotated[int, typer.Option(min=1, help="Samples per batch.")]
 LearningRate = Annotated[float, typer.Option(callback=positive_float, help="Peak learning rate.")]
-# What a seed promises: bitwise repeats on a CPU only. On a GPU, cuDNN's convolutions, SDPA's backward and
-# atomic-add reductions may sum in a different order each run, so numbers agree closely, not bit for bit.
-Seed = Annotated[int, typer.Option(
-    min=0, max=2**31 - 1,
-    help="Seed for python and torch. Same seed, device and options: the same numbers on a CPU; on a GPU "
-         "close but not bitwise (cuDNN, SDPA backward) unless deterministic algorithms are enabled.")]
-Device = Annotated[str, typer.Option(callback=device_name,
-                                     help="auto (cuda, else mps, else cpu), cpu, cuda, cuda:N or mps.")]
+# Bitwise repeats on a CPU only: on a GPU, cuDNN's convolutions, SDPA's backward and atomic-add reductions may
+# sum in another order each run.
+Seed = Annotated[int, typer.Option(min=0, max=2**31 - 1, help="Seed for python and torch. Same seed, device and "
+                                   "options: the same numbers on a CPU; close, not bitwise, on a GPU.")]
+Device = Annotated[str, typer.Option(callback=device_name, help="auto (cuda, else mps, else cpu), cpu, cuda, cuda:N "
+                                     "or mps.")]
 Precision = Annotated[Literal["fp32", "bf16", "fp16"], typer.Option(help="Autocast dtype; fp16 adds a GradScaler.")]
 Compile = Annotated[bool, typer.Option("--compile/--no-compile", help="Wrap the model in torch.compile.")]
 NumWorkers = Annotated[int, typer.Option(min=0, help="DataLoader worker processes (0: load in the main one).")]
 DataDir = Annotated[Path, typer.Option(help="Where data sets are downloaded and cached.")]
-RunDir = Annotated[Path | None, typer.Option(
-    help="Where this run writes everything [default: runs/RECIPE/YYYYmmdd-HHMMSS].")]
-Resume = Annotated[str | None, typer.Option(
-    callback=resume_target,
-    help="Continue from this checkpoint file, or 'auto': the newest one in --run-dir, else start fresh.")]
-CheckpointEvery = Annotated[int | None, typer.Option(
-    min=1, help="Also write checkpoints/last.pt every N optimizer steps.")]
-EMA = Annotated[float | None, typer.Option(
-    "--ema", callback=ema_decay,
-    help="Also keep an exponential moving average of the weights with this decay (e.g. 0.999): evaluated beside "
-         "them (ema_val_*), its score chooses best.pt, which then holds the averaged weights.")]
+RunDir = Annotated[Path | None, typer.Option(help="Where this run writes everything [default: "
+                                             "runs/RECIPE/YYYYmmdd-HHMMSS].")]
+Resume = Annotated[str | None, typer.Option(callback=resume_target, help="Continue from this checkpoint file, or "
+                                            "'auto': the newest one in --run-dir, else start fresh.")]
+CheckpointEvery = Annotated[int | None, typer.Option(min=1, help="Also save checkpoints/last.pt every N steps.")]
+LogEvery = Annotated[int | None, typer.Option(min=1, help="Print a line (and read the losses back from the device) "
+                                              "every N steps [default: a tenth of an epoch, at most 50].")]
+EMADecay = Annotated[float | None, typer.Option("--ema", callback=ema_decay, help="Also keep an average of the "
+                                                "weights, decay e.g. 0.999 (warmed up): evaluated beside them "
+                                                "(ema_val_*), it chooses best.pt, which then holds it.")]
 KeepBest = Annotated[int, typer.Option(min=1, help="Keep the K best checkpoints (best-stepN.pt); best.pt is the best.")]
 Patience = Annotated[int | None, typer.Option(min=1, help="Stop after N evaluations without a better score.")]
-Progress = Annotated[bool | None, typer.Option(
-    "--progress/--no-progress", help="Console progress bar [default: on when stdout is a terminal].")]
 
 
-OPTION_NAMES: dict[str, str] = {}  # parameter -> option, e.g. csv_path -> --csv: for messages about options
+def as_config(options: dict) -> dict:
+    """A command's options as a run records them (config.json, checkpoints): paths as text."""
+    return {name: str(value) if isinstance(value, Path) else value for name, value in options.items()}
+
+
+class Command(NamedTuple):
+    """The recipe command that runs now (``run_recipe`` sets it, as click keeps its current context)."""
+
+    options: dict[str, str]  # parameter -> option, e.g. csv_path -> --csv: for messages about options
+    cleanup: ExitStack  # what to release when the command ends, however it ends
+
+
+RUNNING: ContextVar[Command | None] = ContextVar("RUNNING", default=None)
+
+
+def option_name(param: str) -> str:
+    """The option behind a parameter of the running command; a derived setting's name as words."""
+    command = RUNNING.get()
+    return command.options[param] if command and param in command.options else param.replace("_", " ")
+
+
+def on_exit(release: Callable[[], None]) -> None:
+    """Call ``release`` when the recipe's command ends, however it ends (at exit if no command runs)."""
+    command = RUNNING.get()
+    command.cleanup.callback(release) if command else atexit.register(release)
+
+
+def launched_as_rank_0() -> bool:
+    """Rank 0 under torchrun (which sets RANK for every process it starts), or a plain process: the one that speaks."""
+    return os.environ.get("RANK", "0") == "0"
 
 
 def run_recipe(main: Callable[..., object], argv: list[str] | None = None) -> None:
-    """Run ``main`` as a one-command Typer CLI: exit 0 on success, 2 on usage errors, 1 on RecipeError.
-
-    The process group (if any) is destroyed on every way out, so no rank is left waiting on a dead one.
-    """
+    """Run ``main`` as a one-command Typer CLI: exit 0 on success, 2 on usage errors, 1 on RecipeError. Under
+    torchrun every rank meets the same errors and rank 0 alone prints them. The process group (if any) is
+    destroyed on every way out, so no rank is left waiting on a dead one."""
     app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, rich_markup_mode=None)
     app.command()(main)
-    OPTION_NAMES.update({param.name: param.opts[0] for param in typer.main.get_command(app).params})
+    options = {param.name: param.opts[0] for param in typer.main.get_command(app).params}
+    quiet = not launched_as_rank_0()
     try:
-        app(args=argv)
+        with ExitStack() as cleanup:
+            running = RUNNING.set(Command(options, cleanup))
+            try:
+                app(args=argv, standalone_mode=False)
+            finally:
+                RUNNING.reset(running)
     except RecipeError as err:
-        message = " ".join(str(err).split())  # one line, however the message was built
-        print(f"error: {message}", file=sys.stderr)
+        if not quiet:
+            print(f"error: {' '.join(str(err).split())}", file=sys.stderr, flush=True)  # one line, however built
         sys.exit(1)
+    except (KeyboardInterrupt, typer.Abort):  # Ctrl-C before training, where no StopRequest listens yet
+        sys.exit(130)
+    except Exception as err:
+        if not callable(getattr(err, "show", None)):  # not a usage error but a bug: its traceback
+            raise
+        if not quiet:
+            err.show()  # the usage line and what is wrong, as Typer prints it
+        sys.exit(getattr(err, "exit_code", 2))
     finally:
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()

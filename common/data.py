@@ -23,9 +23,9 @@ MNIST_MEAN, MNIST_STD = 0.1307, 0.3081
 
 
 class ResumableSampler(Sampler):
-    """Wraps a training sampler so that a resumed run can start part-way through an epoch: ``skip`` (set by
-    ``Run.batches``) leaves out the epoch's first samples. The wrapped order depends only on (seed, epoch), so
-    the resumed epoch rebuilds the interrupted one's exactly: no sample is seen twice or missed."""
+    """A training sampler that a resumed run can start part-way through an epoch: ``skip`` (set by
+    ``common.loop.batches_left``) leaves out the epoch's first samples. The wrapped order depends on (seed, epoch)
+    alone, so the resumed epoch is the interrupted one: no sample is seen twice or missed."""
 
     def __init__(self, sampler: Sampler):
         self.sampler, self.skip = sampler, 0
@@ -41,9 +41,8 @@ class ResumableSampler(Sampler):
 
 
 class TensorBatches(TensorDataset):
-    """A TensorDataset whose batches are one indexing of each tensor (the DataLoader passes ``__getitems__`` a
-    whole batch of indices) instead of ``batch_size`` ``__getitem__`` calls and a stack: at 4,096 rows, about
-    25 ms of Python per batch become under 2 ms, which a fast training step would otherwise wait for."""
+    """A TensorDataset whose batch is one indexing of each tensor (the DataLoader hands ``__getitems__`` the batch's
+    indices) instead of a ``__getitem__`` per row and a stack: 25 ms of Python per 4,096 rows become under 2."""
 
     def __getitems__(self, indices: list[int]) -> tuple[torch.Tensor, ...]:
         index = torch.as_tensor(indices)
@@ -54,22 +53,22 @@ def built_batch(batch):
     return batch  # the DataLoader's collate step, when ``__getitems__`` has already built the batch
 
 
-def _ignore_sigint(worker_id: int) -> None:
-    # Ctrl-C reaches the whole process group; the main process saves a checkpoint and stops the workers.
+def _ignore_stop_signals(worker_id: int) -> None:
+    # Ctrl-C, and a scheduler's SIGTERM, reach the whole process group; the main process saves a checkpoint and
+    # stops the workers (a worker killed by the signal instead would end the run in a traceback after the save).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 def make_loader(dataset: Dataset, batch_size: int | None, *, train: bool, seed: int = 0, num_workers: int = 0,
                 device: torch.device = torch.device("cpu"), sampler: Sampler | Iterable[int] | None = None,
                 collate_fn: Callable | None = None) -> DataLoader:
-    """A DataLoader for training (shuffled, also on CPU; full batches only) or evaluation (in order).
-
-    Training shuffles with a seeded one-replica ``DistributedSampler`` unless ``sampler`` is given (the DDP
-    recipe's sharded one), wrapped in a ``ResumableSampler``: call ``loader.sampler.set_epoch(epoch)`` every
-    epoch. An IterableDataset yields whole batches in its own order. ``collate_fn`` replaces the default, e.g.
-    ``built_batch`` for batches a ``__getitems__`` built; a plain TensorDataset gets both (``TensorBatches``).
-    """
-    worker_init_fn = _ignore_sigint if num_workers > 0 else None
+    """A DataLoader for training (shuffled, also on CPU; full batches only) or evaluation (in order). Training
+    shuffles with a seeded one-replica ``DistributedSampler`` unless ``sampler`` is given (DDP's sharded one), in
+    a ``ResumableSampler``: call ``loader.sampler.set_epoch(epoch)`` every epoch. An IterableDataset yields whole
+    batches in its own order. ``collate_fn``: e.g. ``built_batch`` for batches a ``__getitems__`` built (a plain
+    TensorDataset gets both, as ``TensorBatches``)."""
+    worker_init_fn = _ignore_stop_signals if num_workers > 0 else None
     # Its own generator for worker seeds: every new iterator draws one, and drawing from the global RNG
     # instead would shift the dropout masks of a resumed run.
     generator = torch.Generator().manual_seed(seed)

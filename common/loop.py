@@ -1,20 +1,23 @@
-"""One optimizer step, and evaluation over a whole data set. Recipes write their own loops around these.
+"""One optimizer step, evaluation over a whole data set, and where a (resumed) loop is. Recipes write their
+own loops around these.
 
 ``train_step`` reads nothing back from the device (no ``.item()``): on a GPU that would stall the CPU until
 the step finished, and it could no longer queue the next step's kernels ahead. (fp16's GradScaler is the
-exception: its step checks for overflow on the CPU.) Losses stay tensors until the run logger reads a window
-of them at once (see common/tracking.py), which is also where a non-finite loss is caught. ``evaluate``
+exception: its step checks for overflow on the CPU.) Losses stay tensors until the run's log reads a window
+of them at once (``common.runlog.RunLog``), which is also where a non-finite loss is caught. ``evaluate``
 reads its totals back once, at the end.
 """
 
+import itertools
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import nullcontext
 from typing import NamedTuple
 
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader
 
 from common.runtime import autocast
 
@@ -49,8 +52,9 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Loss
     """One optimizer step over one or more micro-batches, each ``(*inputs, target)``. Their gradients add up,
     each mean loss weighted by its share of the step's counted targets, so the step equals one over the
     concatenated batch even when micro-batches differ in size; under DDP only the last backward all-reduces.
+    ``scaler``: ``torch.amp.GradScaler(device.type, enabled=precision == "fp16")``, as every recipe builds it.
     Pass ``scheduler`` only for schedules that step every optimizer step (OneCycle, warmup + cosine)."""
-    scaler = scaler if scaler is not None and scaler.is_enabled() else None
+    scaler = scaler or torch.amp.GradScaler(device.type, enabled=False)  # disabled: its calls pass through
     optimizer.zero_grad(set_to_none=True)
     batches = [to_device(batch, device) for batch in micro_batches]
     counts = [counted(loss_fn, batch[-1]).sum() for batch in batches]
@@ -66,24 +70,19 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Loss
                 loss = loss_fn(model(*inputs), target).float()
             # a micro-batch with nothing to count has a NaN mean loss and contributes nothing
             loss = torch.where(counts[i] > 0, loss, 0.0) * (counts[i] / total)
-            (scaler.scale(loss) if scaler else loss).backward()
+            scaler.scale(loss).backward()
         total_loss += loss.detach()
 
-    grad_norm = skipped = None
-    if scaler:
-        scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
-    if max_grad_norm is not None or scaler:
+    scaler.unscale_(optimizer)  # fp16: clip (and measure) the true gradients, not the scaled ones
+    grad_norm = None
+    if max_grad_norm is not None or scaler.is_enabled():
         # With a scaler the norm is also the overflow test: it is inf/nan exactly when a gradient is.
         grad_norm = nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm or math.inf)
-    if scaler:
-        scaler.step(optimizer)  # skips the update when the unscaled gradients hold inf/nan
-        scaler.update()  # ...and then halves the scale
-        skipped = ~torch.isfinite(grad_norm)
-    else:
-        optimizer.step()
+    scaler.step(optimizer)  # fp16: skips the update when the unscaled gradients hold inf/nan...
+    scaler.update()  # ...and then halves the scale
     if scheduler is not None:
         scheduler.step()
-    return StepStats(total_loss, grad_norm, skipped)
+    return StepStats(total_loss, grad_norm, ~torch.isfinite(grad_norm) if scaler.is_enabled() else None)
 
 
 @torch.no_grad()
@@ -113,3 +112,21 @@ def evaluate(model: nn.Module, batches: Iterable[Sequence[torch.Tensor]], loss_f
     if accuracy:
         metrics["acc"] = correct / count if count else math.nan
     return metrics
+
+
+def epochs_left(step: int, steps_per_epoch: int, total_steps: int) -> range:
+    """The epochs still to train after ``step`` optimizer steps: from the one it stopped in (a resumed run
+    goes on mid-epoch) to the one holding the last step; none once the last step is done."""
+    return range(step // steps_per_epoch, math.ceil(total_steps / steps_per_epoch)) if step < total_steps else range(0)
+
+
+def batches_left(loader: DataLoader, step: int, total_steps: int) -> Iterator:
+    """The current epoch's batches still to train after ``step`` steps: a resumed epoch leaves out those it
+    trained on (its sampler, a ``ResumableSampler``, skips them unloaded), and none is loaded past the last step."""
+    steps_per_epoch = len(loader)  # before the skip, which shortens it
+    done = step % steps_per_epoch
+    loader.sampler.skip = done * loader.batch_size
+    try:
+        yield from itertools.islice(loader, min(steps_per_epoch - done, total_steps - step))
+    finally:
+        loader.sampler.skip = 0

@@ -1,19 +1,95 @@
-"""The run directory before and around training: resolving ``--run-dir`` and ``--resume``, JSON files
-written atomically, Ctrl-C and SIGTERM turned into a request to stop, and the command that resumes a run."""
+"""The run directory: where a run writes, held by one run at a time, removed again by a run that fails before
+its first checkpoint; whether the run in it has finished; JSON files written atomically.
+
+    run = open_run_dir(RECIPE, run_dir, resume)   # run.path; run.resume_from: the checkpoint to go on from
+"""
 
 import json
 import os
-import shlex
-import signal
+import shutil
 import sys
 import tempfile
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
 import typer
 
-from common.cli import RecipeError
+from common.cli import RecipeError, launched_as_rank_0, on_exit
+
+
+@dataclass(frozen=True)
+class RunFolder:
+    path: Path
+    resume_from: Path | None  # the checkpoint to continue from; None: a fresh run
+
+
+def last_file(run_dir: Path) -> Path | None:
+    """What ``--resume auto`` continues from: checkpoints/last.pt (always whole: it is written atomically)."""
+    last = run_dir / "checkpoints" / "last.pt"
+    return last if last.is_file() else None
+
+
+def open_run_dir(recipe: str, run_dir: Path | None, resume: str | None,
+                 last_checkpoint: Callable[[Path], Path | None] = last_file) -> RunFolder:
+    """``--run-dir`` (default runs/RECIPE/TIME) and ``--resume`` (a file, or ``auto``: ``last_checkpoint``). A fresh
+    run never starts where checkpoints are, so nothing is overwritten; the folder is this process's until its
+    command ends (another run is refused it), and removed then if this call made it and it holds no checkpoint."""
+    if resume == "auto" and run_dir is None:
+        raise typer.BadParameter("'auto' looks for checkpoints in --run-dir; give --run-dir too", param_hint="--resume")
+    if run_dir is None:
+        run_dir = base = Path("runs") / recipe / datetime.now().strftime("%Y%m%d-%H%M%S")
+        for n in range(1, 1000):  # two runs started in the same second
+            if not run_dir.exists():
+                break
+            run_dir = base.with_name(f"{base.name}-{n}")
+    last = last_checkpoint(run_dir) if run_dir.is_dir() else None
+    if resume is None and last is not None:
+        raise RecipeError(f"{run_dir} already holds checkpoints; continue it with --resume auto, or choose another "
+                          "--run-dir")
+    created = not run_dir.exists()
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=run_dir).close()  # a folder that exists may still be read-only
+    except OSError as err:
+        raise RecipeError(f"cannot write to --run-dir {run_dir}: {err.strerror or err}") from None
+    lock = hold(run_dir)
+    on_exit(lambda: release(run_dir, lock, created))
+    return RunFolder(run_dir, last if resume == "auto" else Path(resume) if resume else None)
+
+
+def hold(run_dir: Path) -> int | None:
+    """An exclusive ``flock`` on the folder, or a RecipeError naming the process that has it. The kernel drops it
+    when that process ends, however it ends: a killed run never blocks its restart. (No flock on Windows.)"""
+    if sys.platform == "win32":
+        return None
+    import fcntl
+
+    fd = os.open(run_dir, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return fd
+    except BlockingIOError:
+        os.close(fd)
+    holder = "another process"
+    try:  # Linux lists the locks in /proc/locks: "1: FLOCK  ADVISORY  WRITE PID MAJOR:MINOR:INODE 0 EOF"
+        for fields in (line.split() for line in Path("/proc/locks").read_text().splitlines()):
+            if fields[1] == "FLOCK" and fields[5].endswith(f":{run_dir.stat().st_ino}"):
+                command = Path(f"/proc/{fields[4]}/cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
+                holder = f"process {fields[4]}: {command}"
+    except (OSError, IndexError):
+        pass
+    raise RecipeError(f"{run_dir} is in use by another run ({holder}); wait for it to end, or choose another "
+                      "--run-dir")
+
+
+def release(run_dir: Path, lock: int | None, created: bool) -> None:
+    # a checkpoint anywhere below counts (--compare keeps its runs in sub-folders)
+    if created and not any(run_dir.rglob("*.pt")):
+        shutil.rmtree(run_dir, ignore_errors=True)  # a mistake, or a crash before the first save: no empty folders
+    if lock is not None:
+        os.close(lock)
 
 
 def write_json(path: Path, data: dict) -> None:
@@ -22,72 +98,19 @@ def write_json(path: Path, data: dict) -> None:
     os.replace(tmp, path)  # readers see the old file or the new one, never half of one
 
 
-def prepare_run_dir(recipe: str, run_dir: Path | None, resume: str | None,
-                    is_main: bool = True) -> tuple[Path, Path | None]:
-    """(run directory, checkpoint to resume from or None) from ``--run-dir`` and ``--resume``. A fresh run never
-    starts in a folder that holds checkpoints: nothing gets overwritten."""
-    if resume == "auto" and run_dir is None:
-        raise typer.BadParameter("'auto' looks for checkpoints in --run-dir; give --run-dir too", param_hint="--resume")
-    if run_dir is None:
-        run_dir = base = Path("runs") / recipe / datetime.now().strftime("%Y%m%d-%H%M%S")
-        n = 1
-        while run_dir.exists():  # two runs started in the same second
-            run_dir, n = base.with_name(f"{base.name}-{n}"), n + 1
-    last = run_dir / "checkpoints" / "last.pt"  # always complete, thanks to the atomic writes
-    if resume is None and last.is_file():
-        raise RecipeError(f"{run_dir} already holds checkpoints; continue it with --resume auto, or choose another "
-                          "--run-dir")
-    if is_main:
-        try:
-            (run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
-            tempfile.TemporaryFile(dir=run_dir).close()  # a folder that exists may still be read-only
-        except OSError as err:
-            raise RecipeError(f"cannot write to --run-dir {run_dir}: {err.strerror or err}") from None
-    resume_path = (last if last.is_file() else None) if resume == "auto" else Path(resume) if resume else None
-    return run_dir, resume_path
-
-
-def resume_command(run_dir: Path) -> str:
-    """This process's own command line, made to continue from ``run_dir``'s last checkpoint."""
-    args, skip = [], False
-    for arg in sys.argv[1:]:  # --resume and --run-dir are left out, with their values
-        if skip:
-            skip = False
-        elif arg in ("--resume", "--run-dir"):
-            skip = True
-        elif not arg.startswith(("--resume=", "--run-dir=")):
-            args.append(arg)
-    launcher = ["torchrun", f"--nproc_per_node={os.environ['LOCAL_WORLD_SIZE']}"] if "LOCAL_WORLD_SIZE" in os.environ \
-        else ["python"]  # under torchrun: its options beyond the process count are not known here
-    return shlex.join([*launcher, sys.argv[0], *args, "--resume", "auto", "--run-dir", str(run_dir)])
-
-
-class StopRequest:
-    """Ctrl-C and SIGTERM (sent by schedulers and spot instances before a kill) as a request honoured between two
-    steps, not an exception half-way through one. A second signal quits at once. Exit status: 128 + signal."""
-
-    def __init__(self, announce: Callable[[str], None]):
-        self.signal: int | None = None
-        self.announce = announce
-        self.previous = {s: signal.signal(s, self.handle) for s in (signal.SIGINT, signal.SIGTERM)}
-
-    @property
-    def requested(self) -> bool:
-        return self.signal is not None
-
-    def exit(self, step: int, run_dir: Path) -> None:
-        """Once a checkpoint of ``step`` is written: say how to resume, and exit (SystemExit: atexit still runs)."""
-        if self.requested:
-            self.announce(f"interrupted at step {step}; checkpoint saved. Resume with:\n  {resume_command(run_dir)}")
-        sys.exit(128 + (self.signal or signal.SIGTERM))  # a rank not signalled itself: as if SIGTERMed
-
-    def handle(self, signum, frame) -> None:
-        if self.requested:
-            sys.exit(128 + signum)
-        self.signal = signum
-        name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
-        self.announce(f"{name}: saving a checkpoint after this step (send it again to quit without saving)")
-
-    def restore(self) -> None:
-        for s, handler in self.previous.items():
-            signal.signal(s, handler)
+def already_finished(run: RunFolder, checkpoint: dict | None, *, max_steps: int | None, epochs: int | None = None,
+                     steps: int | None = None) -> bool:
+    """Whether metrics.json says the run ended at the checkpoint's step: where its schedule ends (``epochs`` of the
+    checkpoint's epoch length, or ``steps``), or ``--max-steps``, or early (``--patience``). Relaunched so, the
+    same command on every restart, a run says so before loading any data and leaves its results as they are."""
+    try:
+        metrics = json.loads((run.path / "metrics.json").read_text())
+        step, schedule = checkpoint["step"], steps or epochs * checkpoint["steps_per_epoch"]
+        end = min(schedule, max_steps or schedule)
+        done = metrics["steps"] == step and (step >= end or metrics.get("stopped_early") is True)
+    except (OSError, ValueError, KeyError, TypeError):  # no checkpoint or metrics (yet), or not ours
+        return False
+    if done and launched_as_rank_0():
+        print(f"already finished: step {step} of {end}; nothing trained, {run.path} left as it was (a run cut short "
+              "by --max-steps goes on with a larger one)", flush=True)
+    return done

@@ -1,21 +1,30 @@
-"""Where and how a run computes: device, seeds, precision, and the peak FLOP/s to judge utilisation by.
+"""Where and how a run computes: device, seeds, precision, ranks, and the peak FLOP/s to judge utilisation by.
 
 Recipes wrap their models themselves, in one order: move to the device, wrap in DDP, then compile (compiling
 the DDP-wrapped module lets Dynamo split the graph at DDP's gradient buckets, so communication still overlaps
 the backward pass). ``unwrap`` undoes both wrappers for checkpoints.
+
+One convention for mixed precision everywhere: ``torch.autocast(device.type, dtype=PRECISION_DTYPES[p],
+enabled=p != "fp32")`` around the forward pass, and ``torch.amp.GradScaler(device.type, enabled=p == "fp16")``
+always built: disabled, its calls pass the loss and the step straight through.
 """
 
 import random
 import re
 import time
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
+import torch.distributed as dist
+import typer
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from common.cli import RecipeError
 
-AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+T = TypeVar("T")
 
 
 def resolve_device(name: str) -> torch.device:
@@ -41,14 +50,27 @@ def seed_everything(seed: int) -> None:
 
 def autocast(device: torch.device, precision: str) -> torch.autocast:
     """The autocast context for a precision; fp32 gives a disabled one, so callers need no branch."""
-    dtype = AUTOCAST_DTYPES.get(precision, torch.bfloat16)
-    return torch.autocast(device.type, dtype=dtype, enabled=precision != "fp32")
+    return torch.autocast(device.type, dtype=PRECISION_DTYPES[precision], enabled=precision != "fp32")
 
 
-def make_grad_scaler(device: torch.device, precision: str) -> torch.amp.GradScaler | None:
-    """fp16 needs loss scaling: its 5 exponent bits flush small gradients to zero. bf16 has fp32's 8
-    exponent bits (only the mantissa is shorter), so its gradients do not underflow and need no scaler."""
-    return torch.amp.GradScaler(device.type) if precision == "fp16" else None
+def from_rank_0(work: Callable[[], T]) -> T:
+    """``work()`` on rank 0 alone, and its result, or its error, on every rank: what one process decides for all
+    (a run directory's name, whether a checkpoint was written), with no rank left waiting in vain. Without a
+    process group it is just ``work()``."""
+    if not dist.is_initialized():
+        return work()
+    outcome: list = [None]
+    if dist.get_rank() == 0:
+        try:
+            outcome = [work()]
+        except (RecipeError, typer.BadParameter) as err:
+            outcome = [err]
+        except OSError as err:
+            outcome = [RecipeError(f"{err.filename or 'a file'}: {err.strerror or err}")]
+    dist.broadcast_object_list(outcome)
+    if isinstance(outcome[0], Exception):
+        raise outcome[0]
+    return outcome[0]
 
 
 def unwrap(model: nn.Module) -> nn.Module:
@@ -105,12 +127,16 @@ DATASHEET_PEAKS = [
     (r"L40S", {"bf16": 362e12, "fp16": 362e12, "tf32": 183e12, "fp32": 91.6e12}),
     (r"L4", {"bf16": 121e12, "fp16": 121e12, "tf32": 60e12, "fp32": 30.3e12}),
 ]
-_DTYPE_KEYS = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+
+
+def precision_name(dtype: torch.dtype) -> str | None:
+    """``torch.bfloat16`` -> "bf16": PRECISION_DTYPES read backwards."""
+    return next((name for name, known in PRECISION_DTYPES.items() if known == dtype), None)
 
 
 def datasheet_peak(device_name: str, dtype: torch.dtype, tf32: bool = False) -> float | None:
     """The datasheet figure for a GPU name (``torch.cuda.get_device_name``) and dtype, or None if unknown."""
-    key = "tf32" if dtype == torch.float32 and tf32 else _DTYPE_KEYS.get(dtype)
+    key = "tf32" if dtype == torch.float32 and tf32 else precision_name(dtype)
     for pattern, figures in DATASHEET_PEAKS:
         if re.search(rf"(?<![A-Za-z0-9])(?:{pattern})(?![A-Za-z0-9])", device_name) and key in figures:
             return figures[key]
@@ -128,7 +154,7 @@ def device_peak_flops(device: torch.device, dtype: torch.dtype = torch.float32) 
         tf32 = torch.get_float32_matmul_precision() != "highest"  # also follows allow_tf32
         figure = datasheet_peak(name, dtype, tf32)
         if figure is not None:
-            kind = "tf32" if dtype == torch.float32 and tf32 else _DTYPE_KEYS[dtype]
+            kind = "tf32" if dtype == torch.float32 and tf32 else precision_name(dtype)
             return figure, f"datasheet: {name}, {kind} dense"
     return measure_matmul_flops(device, dtype), f"measured: back-to-back {dtype} matmuls on {where}"
 

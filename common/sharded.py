@@ -24,7 +24,6 @@ import os
 import re
 import shutil
 import sys
-import time
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
@@ -37,12 +36,12 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from common.checkpoint import load_checkpoint, save_checkpoint
+from common.best import BestScore
+from common.checkpoint import Checkpointer, diverged, fsync_dir, load_checkpoint, not_written, save_checkpoint
 from common.cli import RecipeError
 from common.resources import local
-from common.resume import check_same_run
-from common.rundir import prepare_run_dir
-from common.tracking import Run
+from common.rundir import RunFolder, last_file
+from common.runtime import from_rank_0
 
 KEEP = 3  # complete checkpoints kept, besides the best one
 STEP_DIR = re.compile(r"step-(\d+)")
@@ -124,111 +123,110 @@ def to_single_file(step_dir: Path, out: Path, recipe: str) -> None:
     save_checkpoint(out, {**trainer, **tensors})
 
 
-class ShardedRun(Run):
-    """A ``Run`` whose checkpoints are DCP folders written by every rank, resumable (``--resume auto``, or a step
-    folder) at any number of ranks; it ends with single-file copies of the last and best. Until then the best
-    step's folder (its step is in metrics.json), kept by pruning, stands for best.pt."""
+def last_sharded(run_dir: Path, warn: bool = False) -> Path | None:
+    """The checkpoint ``--resume auto`` continues a sharded run from: its newest complete step folder, else its
+    last.pt (``warn``: say which folders are incomplete, and skipped)."""
+    found = complete_checkpoints(run_dir / "checkpoints" / "dcp", warn)
+    return found[-1] if found else last_file(run_dir)
 
-    def open_run_dir(self, run_dir: Path | None, resume: str | None) -> tuple[Path, Path | None, dict | None]:
-        run_dir, last = prepare_run_dir(self.recipe, run_dir, resume, self.is_main)
-        self.dcp_dir = run_dir / "checkpoints" / "dcp"
-        if resume in (None, "auto"):  # rank 0 looks: every rank must read the same checkpoint
-            found = self.from_rank_0(lambda: complete_checkpoints(self.dcp_dir, warn=True))
-            if found and resume is None:
-                raise RecipeError(f"{run_dir} already holds checkpoints; continue it with --resume auto, or choose "
-                                  "another --run-dir")
-            path = found[-1] if found else last
-        else:
-            path = Path(resume)
-        return run_dir, path, load_trainer_state(path, self.recipe) if path else None
 
-    @property
-    def last_checkpoint(self) -> Path:
-        written = self.dcp_dir / f"step-{self.last_saved:06d}"
-        return written if written.is_dir() else self.resume_path  # resumed from elsewhere, nothing saved here yet
+class ShardedCheckpointer:
+    """A run's checkpoints as DCP step folders, which every rank writes its shards into (call ``save`` and
+    ``restore`` on every rank), resumable at any number of ranks. A step folder holds the model and optimizer
+    shards; ``trainer.pt`` beside them holds the rest, as a ``Checkpointer`` makes it (which this one keeps, as
+    ``files``, for that and for the single files). The last ``KEEP`` folders and the best one are kept; ``finish``
+    leaves the usual single files last.pt and best.pt for one-process use (sampling, export)."""
 
-    def start(self, *, model, optimizer, **kwargs) -> None:
-        if self.checkpoint and self.checkpoint.get("sharded"):
-            # Options first (a model of another shape fails there, in one line), then the tensors, straight into
-            # this run's shards; Run.start restores the rest and finds the model and optimizer in place.
-            epochs, loader = kwargs.get("epochs"), kwargs.get("loader")  # the epoch length as Run.start finds it
-            steps_per_epoch = len(loader) if epochs else kwargs.get("eval_every") or kwargs.get("steps")
-            check_same_run(self.checkpoint, self.resume_path, self.config, steps_per_epoch, self.may_change)
-            load_sharded(self.resume_path, model, optimizer)
-            self.checkpoint = {**self.checkpoint, "model": dict(model.state_dict()),
-                               "optimizer": optimizer.state_dict()}
-        super().start(model=model, optimizer=optimizer, **kwargs)
+    def __init__(self, run: RunFolder, recipe: str, config: dict, *, best: BestScore, **state):
+        self.files = Checkpointer(run, recipe, config, **state)
+        self.dcp_dir, self.best = self.files.folder / "dcp", best
+        self.last_good, self.last_step = run.resume_from, None
 
-    def save(self, name: str = "last.pt") -> None:
-        """Write checkpoints/dcp/step-N (every rank its shards) and make it current once complete."""
-        if name != "last.pt":  # best.pt: the step folder written next is the best one; pruning keeps it
+    def save(self, step: int, name: str = "last.pt") -> None:
+        """Write checkpoints/dcp/step-N (every rank its shards) and make it current once complete. best.pt and
+        last.pt of one step are one folder, written once."""
+        if step == self.last_step:
             return
-        self.flush()  # raises on a non-finite loss before anything is written
-        model_sd, optim_sd = get_state_dict(self.state.model, self.state.optimizer)
+        state = self.files.training_state(step)  # first: the log's read-back raises here on a non-finite loss
+        model_sd, optim_sd = get_state_dict(self.files.model, self.files.optimizer)
         spoiled = torch.tensor([float(any(v.is_floating_point() and not torch.isfinite(local(v)).all()
                                           for v in model_sd.values()))])
-        if self.world_size > 1:  # every rank holds other shards: the answer is the group's
+        if dist.is_initialized():  # every rank holds other shards: the answer is the group's
             dist.all_reduce(spoiled, op=dist.ReduceOp.MAX)
         if spoiled.item():
-            raise self.diverged(f"the weights hold inf/nan after step {self.step}")
-        trainer = {k: v for k, v in self.state.state_dict().items() if k not in ("model", "optimizer")}
-        final = self.dcp_dir / f"step-{self.step:06d}"
+            raise diverged(f"the weights hold inf/nan after step {step}", self.last_good)
+        final = self.dcp_dir / f"step-{step:06d}"
         tmp = self.dcp_dir / f".{final.name}.tmp"
+        from_rank_0(lambda: clear_unfinished(self.dcp_dir))
         try:
-            if self.is_main:
-                self.dcp_dir.mkdir(parents=True, exist_ok=True)
-                for stale in self.dcp_dir.glob(".step-*.tmp"):  # saves a crash cut short
-                    shutil.rmtree(stale, ignore_errors=True)
-            if self.world_size > 1:
-                dist.barrier()
             with quiet_single_process():  # dcp.save returns once every rank has written its shards
                 dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=tmp)
-            if self.is_main:
-                save_checkpoint(tmp / "trainer.pt", trainer)
-                if final.exists():  # the same step again (resumed at the end only to evaluate)
-                    shutil.rmtree(final)
-                os.replace(tmp, final)  # the moment the checkpoint counts
-                fsync_dir(self.dcp_dir)
-                self.prune()
+        except (OSError, CheckpointException) as err:  # DCP wraps a rank's OSError in its BaseException
+            from_rank_0(lambda: shutil.rmtree(tmp, ignore_errors=True))
+            raise not_written(final, failure(err), self.last_step) from None
+        from_rank_0(lambda: self.complete(state, tmp, final))  # no rank goes on before it is complete
+        self.last_good, self.last_step = final, step
+
+    def complete(self, state: dict, tmp: Path, final: Path) -> None:
+        """Rank 0: add trainer.pt, rename the folder (the moment the checkpoint counts), prune the old ones."""
+        try:
+            save_checkpoint(tmp / "trainer.pt", state)
+            if final.exists():  # the same step again (resumed at the end only to finish)
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            fsync_dir(self.dcp_dir)
         except OSError as err:
-            intact = "no earlier checkpoint" if self.last_saved is None else \
-                f"the previous checkpoint (step {self.last_saved}) is intact"
-            raise RecipeError(f"could not write checkpoint {final}: {err.strerror or err}; {intact}") from None
-        if self.world_size > 1:
-            dist.barrier()  # no rank goes on (or stops) before the checkpoint is complete
-        self.last_saved = self.step
-        self.window_start = time.perf_counter()  # evaluating and saving are not training time
-        if self.stop_agreed():
-            self.close()
-            self.stop.exit(self.step, self.run_dir)
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise not_written(final, err, self.last_step) from None
+        prune(self.dcp_dir, self.best.step)
 
-    def prune(self) -> None:
-        best = self.dcp_dir / f"step-{self.state.best_step:06d}"
-        for path in complete_checkpoints(self.dcp_dir)[:-KEEP]:
-            if path != best:
-                shutil.rmtree(path, ignore_errors=True)
+    def restore(self, checkpoint: dict) -> int:
+        """Read a sharded checkpoint's tensors straight into this run's shards (a single file: as ``Checkpointer``
+        does), then the rest; returns the step."""
+        if not checkpoint.get("sharded"):
+            return self.files.restore(checkpoint)
+        load_sharded(self.files.source, self.files.model, self.files.optimizer)
+        return self.files.restore_training(checkpoint)
 
-    def finish(self, metrics: dict | None = None) -> dict:
+    def finish(self) -> None:
         """Also leave checkpoints/last.pt and best.pt, single files that rank 0 writes from their folders."""
-        if not self.finished and self.last_saved is not None:
-            self.from_rank_0(self.write_single_files)  # every rank waits for them, and stops with their error
-        return super().finish(metrics)
+        if self.last_step is not None:
+            from_rank_0(self.write_single_files)  # every rank waits for them, and stops with their error
 
     def write_single_files(self) -> None:
-        final, best = (self.dcp_dir / f"step-{step:06d}" for step in (self.last_saved, self.state.best_step))
+        final, best = (self.dcp_dir / f"step-{step:06d}" for step in (self.last_step, self.best.step))
         try:
-            to_single_file(final, self.run_dir / "checkpoints" / "last.pt", self.recipe)
-            if self.state.best_step and best.is_dir():  # the same folder as last.pt's: converted again, cheap
-                to_single_file(best, self.run_dir / "checkpoints" / "best.pt", self.recipe)
+            to_single_file(final, self.files.folder / "last.pt", self.files.recipe)
+            if best.is_dir():  # the same folder as last.pt's: converted again, cheap
+                to_single_file(best, self.files.folder / "best.pt", self.files.recipe)
         except OSError as err:  # a full disk, say: the sharded checkpoints are what counts, and they are whole
-            raise RecipeError(f"could not write the single-file checkpoints in {self.run_dir / 'checkpoints'}: "
+            raise RecipeError(f"could not write the single-file checkpoints in {self.files.folder}: "
                               f"{err.strerror or err}; the sharded checkpoints in {self.dcp_dir} are intact") from None
 
 
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+def prune(dcp_dir: Path, best_step: int) -> None:
+    """Keep the last ``KEEP`` complete checkpoints and the best one (best.pt is made from it at the end)."""
+    best = dcp_dir / f"step-{best_step:06d}"
+    for path in complete_checkpoints(dcp_dir)[:-KEEP]:
+        if path != best:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def clear_unfinished(dcp_dir: Path) -> None:
+    """Remove the saves a crash cut short (.step-N.tmp)."""
+    dcp_dir.mkdir(parents=True, exist_ok=True)
+    for stale in dcp_dir.glob(".step-*.tmp"):
+        shutil.rmtree(stale, ignore_errors=True)
+
+
+def failure(err: BaseException) -> OSError:
+    """The OSError behind a failed save: DCP's CheckpointException holds each failing rank's exception (a
+    Ctrl-C among them is re-raised: no failed save)."""
+    if not isinstance(err, CheckpointException):
+        return err
+    causes = [e for e, _ in err.failures.values()]
+    for cause in causes:
+        if isinstance(cause, KeyboardInterrupt | SystemExit):
+            raise cause
+    return next((e for e in causes if isinstance(e, OSError)), OSError(str(causes[0]) if causes else str(err)))
 

@@ -22,6 +22,7 @@ time on a machine and about 1 s once Inductor's on-disk cache holds the kernels.
 """
 
 import logging
+import math
 import sys
 import time
 from pathlib import Path
@@ -36,11 +37,14 @@ import typer
 from torch import nn
 
 from common import cli
+from common.best import BestScore
+from common.checkpoint import Checkpointer, resume_checkpoint
 from common.data import make_loader, synthetic_classification
-from common.loop import evaluate, train_step
-from common.rundir import prepare_run_dir, write_json
-from common.runtime import make_grad_scaler, resolve_device, seed_everything, synchronize
-from common.tracking import Run
+from common.loop import batches_left, epochs_left, evaluate, train_step
+from common.rundir import already_finished, open_run_dir, write_json
+from common.runlog import RunLog, log_interval
+from common.runtime import resolve_device, seed_everything, synchronize
+from common.stop import StopRequest
 
 RECIPE = "compiled_model"
 N_FEATURES, N_CLASSES = 32, 10
@@ -88,13 +92,16 @@ class GatedMLP(nn.Module):
 # Training, with every step timed: the first steps carry the compilation
 
 
-def train(epochs: int, batch_size: int, lr: float, samples: int, width: int, depth: int, compile: bool, mode: str,
-          dynamic: bool | None, fullgraph: bool, backend: str, seed: int, device: str, precision: str,
-          num_workers: int, **run_options) -> dict:
-    """One training run, eager or compiled. ``run_options``: those only the run logger reads (--run-dir,
-    --resume, --max-steps, --ema, ...); with the others they make the run's config."""
-    config = {name: value for name, value in locals().items() if name != "run_options"}
-    run = Run(RECIPE, config | run_options)
+def train(epochs: int, max_steps: int | None, batch_size: int, lr: float, samples: int, width: int, depth: int,
+          compile: bool, mode: str, dynamic: bool | None, fullgraph: bool, backend: str, seed: int, device: str,
+          precision: str, num_workers: int, run_dir: Path | None, resume: str | None, checkpoint_every: int | None,
+          log_every: int | None) -> dict:
+    """One training run, eager or compiled, every step timed: the first steps carry the compilation."""
+    config = cli.as_config(locals())  # every option: config.json, and what a resume must match
+    run = open_run_dir(RECIPE, run_dir, resume)  # never over another run's checkpoints; one run at a time in it
+    checkpoint = resume_checkpoint(run, RECIPE, config)
+    if already_finished(run, checkpoint, epochs=epochs, max_steps=max_steps):
+        return {}
     seed_everything(seed)
     device = resolve_device(device)
     train_set = synthetic_classification(samples, N_FEATURES, N_CLASSES, seed=seed)
@@ -113,30 +120,51 @@ def train(epochs: int, batch_size: int, lr: float, samples: int, width: int, dep
         model = torch.compile(model, mode=mode, dynamic=dynamic, fullgraph=fullgraph, backend=backend)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=epochs * len(train_loader))
-    scaler = make_grad_scaler(device, precision)  # fp16 only
+    scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
     loss_fn = nn.CrossEntropyLoss()
+
+    steps_per_epoch = len(train_loader)
+    total_steps = min(epochs * steps_per_epoch, max_steps or math.inf)
+    log = RunLog(run, RECIPE, total_steps=total_steps, every=log_interval(steps_per_epoch, log_every),
+                 steps_per_epoch=steps_per_epoch)
+    best = BestScore("val_loss", higher_is_better=False)
     # the checkpoint holds the unwrapped module: no "_orig_mod." prefixes, so it loads into a plain model
-    run.start(model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, loader=train_loader,
-              epochs=epochs)
+    checkpoints = Checkpointer(run, RECIPE, config, model=model, optimizer=optimizer, scheduler=scheduler,
+                               scaler=scaler, loader_generator=train_loader.generator, steps_per_epoch=steps_per_epoch,
+                               parts={"log": log, "best": best})
+    step = checkpoints.restore(checkpoint) if checkpoint else 0
+    log.start(step, config, device)
+    stop = StopRequest()  # Ctrl-C and SIGTERM: save and exit at the end of the step
 
     step_seconds = []
-    for epoch in run.epochs():
+    for epoch in epochs_left(step, steps_per_epoch, total_steps):
         train_loader.sampler.set_epoch(epoch)
-        for batch in run.batches(train_loader):
+        for batch in batches_left(train_loader, step, total_steps):
             current_lr = scheduler.get_last_lr()[0]
             started = time.perf_counter()
             stats = train_step(model, optimizer, loss_fn, [batch], device=device, precision=precision,
                                scaler=scaler, scheduler=scheduler)
             synchronize(device)  # GPU work is asynchronous: wait for it, or the timing means nothing
             step_seconds.append(time.perf_counter() - started)
-            run.log_train(stats, lr=current_lr, items=len(batch[-1]))
-        run.log_eval(lambda weights: evaluate(weights, val_loader, loss_fn, device=device, precision=precision),
-                     score=lambda val: -val["loss"], note=f"{'compiled' if compile else 'eager'}  ")
+            step += 1
+            log.train(step, stats, lr=current_lr, items=len(batch[-1]))
+            # mid-epoch checkpoints (an epoch's last step is saved after its evaluation)
+            if step % steps_per_epoch and (stop.requested or checkpoint_every and step % checkpoint_every == 0):
+                checkpoints.save(step)
+                if stop.requested:
+                    stop.exit(step, run.path)
+        val = evaluate(model, val_loader, loss_fn, device=device, precision=precision)
+        log.eval(step, val=val, note="compiled" if compile else "eager")
+        if best.improved(val["loss"], step):
+            checkpoints.save(step, "best.pt")
+        checkpoints.save(step)
+        if stop.requested:
+            stop.exit(step, run.path)
 
     metrics = timing(step_seconds)
-    if step_seconds:  # none when resumed at the last step, only to evaluate
-        run.print(f"first step {metrics['first_step_s']:.2f} s, then {metrics['step_ms']:.1f} ms per step")
-    return run.finish(metrics)
+    if step_seconds:  # none when resumed at the last step, only to finish
+        log.print(f"first step {metrics['first_step_s']:.2f} s, then {metrics['step_ms']:.1f} ms per step")
+    return log.finish(step, best.metrics() | metrics)
 
 
 def timing(step_seconds: list[float], warmup: int = 3) -> dict[str, float]:
@@ -270,22 +298,19 @@ def main(
     run_dir: cli.RunDir = None,
     resume: cli.Resume = None,
     checkpoint_every: cli.CheckpointEvery = None,
-    ema: cli.EMA = None,
-    keep_best: cli.KeepBest = 1,
-    patience: cli.Patience = None,
-    progress: cli.Progress = None,
+    log_every: cli.LogEvery = None,
 ):
     """Train a fusion-bound gated MLP eager or compiled, compare the two, or count compile traps."""
     if backend not in torch.compiler.list_backends(exclude_tags=()):
         choices = ", ".join(sorted(torch.compiler.list_backends(exclude_tags=())))
         raise typer.BadParameter(f"{backend!r} is not one of {choices}", param_hint="--backend")
-    options = dict(locals())
+    options = {name: value for name, value in locals().items() if name not in ("compare_compiled", "traps")}
     if traps:
         show_traps(seed, backend)
     elif compare_compiled:
         if resume is not None:
             raise typer.BadParameter("--compare always starts fresh runs", param_hint="--resume")
-        compare(options, prepare_run_dir(RECIPE, run_dir, None)[0])
+        compare(options, open_run_dir(RECIPE, run_dir, None).path)
     else:
         train(**options)
 

@@ -22,8 +22,10 @@ many digits per second as one (see the README's Performance table); the bigger t
 better the communication, which is fixed per step, is amortised.
 """
 
+import math
 import os
 import sys
+from functools import partial
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -37,10 +39,14 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DistributedSampler, TensorDataset
 
 from common import cli
+from common.best import BestScore
+from common.checkpoint import Checkpointer, load_checkpoint, load_model_state, resume_checkpoint
 from common.data import load_mnist, make_loader
-from common.loop import to_device, train_step
-from common.runtime import make_grad_scaler, resolve_device, seed_everything
-from common.tracking import Run
+from common.loop import batches_left, epochs_left, to_device, train_step
+from common.rundir import already_finished, open_run_dir
+from common.runlog import RunLog, log_interval
+from common.runtime import from_rank_0, resolve_device, seed_everything
+from common.stop import StopRequest
 
 RECIPE = "ddp_mlp"
 
@@ -101,6 +107,16 @@ def leave_process_group() -> None:
     os._exit(0)
 
 
+def stop_agreed(stop: StopRequest, device: torch.device) -> bool:
+    """Whether any rank was asked to stop (Ctrl-C, SIGTERM): every rank must stop, and save, at the same step,
+    so they agree on it with one all-reduce (a MAX of the flags)."""
+    if not dist.is_initialized():
+        return stop.requested
+    flag = torch.tensor([float(stop.requested)], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
+
+
 @torch.no_grad()
 def evaluate(model: nn.Module, loader, device: torch.device) -> dict[str, float]:
     """Loss and accuracy over the whole test set: each rank scores its own shard, then one all-reduce adds the
@@ -139,16 +155,22 @@ def main(
     run_dir: cli.RunDir = None,
     resume: cli.Resume = None,
     checkpoint_every: cli.CheckpointEvery = None,
-    ema: cli.EMA = None,
-    keep_best: cli.KeepBest = 1,
-    patience: cli.Patience = None,
-    progress: cli.Progress = None,
+    log_every: cli.LogEvery = None,
 ):
     """Train an MLP on MNIST with DistributedDataParallel (launch with torchrun), or in one process."""
-    options = locals()
+    config = cli.as_config(locals())  # every option: config.json, and what a resume must match
     rank, world_size, device = init_distributed(device, backend)
-    run = Run(RECIPE, options)  # every rank resumes from the same checkpoint; only rank 0 writes
-    seed_everything(seed + rank)  # own random streams per rank; DDP broadcasts rank 0's weights
+    # Rank 0 names, checks and locks the run directory (every rank must use that one) and finds the checkpoint;
+    # every rank then reads the same checkpoint and resumes from it. Only rank 0 writes files.
+    run = from_rank_0(lambda: open_run_dir(RECIPE, run_dir, resume))
+    checkpoint = resume_checkpoint(run, RECIPE, config)
+    if already_finished(run, checkpoint, epochs=epochs, max_steps=max_steps):
+        if world_size > 1:
+            leave_process_group()
+        return
+    # The same seed on every rank: every rank draws the same random numbers (each shards its data with the
+    # sampler instead), so the random streams that rank 0 saves are every rank's to restore.
+    seed_everything(seed)
 
     images, labels = load_mnist(data_dir, train=True)
     order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(seed))  # the same on every rank
@@ -176,27 +198,52 @@ def main(
         model = torch.compile(model)  # after DDP, so that Dynamo can split the graph at its gradient buckets
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9, nesterov=True)
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=epochs * len(train_loader))
-    scaler = make_grad_scaler(device, precision)
+    scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
     loss_fn = nn.CrossEntropyLoss()
-    run.start(model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, loader=train_loader,
-              epochs=epochs)
-    run.print(f"{len(train_set)} train / {len(val_set)} validation digits | global batch {batch_size * world_size} "
-              f"({world_size} x {batch_size})")
 
-    for epoch in run.epochs():
+    steps_per_epoch = len(train_loader)
+    total_steps = min(epochs * steps_per_epoch, max_steps or math.inf)
+    every = log_interval(steps_per_epoch, log_every)  # also how often the ranks agree on a stop
+    log = RunLog(run, RECIPE, total_steps=total_steps, every=every, steps_per_epoch=steps_per_epoch,
+                 write=rank == 0)
+    best = BestScore("val_acc")
+    checkpoints = Checkpointer(run, RECIPE, config, model=model, optimizer=optimizer, scheduler=scheduler,
+                               scaler=scaler, loader_generator=train_loader.generator, steps_per_epoch=steps_per_epoch,
+                               parts={"log": log, "best": best})
+    step = checkpoints.restore(checkpoint) if checkpoint else 0
+    log.start(step, config, device, world_size)
+    log.print(f"{len(train_set)} train / {len(val_set)} validation digits | global batch {batch_size * world_size} "
+              f"({world_size} x {batch_size})")
+    stop = StopRequest()  # Ctrl-C and SIGTERM: save and exit at the end of the step
+
+    for epoch in epochs_left(step, steps_per_epoch, total_steps):
         # set_epoch reseeds the shuffle: without it every epoch would repeat the first one's order
         sampler.set_epoch(epoch)
-        for batch in run.batches(train_loader):
+        for batch in batches_left(train_loader, step, total_steps):
             current_lr = scheduler.get_last_lr()[0]
             stats = train_step(model, optimizer, loss_fn, [batch], device=device, precision=precision,
                                scaler=scaler, scheduler=scheduler)
-            run.log_train(stats, lr=current_lr, items=batch_size * world_size)
-        # every rank evaluates its shard; rank 0 saves best.pt and last.pt
-        run.log_eval(lambda weights: evaluate(weights, val_loader, device), score=lambda val: val["acc"])
+            step += 1
+            log.train(step, stats, lr=current_lr, items=batch_size * world_size)
+            # mid-epoch checkpoints (an epoch's last step is saved after its evaluation), rank 0 writing them
+            stopping = step % every == 0 and stop_agreed(stop, device)
+            if step % steps_per_epoch and (stopping or checkpoint_every and step % checkpoint_every == 0):
+                from_rank_0(partial(checkpoints.save, step))  # every rank waits for it, and shares its error
+                if stopping:
+                    stop.exit(step, run.path)
+        val = evaluate(model, val_loader, device)  # every rank scores its shard; the sums are all-reduced
+        log.eval(step, val=val)
+        if best.improved(val["acc"], step):  # every rank decides alike: the figures are the whole group's
+            from_rank_0(partial(checkpoints.save, step, "best.pt"))
+        from_rank_0(partial(checkpoints.save, step))
+        if stop_agreed(stop, device):
+            stop.exit(step, run.path)
 
-    if not run.finished:  # the test set, once, at the end (a relaunch of a finished run has nothing to add)
-        test = evaluate(model, test_loader, device)
-        run.finish({"test_loss": test["loss"], "test_acc": test["acc"], "world_size": world_size})
+    # The test set, once, with the weights that best.pt holds: the model a user deploys is the one scored.
+    best_path = run.path / "checkpoints" / "best.pt"
+    load_model_state(model, load_checkpoint(best_path, RECIPE)["model"], best_path)
+    test = evaluate(model, test_loader, device)
+    log.finish(step, best.metrics() | {"test_loss": test["loss"], "test_acc": test["acc"], "world_size": world_size})
     if world_size > 1:
         leave_process_group()
 

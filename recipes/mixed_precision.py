@@ -31,15 +31,17 @@ import typer
 from torch import nn
 
 from common import cli
+from common.best import BestScore
+from common.checkpoint import Checkpointer, resume_checkpoint
 from common.data import make_loader, synthetic_classification
-from common.loop import StepStats, evaluate, to_device
-from common.rundir import prepare_run_dir, write_json
-from common.runtime import resolve_device, seed_everything, synchronize
-from common.tracking import Run
+from common.loop import StepStats, batches_left, epochs_left, evaluate, to_device
+from common.rundir import already_finished, open_run_dir, write_json
+from common.runlog import RunLog, log_interval
+from common.runtime import PRECISION_DTYPES, resolve_device, seed_everything, synchronize
+from common.stop import StopRequest
 
 RECIPE = "mixed_precision"
 PRECISIONS = ["fp32", "bf16", "fp16"]
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 class MLP(nn.Module):
@@ -68,7 +70,7 @@ def amp_step(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.a
     optimizer.zero_grad(set_to_none=True)
     # Inside autocast, matmuls run in the 16-bit type; softmax, norms and reductions stay fp32 (autocast's op
     # lists). The weights stay fp32: autocast casts a copy per op, so the optimizer updates full-precision values.
-    with torch.autocast(device.type, dtype=DTYPES[precision], enabled=precision != "fp32"):
+    with torch.autocast(device.type, dtype=PRECISION_DTYPES[precision], enabled=precision != "fp32"):
         loss = nn.functional.cross_entropy(model(inputs), targets)
     # fp16 only: multiply the loss by the scale (65,536 at first) so that small gradients do not underflow to 0
     scaler.scale(loss).backward()
@@ -83,13 +85,15 @@ def amp_step(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.a
     return StepStats(loss.detach().float(), grad_norm, skipped)
 
 
-def train(epochs: int, batch_size: int, lr: float, samples: int, width: int, depth: int, seed: int, device: str,
-          precision: str, compile: bool, num_workers: int, **run_options) -> dict:
-    """One training run in ``precision``; returns its metrics and the loss of every step. ``run_options``:
-    those only the run logger reads (--run-dir, --resume, --max-steps, --ema, ...); with the others they make
-    the run's config."""
-    config = {name: value for name, value in locals().items() if name != "run_options"}
-    run = Run(RECIPE, config | run_options, may_change={"max_slowdown"})
+def train(epochs: int, max_steps: int | None, batch_size: int, lr: float, samples: int, width: int, depth: int,
+          max_slowdown: float, seed: int, device: str, precision: str, compile: bool, num_workers: int,
+          run_dir: Path | None, resume: str | None, checkpoint_every: int | None, log_every: int | None) -> dict:
+    """One training run in ``precision``; returns its metrics and the loss of every step."""
+    config = cli.as_config(locals())  # every option: config.json, and what a resume must match
+    run = open_run_dir(RECIPE, run_dir, resume)  # never over another run's checkpoints; one run at a time in it
+    checkpoint = resume_checkpoint(run, RECIPE, config, may_change={"max_slowdown"})
+    if already_finished(run, checkpoint, epochs=epochs, max_steps=max_steps):
+        return {}
     seed_everything(seed)
     device = resolve_device(device)
     train_set = synthetic_classification(samples, 784, 10, seed=seed)
@@ -106,22 +110,42 @@ def train(epochs: int, batch_size: int, lr: float, samples: int, width: int, dep
     # Loss scaling is for fp16 alone: its 5 exponent bits flush small gradients to zero. bf16 has fp32's 8
     # exponent bits (only a shorter mantissa), so its gradients do not underflow and it needs no scaler.
     scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
-    run.start(model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, loader=train_loader,
-              epochs=epochs)
+
+    steps_per_epoch = len(train_loader)
+    total_steps = min(epochs * steps_per_epoch, max_steps or math.inf)
+    log = RunLog(run, RECIPE, total_steps=total_steps, every=log_interval(steps_per_epoch, log_every),
+                 steps_per_epoch=steps_per_epoch)
+    best = BestScore("val_loss", higher_is_better=False)
+    checkpoints = Checkpointer(run, RECIPE, config, model=model, optimizer=optimizer, scheduler=scheduler,
+                               scaler=scaler, loader_generator=train_loader.generator, steps_per_epoch=steps_per_epoch,
+                               parts={"log": log, "best": best})
+    step = checkpoints.restore(checkpoint) if checkpoint else 0
+    log.start(step, config, device)
+    stop = StopRequest()  # Ctrl-C and SIGTERM: save and exit at the end of the step
 
     losses = []  # one device tensor per step; read back once at the end
-    for epoch in run.epochs():
+    for epoch in epochs_left(step, steps_per_epoch, total_steps):
         train_loader.sampler.set_epoch(epoch)
-        for batch in run.batches(train_loader):
+        for batch in batches_left(train_loader, step, total_steps):
             current_lr = scheduler.get_last_lr()[0]
             stats = amp_step(model, optimizer, scaler, batch, device, precision)
             scheduler.step()
             losses.append(stats.loss)
-            run.log_train(stats, lr=current_lr, items=len(batch[-1]))
-        run.log_eval(lambda weights: evaluate(weights, val_loader, nn.CrossEntropyLoss(), device=device,
-                                              precision=precision),
-                     score=lambda val: -val["loss"], note=f"{precision}  ")
-    summary = run.finish({"scale": scaler.get_scale()} if scaler.is_enabled() else {})
+            step += 1
+            log.train(step, stats, lr=current_lr, items=len(batch[-1]))
+            # mid-epoch checkpoints (an epoch's last step is saved after its evaluation)
+            if step % steps_per_epoch and (stop.requested or checkpoint_every and step % checkpoint_every == 0):
+                checkpoints.save(step)
+                if stop.requested:
+                    stop.exit(step, run.path)
+        val = evaluate(model, val_loader, nn.CrossEntropyLoss(), device=device, precision=precision)
+        log.eval(step, val=val, note=precision)
+        if best.improved(val["loss"], step):
+            checkpoints.save(step, "best.pt")
+        checkpoints.save(step)
+        if stop.requested:
+            stop.exit(step, run.path)
+    summary = log.finish(step, best.metrics() | ({"scale": scaler.get_scale()} if scaler.is_enabled() else {}))
     return summary | {"losses": torch.stack(losses).tolist() if losses else []}
 
 
@@ -203,18 +227,14 @@ def main(
     run_dir: cli.RunDir = None,
     resume: cli.Resume = None,
     checkpoint_every: cli.CheckpointEvery = None,
-    ema: cli.EMA = None,
-    keep_best: cli.KeepBest = 1,
-    patience: cli.Patience = None,
-    progress: cli.Progress = None,
+    log_every: cli.LogEvery = None,
 ):
     """Train a matmul-bound MLP with autocast (fp32, bf16, fp16), or compare all three."""
-    options = dict(locals())
+    options = {name: value for name, value in locals().items() if name != "compare_precisions"}
     if compare_precisions:
         if resume is not None:
             raise typer.BadParameter("--compare always starts fresh runs", param_hint="--resume")
-        run_dir, _ = prepare_run_dir(RECIPE, run_dir, None)
-        compare(options, run_dir, max_slowdown)
+        compare(options, open_run_dir(RECIPE, run_dir, None).path, max_slowdown)
         return
     train(**options)
 

@@ -31,11 +31,15 @@ from torchvision.io import ImageReadMode, decode_image, read_file
 from torchvision.utils import make_grid
 
 from common import cli
-from common.checkpoint import load_checkpoint, load_model_state
+from common.best import BestScore
+from common.checkpoint import Checkpointer, load_checkpoint, load_model_state, resume_checkpoint
 from common.data import MNIST_MEAN, MNIST_STD, load_mnist, make_loader
-from common.loop import evaluate, train_step
-from common.runtime import make_grad_scaler, resolve_device, seed_everything
-from common.tracking import Run
+from common.ema import EMA
+from common.loop import batches_left, epochs_left, evaluate, train_step
+from common.rundir import already_finished, open_run_dir
+from common.runlog import RunLog, log_interval
+from common.runtime import resolve_device, seed_everything
+from common.stop import StopRequest
 
 RECIPE = "mnist_onecycle"
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg")
@@ -269,16 +273,18 @@ def main(
     run_dir: cli.RunDir = None,
     resume: cli.Resume = None,
     checkpoint_every: cli.CheckpointEvery = None,
-    ema: cli.EMA = None,
-    keep_best: cli.KeepBest = 1,
-    patience: cli.Patience = None,
-    progress: cli.Progress = None,
+    log_every: cli.LogEvery = None,
+    ema_decay: cli.EMADecay = None,
 ):
     """Train a small CNN on MNIST with the one-cycle learning-rate schedule, or predict digits in images."""
     if predict or more_images:
         predict_command(predict or [], more_images or [], resume, device)
         return
-    run = Run(RECIPE, locals(), may_change={"finetune"})  # the run directory, and the checkpoint to resume from
+    config = cli.as_config(locals())  # every option: config.json, and what a resume must match
+    run = open_run_dir(RECIPE, run_dir, resume)  # never over another run's checkpoints; one run at a time in it
+    checkpoint = resume_checkpoint(run, RECIPE, config, may_change={"finetune"})
+    if already_finished(run, checkpoint, epochs=epochs, max_steps=max_steps):
+        return
     seed_everything(seed)
     device = resolve_device(device)
 
@@ -289,7 +295,7 @@ def main(
 
     # channels_last (NHWC) is the layout oneDNN and cuDNN convolutions run fastest in
     model = DigitNet(width).to(device, memory_format=torch.channels_last)
-    if finetune and not run.resuming:
+    if finetune and not checkpoint:
         load_backbone(model, finetune)
     # Two parameter groups, so that fine-tuning can move the pretrained backbone gently (a small rate) while
     # the new head learns fast. Trained from scratch, both get --max-lr.
@@ -305,37 +311,63 @@ def main(
         optimizer, max_lr=[backbone_lr, max_lr], total_steps=epochs * len(train_loader),
         cycle_momentum=momentum > 0, base_momentum=min(0.85, momentum), max_momentum=momentum,
     )
-    scaler = make_grad_scaler(device, precision)
+    scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
     loss_fn = nn.CrossEntropyLoss(label_smoothing=label_smoothing)
     eval_loss_fn = nn.CrossEntropyLoss()  # report the plain loss, comparable across smoothing settings
+    # --ema: an average of the weights, evaluated beside them; its score then chooses best.pt
+    ema = EMA(model, ema_decay) if ema_decay else None
     if compile:
         model = torch.compile(model)
-    run.start(model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, loader=train_loader,
-              epochs=epochs)
-    run.print(f"{len(train_set)} train / {len(val_set)} validation / {len(test_set)} test digits")
+
+    steps_per_epoch = len(train_loader)
+    total_steps = min(epochs * steps_per_epoch, max_steps or math.inf)
+    log = RunLog(run, RECIPE, total_steps=total_steps, every=log_interval(steps_per_epoch, log_every),
+                 steps_per_epoch=steps_per_epoch)
+    best = BestScore("ema_val_acc" if ema else "val_acc")
+    checkpoints = Checkpointer(run, RECIPE, config, model=model, optimizer=optimizer, scheduler=scheduler,
+                               scaler=scaler, loader_generator=train_loader.generator, steps_per_epoch=steps_per_epoch,
+                               parts={"log": log, "best": best} | ({"ema": ema} if ema else {}))
+    step = checkpoints.restore(checkpoint) if checkpoint else 0
+    log.start(step, config, device)
+    log.print(f"{len(train_set)} train / {len(val_set)} validation / {len(test_set)} test digits")
     if finetune:
-        run.print(f"fine-tuning from {finetune}: backbone peak lr {backbone_lr:g}, head peak lr {max_lr:g}")
+        log.print(f"fine-tuning from {finetune}: backbone peak lr {backbone_lr:g}, head peak lr {max_lr:g}")
+    stop = StopRequest()  # Ctrl-C and SIGTERM: save and exit at the end of the step
 
-    def validate(weights: nn.Module) -> dict[str, float]:
-        return evaluate(weights, val_loader, eval_loss_fn, device=device, precision=precision)
-
-    for epoch in run.epochs():
+    for epoch in epochs_left(step, steps_per_epoch, total_steps):
         train_loader.sampler.set_epoch(epoch)  # a new shuffle every epoch
-        for images, labels in run.batches(train_loader):
+        for images, labels in batches_left(train_loader, step, total_steps):
             current_lr = scheduler.get_last_lr()[-1]  # the head's rate for this step (train_step then advances it)
             if augment:
-                images = augment_digits(images, augment_generator(seed, run.step))
+                images = augment_digits(images, augment_generator(seed, step))
             stats = train_step(model, optimizer, loss_fn, [(images, labels)], device=device,
                                precision=precision, scaler=scaler, scheduler=scheduler)
-            run.log_train(stats, lr=current_lr, items=len(labels))
-        if run.writer and (grid := misclassified_grid(model, val_set, device)) is not None:
-            run.writer.add_image("val/misclassified", grid, run.step)
-        run.log_eval(validate, score=lambda val: val["acc"])  # best.pt: the best validation accuracy
+            if ema:
+                ema.update()
+            step += 1
+            log.train(step, stats, lr=current_lr, items=len(labels))
+            # mid-epoch checkpoints (an epoch's last step is saved after its evaluation)
+            if step % steps_per_epoch and (stop.requested or checkpoint_every and step % checkpoint_every == 0):
+                checkpoints.save(step)
+                if stop.requested:
+                    stop.exit(step, run.path)
+        val = evaluate(model, val_loader, eval_loss_fn, device=device, precision=precision)
+        ema_val = evaluate(ema.module, val_loader, eval_loss_fn, device=device, precision=precision) if ema else None
+        log.eval(step, val=val, **({"ema_val": ema_val} if ema else {}))
+        if log.writer and (grid := misclassified_grid(model, val_set, device)) is not None:
+            log.writer.add_image("val/misclassified", grid, step)
+        if best.improved((ema_val or val)["acc"], step):  # best.pt: the best validation accuracy
+            checkpoints.save(step, "best.pt", weights=ema.module if ema else None)
+        checkpoints.save(step)
+        if stop.requested:
+            stop.exit(step, run.path)
 
-    if not run.finished:  # the test set, once, at the end (a relaunch of a finished run has nothing to add)
-        test = evaluate(model, make_loader(test_set, 1000, train=False, device=device), eval_loss_fn, device=device,
-                        precision=precision)
-        run.finish({"test_loss": test["loss"], "test_acc": test["acc"]})
+    # The test set, once, with the weights that best.pt holds: the model a user deploys is the one scored.
+    best_path = run.path / "checkpoints" / "best.pt"
+    load_model_state(model, load_checkpoint(best_path, RECIPE)["model"], best_path)
+    test = evaluate(model, make_loader(test_set, 1000, train=False, device=device), eval_loss_fn, device=device,
+                    precision=precision)
+    log.finish(step, best.metrics() | {"test_loss": test["loss"], "test_acc": test["acc"]})
 
 
 if __name__ == "__main__":

@@ -33,11 +33,14 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from common import cli
-from common.checkpoint import load_checkpoint, load_model_state
+from common.best import BestCheckpoints, BestScore, EarlyStopping
+from common.checkpoint import Checkpointer, load_checkpoint, load_model_state, resume_checkpoint
 from common.data import built_batch, download, make_loader
-from common.loop import StepStats, evaluate, to_device, train_step
-from common.runtime import make_grad_scaler, resolve_device, seed_everything
-from common.tracking import Run
+from common.loop import StepStats, batches_left, epochs_left, evaluate, to_device, train_step
+from common.rundir import already_finished, open_run_dir
+from common.runlog import RunLog, log_interval
+from common.runtime import resolve_device, seed_everything
+from common.stop import StopRequest
 
 RECIPE = "tabular_mlp"
 # A missing value, however spelled: compared stripped and lower-cased. In a numeric column inf and -inf count too.
@@ -413,10 +416,9 @@ def main(
     run_dir: cli.RunDir = None,
     resume: cli.Resume = None,
     checkpoint_every: cli.CheckpointEvery = None,
-    ema: cli.EMA = None,
+    log_every: cli.LogEvery = None,
     keep_best: cli.KeepBest = 1,
     patience: cli.Patience = None,
-    progress: cli.Progress = None,
 ):
     """Train an MLP on a CSV table (default: UCI Adult census income), or predict with a trained one."""
     if predict_csv is not None:
@@ -435,7 +437,12 @@ def main(
             raise typer.BadParameter("lbfgs trains on the whole table at once; leave --batch-size out",
                                      param_hint="--batch-size")
     lr = lr or DEFAULT_LR[optimizer_name]
-    run = Run(RECIPE, locals(), may_change={"predict_csv", "output"})
+    target = target or (None if csv_path else "income")  # Adult's
+    config = cli.as_config(locals())  # every option as resolved: config.json, and what a resume must match
+    run = open_run_dir(RECIPE, run_dir, resume)  # never over another run's checkpoints; one run at a time in it
+    checkpoint = resume_checkpoint(run, RECIPE, config, may_change={"predict_csv", "output", "keep_best", "patience"})
+    if already_finished(run, checkpoint, epochs=epochs, max_steps=max_steps):
+        return
     seed_everything(seed)
     device = resolve_device(device)
 
@@ -446,7 +453,6 @@ def main(
         table, test_table = read_table(csv_path), None
     else:
         table, test_table = load_adult(data_dir)
-        target = target or "income"
     if target not in table.column_names:
         raise cli.RecipeError(f"target column {target!r} is not in the table (columns: "
                               f"{', '.join(table.column_names)})")
@@ -455,15 +461,15 @@ def main(
     if table.num_rows - n_val < 2:
         raise cli.RecipeError(f"{table.num_rows} rows are too few to split off {val_frac:.0%} for validation")
     train_rows, val_rows = order[n_val:], order[:n_val]
-    spec = run.checkpoint["features"] if run.resuming else fit_features(table.take(train_rows), target, task)
+    spec = checkpoint["features"] if checkpoint else fit_features(table.take(train_rows), target, task)
     classification = spec["task"] == "classification"
     arrays = encode(spec, table)  # every row at once, then split: the statistics are the training split's
     train_set = TabularDataset(*(a.take(train_rows, axis=0) for a in arrays))  # take: 4x faster than a[rows]
     val_set = TabularDataset(*(a.take(val_rows, axis=0) for a in arrays))
     del table, arrays  # the text columns are no longer needed
-    batch_size = len(train_set) if optimizer_name == "lbfgs" else batch_size or min(256, len(train_set))
-    run.config |= {"target": target, "batch_size": batch_size}  # as resolved
-    train_loader = make_loader(train_set, batch_size, train=True, seed=seed, num_workers=num_workers, device=device,
+    # lbfgs: the whole training split in one batch; otherwise --batch-size (or all rows of a table of fewer)
+    full_batch = len(train_set) if optimizer_name == "lbfgs" else min(batch_size or 256, len(train_set))
+    train_loader = make_loader(train_set, full_batch, train=True, seed=seed, num_workers=num_workers, device=device,
                                collate_fn=built_batch)
     val_loader = make_loader(val_set, 1024, train=False, num_workers=num_workers, device=device, collate_fn=built_batch)
 
@@ -475,15 +481,27 @@ def main(
     # two coincide (MultiStepLR would then apply both drops at once) or fall on epoch 0 (a drop before training).
     milestones = sorted({m for m in (epochs // 2, epochs * 3 // 4) if m > 0})
     scheduler = torch.optim.lr_scheduler.MultiStepLR(optimizer, milestones, gamma=0.1)
-    scaler = make_grad_scaler(device, precision)
+    scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
     # a -1 target (a class unseen in training) is skipped, not trained on
     loss_fn = nn.CrossEntropyLoss(ignore_index=-1) if classification else nn.MSELoss()
     step_fn = lbfgs_step if optimizer_name == "lbfgs" else train_step
-    run.start(model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, loader=train_loader,
-              epochs=epochs, extra={"features": spec})
+
+    steps_per_epoch = len(train_loader)
+    total_steps = min(epochs * steps_per_epoch, max_steps or math.inf)
+    log = RunLog(run, RECIPE, total_steps=total_steps, every=log_interval(steps_per_epoch, log_every),
+                 steps_per_epoch=steps_per_epoch)
+    best = BestScore("val_acc") if classification else BestScore("val_rmse", higher_is_better=False)
+    kept, early_stop = BestCheckpoints(keep_best, best), EarlyStopping(patience or math.inf)  # --keep-best, --patience
+    checkpoints = Checkpointer(run, RECIPE, config, model=model, optimizer=optimizer, scheduler=scheduler,
+                               scaler=scaler, loader_generator=train_loader.generator, steps_per_epoch=steps_per_epoch,
+                               parts={"log": log, "best": best, "kept": kept, "patience": early_stop},
+                               data={"features": spec})
+    step = checkpoints.restore(checkpoint) if checkpoint else 0
+    log.start(step, config, device)
     kind = f"{len(spec['classes'])} classes" if classification else "regression"
-    run.print(f"{len(train_set)} train / {len(val_set)} val rows | {len(spec['numeric'])} numeric + "
+    log.print(f"{len(train_set)} train / {len(val_set)} val rows | {len(spec['numeric'])} numeric + "
               f"{len(spec['categorical'])} categorical columns | {kind}")
+    stop = StopRequest()  # Ctrl-C and SIGTERM: save and exit at the end of the step
 
     def validate(weights: nn.Module, loader=val_loader) -> dict[str, float]:
         metrics = evaluate(weights, loader, loss_fn, device=device, precision=precision, accuracy=classification)
@@ -491,22 +509,49 @@ def main(
             metrics["rmse"] = math.sqrt(metrics["loss"]) * spec["target_std"]
         return metrics
 
-    for epoch in run.epochs():
+    stopped_early = False
+    for epoch in epochs_left(step, steps_per_epoch, total_steps):
         train_loader.sampler.set_epoch(epoch)
-        for batch in run.batches(train_loader):
+        for batch in batches_left(train_loader, step, total_steps):
             current_lr = scheduler.get_last_lr()[0]
             stats = step_fn(model, optimizer, loss_fn, [batch], device=device, precision=precision, scaler=scaler,
                             max_grad_norm=max_grad_norm)
-            run.log_train(stats, lr=current_lr, items=len(batch[-1]))
-            if run.step % run.steps_per_epoch == 0:
+            step += 1
+            log.train(step, stats, lr=current_lr, items=len(batch[-1]))
+            if step % steps_per_epoch == 0:
                 scheduler.step()  # a per-epoch schedule: once, after the epoch's last optimizer step
-        run.log_eval(validate, score=lambda val: val["acc"] if classification else -val["rmse"])
+            # mid-epoch checkpoints (an epoch's last step is saved after its evaluation)
+            elif stop.requested or checkpoint_every and step % checkpoint_every == 0:
+                checkpoints.save(step)
+                if stop.requested:
+                    stop.exit(step, run.path)
+        val = validate(model)
+        log.eval(step, val=val)
+        score = val["acc"] if classification else val["rmse"]
+        improved = best.improved(score, step)
+        if improved:
+            checkpoints.save(step, "best.pt")
+        keep, dropped = kept.update(score, step)
+        if keep_best > 1 and keep:  # --keep-best K: the K best as best-stepN.pt too
+            checkpoints.save(step, f"best-step{step}.pt")
+        for old in dropped if keep_best > 1 else []:
+            (run.path / "checkpoints" / f"best-step{old}.pt").unlink(missing_ok=True)
+        stopped_early = early_stop.exhausted(improved) and step < total_steps
+        checkpoints.save(step)
+        if stop.requested:
+            stop.exit(step, run.path)
+        if stopped_early:
+            log.print(f"stopping early: no better score in {patience} evaluations (the best: step {best.step})")
+            break
 
+    # The test set, once, with the weights that best.pt holds: the model a user deploys is the one scored.
     test = {}
-    if test_table is not None and not run.finished:  # Adult's official test file, scored once at the end
+    if test_table is not None:  # Adult's official test file
+        best_path = run.path / "checkpoints" / "best.pt"
+        load_model_state(model, load_checkpoint(best_path, RECIPE)["model"], best_path)
         test_set = TabularDataset(*encode(spec, test_table))
         test = validate(model, make_loader(test_set, 1024, train=False, collate_fn=built_batch))
-    run.finish({f"test_{k}": v for k, v in test.items()})
+    log.finish(step, best.metrics() | {"stopped_early": stopped_early} | {f"test_{k}": v for k, v in test.items()})
 
 
 if __name__ == "__main__":

@@ -34,6 +34,7 @@ import sysconfig
 import zlib
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -52,12 +53,24 @@ from torch.utils.checkpoint import checkpoint
 from torch.utils.data import IterableDataset, get_worker_info
 
 from common import cli
-from common.checkpoint import load_model_state
+from common.best import BestScore
+from common.checkpoint import Checkpointer, load_model_state, resume_checkpoint
 from common.data import make_loader
 from common.loop import StepStats, evaluate
-from common.runtime import AUTOCAST_DTYPES, autocast, device_peak_flops, resolve_device, seed_everything, unwrap
-from common.sharded import ShardedRun, load_sharded, load_trainer_state
-from common.tracking import Run
+from common.resources import format_account, memory_account, reset_peak_memory, with_peaks
+from common.rundir import already_finished, last_file, open_run_dir
+from common.runlog import RunLog, log_interval
+from common.runtime import (
+    PRECISION_DTYPES,
+    autocast,
+    device_peak_flops,
+    from_rank_0,
+    resolve_device,
+    seed_everything,
+    unwrap,
+)
+from common.sharded import ShardedCheckpointer, last_sharded, load_sharded, load_trainer_state
+from common.stop import StopRequest
 
 RECIPE = "tiny_transformer"
 
@@ -359,8 +372,9 @@ def sample_text(model: GPT, vocab: str | None, prompt: str, tokens: int, tempera
 
 def init_distributed(device: torch.device) -> tuple[int, int, torch.device]:
     """Join the process group torchrun describes in the environment: (rank, world size, device). With plain
-    ``python`` there is none: rank 0 of 1. CUDA uses nccl (GPU to GPU), the CPU gloo."""
-    if "RANK" not in os.environ or int(os.environ["WORLD_SIZE"]) == 1:
+    ``python`` there is none: rank 0 of 1. Under torchrun there is one even of a single process, so that its DDP and
+    FSDP run for real (and are checked so on a one-GPU machine). CUDA uses nccl (GPU to GPU), the CPU gloo."""
+    if "RANK" not in os.environ:
         return 0, 1, device
     rank, local_rank, world_size = (int(os.environ[k]) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
     if device.type == "cuda":
@@ -401,6 +415,16 @@ def mean_over_ranks(metrics: dict[str, float], device: torch.device) -> dict[str
     values = torch.tensor(list(metrics.values()), dtype=torch.float64, device=device)
     dist.all_reduce(values)
     return dict(zip(metrics, (values / dist.get_world_size()).tolist(), strict=True))
+
+
+def stop_agreed(stop: StopRequest, device: torch.device) -> bool:
+    """Whether any rank was asked to stop (Ctrl-C, SIGTERM): every rank must stop, and save, at the same step,
+    so they agree on it with one all-reduce (a MAX of the flags)."""
+    if not dist.is_initialized():
+        return stop.requested
+    flag = torch.tensor([float(stop.requested)], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
 
 
 def leave_process_group() -> None:
@@ -461,10 +485,7 @@ def main(
     run_dir: cli.RunDir = None,
     resume: cli.Resume = None,
     checkpoint_every: cli.CheckpointEvery = None,
-    ema: cli.EMA = None,
-    keep_best: cli.KeepBest = 1,
-    patience: cli.Patience = None,
-    progress: cli.Progress = None,
+    log_every: cli.LogEvery = None,
     parallel: Annotated[Literal["auto", "none", "ddp", "fsdp"], typer.Option(
         help="Under torchrun: ddp replicates the model, fsdp shards it (FSDP2, sharded DCP checkpoints); auto "
         "is ddp there and none in one process. Without torchrun every choice trains one process.")] = "auto",
@@ -480,12 +501,6 @@ def main(
     options = dict(locals())  # the run's config, as given (with the batch sizes filled in below)
     if n_embd % n_head:
         raise typer.BadParameter(f"{n_embd} is not divisible by --n-head {n_head}", param_hint="--n-embd")
-    if parallel == "fsdp" and ema:
-        raise typer.BadParameter("an average of sharded weights is not kept: leave --ema out with --parallel fsdp",
-                                 param_hint="--ema")
-    if parallel == "fsdp" and keep_best > 1:
-        raise typer.BadParameter("sharded runs keep one best checkpoint (best.pt): leave --keep-best out with "
-                                 "--parallel fsdp", param_hint="--keep-best")
     if parallel == "fsdp" and precision == "fp16":
         raise typer.BadParameter("fp16 needs a GradScaler of sharded gradients: use bf16 with --parallel fsdp",
                                  param_hint="--precision")
@@ -504,7 +519,7 @@ def main(
         return
     rank, world_size, device = init_distributed(resolve_device(device))
     if parallel == "auto":
-        parallel = "ddp" if world_size > 1 else "none"
+        parallel = "ddp" if dist.is_initialized() else "none"
     if parallel == "none" and world_size > 1:
         raise cli.RecipeError(f"--parallel none trains one process, but torchrun started {world_size}: use "
                               "--parallel ddp or fsdp, or plain python")
@@ -518,21 +533,30 @@ def main(
     global_batch = batch_size * world_size * grad_accum
     # The parallelism may change on a resume (DDP at 2 to one process, FSDP at 4 to FSDP at 2), the checkpoint
     # format may not: sharded (FSDP, common/sharded.py) or the single file last.pt (one process, DDP).
+    sharded = parallel == "fsdp"
     options.update(batch_size=batch_size, global_batch=global_batch, parallel=parallel,
-                   checkpoints="sharded" if parallel == "fsdp" else "single file")
-    cli.OPTION_NAMES["checkpoints"] = "checkpoints (sharded with --parallel fsdp)"  # for a resume's refusal
-    run = (ShardedRun if parallel == "fsdp" else Run)(
-        RECIPE, options, unit="tokens", may_change={"eval_batches", "sample_tokens", "temperature", "top_k", "prompt",
-                                                    "peak_flops", "batch_size", "grad_accum", "parallel",
-                                                    "activation_checkpointing"})
+                   checkpoint_format="sharded (--parallel fsdp)" if sharded else "single file")
+    config = cli.as_config(options)  # every option as resolved: config.json, and what a resume must match
+    last_checkpoint = last_sharded if sharded else last_file  # what --resume auto continues from
+    # Rank 0 names, checks and locks the run directory (every rank must use that one) and finds the checkpoint;
+    # every rank then reads the same checkpoint. Only rank 0 writes files, but under FSDP every rank its shards.
+    run = from_rank_0(lambda: open_run_dir(RECIPE, run_dir, resume,
+                                           partial(last_sharded, warn=True) if sharded else last_file))
+    checkpoint = resume_checkpoint(run, RECIPE, config, load=load_trainer_state, may_change={
+        "eval_batches", "sample_tokens", "temperature", "top_k", "prompt", "peak_flops", "batch_size", "grad_accum",
+        "parallel", "activation_checkpointing"})
+    if already_finished(run, checkpoint, steps=steps, max_steps=max_steps):
+        if dist.is_initialized():
+            leave_process_group()
+        return
     # The same seed on every rank: every rank builds the same initial weights (FSDP shards them as they are,
     # DDP checks they agree), and draws the same validation batches.
     seed_everything(seed)
 
     # Data: the last 10% of the corpus is the validation split
     corpus = read_text(text) if text else stdlib_corpus()
-    if run.resuming:
-        vocab = run.checkpoint["vocab"]
+    if checkpoint:
+        vocab = checkpoint["vocab"]
     else:
         vocab = None if vocab_kind == "bytes" else "".join(sorted(set(corpus.decode("utf-8"))))
     tokens = encode(corpus, vocab)
@@ -554,15 +578,16 @@ def main(
     model = GPT(model_config).to(device)
     model.checkpoint_blocks = activation_checkpointing
     flops_per_token = model.flops_per_token()
-    if parallel == "ddp" and world_size > 1:
+    if parallel == "ddp" and dist.is_initialized():
         # DDP: every rank keeps the whole model; gradients are averaged (all-reduced) during the backward pass
         model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
-    elif parallel == "fsdp":
+    elif sharded and dist.is_initialized():
         # Sharded across the ranks; in one process (plain python) there is nothing to shard, and the model stays
         # as it is while its checkpoints stay sharded: a sharded run can be resumed or sampled on one machine.
-        model = shard_model(model, device, world_size, precision) if world_size > 1 else model
+        model = shard_model(model, device, world_size, precision)
     if compile:
         model = torch.compile(model)
+    ddp = getattr(model, "_orig_mod", model)  # the DDP module, also inside torch.compile's wrapper
     # fused: one kernel for the whole update instead of a dozen per tensor (about 5x faster on a CPU)
     optimizer = torch.optim.AdamW(parameter_groups(model, weight_decay), lr=lr, betas=(beta1, beta2),
                                   fused=device.type in ("cuda", "cpu"))
@@ -570,70 +595,107 @@ def main(
     scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")  # fp16 only, as in mixed_precision
     # MFU's yardstick: the device's peak for this precision (a datasheet figure for known GPUs, else measured)
     peak_flops, peak_source = (peak_flops, "--peak-flops") if peak_flops else \
-        device_peak_flops(device, AUTOCAST_DTYPES.get(precision, torch.float32))
-    run.start(model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, steps=steps,
-              eval_every=eval_every, extra={"vocab": vocab, "model_config": asdict(model_config)})
+        device_peak_flops(device, PRECISION_DTYPES[precision])
+
+    total_steps = min(steps, max_steps or steps)
+    every = log_interval(eval_every, log_every)  # also how often the ranks agree on a stop
+    log = RunLog(run, RECIPE, total_steps=total_steps, every=every, unit="tokens", last_checkpoint=last_checkpoint,
+                 write=rank == 0)
+    best = BestScore("val_loss", higher_is_better=False)
+    state = dict(model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, parts={"log": log, "best": best},
+                 data={"vocab": vocab, "model_config": asdict(model_config)})
+    checkpoints = ShardedCheckpointer(run, RECIPE, config, best=best, **state) if sharded else \
+        Checkpointer(run, RECIPE, config, **state)
+    step = checkpoints.restore(checkpoint) if checkpoint else 0
+
+    def save(name: str = "last.pt") -> None:
+        # FSDP: every rank writes its shards; otherwise rank 0 writes the file while the others wait for it
+        return checkpoints.save(step, name) if sharded else from_rank_0(lambda: checkpoints.save(step, name))
+
     # Batch i of the stream is step i's global batch, of which this rank takes its rows: the stream's position
     # follows from the step, so a resumed run draws the batches it had not reached, at any world size.
-    train_stream = RandomWindows(train_tokens, block_size, global_batch, seed, start=run.step, rows=rows)
+    train_stream = RandomWindows(train_tokens, block_size, global_batch, seed, start=step, rows=rows)
     batches = iter(make_loader(train_stream, None, train=True, seed=seed, num_workers=num_workers, device=device))
-    run.print(f"{len(train_tokens):,} train / {len(val_tokens):,} val tokens | vocab {model_config.vocab_size} | "
+    log.start(step, config, device, world_size)
+    log.print(f"{len(train_tokens):,} train / {len(val_tokens):,} val tokens | vocab {model_config.vocab_size} | "
               f"{sum(p.numel() for p in model.parameters()):,} parameters | peak {peak_flops / 1e9:,.0f} GFLOP/s "
               f"({peak_source}) | parallel {parallel} | global batch {global_batch} ({world_size} x {batch_size} x "
               f"{grad_accum})")
-
+    stop = StopRequest()  # Ctrl-C and SIGTERM: save and exit at the end of the step
+    reset_peak_memory(device)  # the peak of training, not of setting up
+    memory = {}
     unit = "byte" if vocab is None else "char"
 
     def validate(weights: nn.Module) -> dict[str, float]:
         val = mean_over_ranks(evaluate(weights, val_batches, lm_loss, device=device, precision=precision), device)
         return val | {f"bits_per_{unit}": val["loss"] / math.log(2)}
 
-    for _ in run.epochs():  # rounds of --eval-every steps, each ending in an evaluation
-        for _ in run.steps():
-            current_lr = scheduler.get_last_lr()[0]
-            # Gradient accumulation: grad_accum micro-batches, each loss divided by their number, add up to the
-            # gradient of one batch grad_accum times larger, in the memory of one micro-batch.
-            # Under DDP and FSDP each rank's mean loss is averaged across the ranks with the gradients, so the
-            # step's gradient is that of the mean over the whole global batch.
-            optimizer.zero_grad(set_to_none=True)  # here, not after the step: the memory account sees gradients
-            step_loss = torch.zeros((), device=device)
-            x, y = (t.to(device, non_blocking=True) for t in next(batches))  # this rank's rows of the step
-            for i, (x_micro, y_micro) in enumerate(zip(x.chunk(grad_accum), y.chunk(grad_accum), strict=True)):
-                # DDP all-reduces in every backward unless told not to: only the last micro-batch's needs to,
-                # the others just add up in .grad. (FSDP reduce-scatters every micro-batch, so gradients stay
-                # sharded in between: more messages, but 1/N of the gradient memory.)
-                last = i == grad_accum - 1
-                with model.no_sync() if isinstance(model, DistributedDataParallel) and not last else nullcontext():
-                    with autocast(device, precision):
-                        loss = lm_loss(model(x_micro), y_micro) / grad_accum
-                    scaler.scale(loss).backward()  # gradients add up in .grad until zero_grad
-                step_loss += loss.detach().float()
-            scaler.unscale_(optimizer)  # fp16: clip the true gradients, not the scaled ones
-            # With FSDP each rank holds shards of the gradients: clip_grad_norm_ on DTensors sums the squares
-            # over all ranks' shards, so the norm (and the clipping) is that of the whole gradient.
-            grad_norm = nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm or math.inf)
-            if isinstance(grad_norm, DTensor):
-                grad_norm = grad_norm.full_tensor()
-            scaler.step(optimizer)
-            scaler.update()
-            scheduler.step()
-            skipped = ~torch.isfinite(grad_norm) if scaler.is_enabled() else None
-            tokens = global_batch * block_size  # all ranks together
-            run.log_train(StepStats(step_loss, grad_norm, skipped), lr=current_lr, items=tokens)
+    while step < total_steps:
+        current_lr = scheduler.get_last_lr()[0]
+        # Gradient accumulation: grad_accum micro-batches, each loss divided by their number, add up to the
+        # gradient of one batch grad_accum times larger, in the memory of one micro-batch.
+        # Under DDP and FSDP each rank's mean loss is averaged across the ranks with the gradients, so the
+        # step's gradient is that of the mean over the whole global batch.
+        optimizer.zero_grad(set_to_none=True)  # here, not after the step: the memory account sees gradients
+        step_loss = torch.zeros((), device=device)
+        x, y = (t.to(device, non_blocking=True) for t in next(batches))  # this rank's rows of the step
+        for i, (x_micro, y_micro) in enumerate(zip(x.chunk(grad_accum), y.chunk(grad_accum), strict=True)):
+            # DDP all-reduces in every backward unless told not to: only the last micro-batch's needs to,
+            # the others just add up in .grad. (FSDP reduce-scatters every micro-batch, so gradients stay
+            # sharded in between: more messages, but 1/N of the gradient memory.)
+            last = i == grad_accum - 1
+            with ddp.no_sync() if isinstance(ddp, DistributedDataParallel) and not last else nullcontext():
+                with autocast(device, precision):
+                    loss = lm_loss(model(x_micro), y_micro) / grad_accum
+                scaler.scale(loss).backward()  # gradients add up in .grad until zero_grad
+            step_loss += loss.detach().float()
+        scaler.unscale_(optimizer)  # fp16: clip the true gradients, not the scaled ones
+        # With FSDP each rank holds shards of the gradients: clip_grad_norm_ on DTensors sums the squares
+        # over all ranks' shards, so the norm (and the clipping) is that of the whole gradient.
+        grad_norm = nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm or math.inf)
+        if isinstance(grad_norm, DTensor):
+            grad_norm = grad_norm.full_tensor()
+        scaler.step(optimizer)
+        scaler.update()
+        scheduler.step()
+        skipped = ~torch.isfinite(grad_norm) if scaler.is_enabled() else None
+        step += 1
+        log.train(step, StepStats(step_loss, grad_norm, skipped), lr=current_lr, items=global_batch * block_size)
+        if not memory:  # after the first step: weights, gradients and AdamW's moments all exist now
+            memory = memory_account(model, optimizer, device)
+            log.print(format_account(memory, type(optimizer).__name__))
 
-        mfu = flops_per_token * run.throughput / peak_flops
-        run.log_eval(validate, score=lambda val: -val["loss"], note=f"mfu {mfu:.1%}  ")
-        # Every rank samples (under FSDP each forward gathers the shards from all of them), the same tokens. Not
-        # with the KV cache there: FSDP's pre-forward hooks copy a module's arguments (casting them to bf16,
-        # moving them to the GPU), so the cache dicts the blocks fill in would be copies, not the caller's.
-        sample = sample_text(model, vocab, prompt, sample_tokens, temperature, top_k, seed, device,
-                             use_cache=not (parallel == "fsdp" and world_size > 1))
-        run.print(f"--- sample at step {run.step} ---\n{sample}\n---")
-        if run.writer:
-            run.writer.add_scalar("perf/mfu", mfu, run.step)
-            run.writer.add_text("sample", "    " + sample.replace("\n", "\n    "), run.step)  # indented: verbatim
-    run.finish({"mfu": flops_per_token * run.throughput / peak_flops, "world_size": world_size})
-    if world_size > 1:
+        if step % eval_every == 0 or step == total_steps:  # evaluate, sample, keep the best, save
+            # MFU: the model FLOPs of every rank's tokens over the peak of every rank's device
+            mfu = flops_per_token * log.throughput / (peak_flops * world_size)
+            val = validate(model)
+            log.eval(step, val=val, note=f"mfu {mfu:.1%}")
+            # Every rank samples (under FSDP each forward gathers the shards from all of them), the same tokens.
+            # Not with the KV cache there: FSDP's pre-forward hooks copy a module's arguments (casting them to
+            # bf16, moving them to the GPU), so the cache dicts the blocks fill in would be copies.
+            sample = sample_text(model, vocab, prompt, sample_tokens, temperature, top_k, seed, device,
+                                 use_cache=not (sharded and dist.is_initialized()))
+            log.print(f"--- sample at step {step} ---\n{sample}\n---")
+            if log.writer:
+                log.writer.add_scalar("perf/mfu", mfu, step)
+                log.writer.add_text("sample", "    " + sample.replace("\n", "\n    "), step)  # indented: verbatim
+            if best.improved(val["loss"], step):
+                save("best.pt")
+            save()
+            if stop_agreed(stop, device):
+                stop.exit(step, run.path)
+        elif step % every == 0 and stop_agreed(stop, device):  # between evaluations: on Ctrl-C or SIGTERM,
+            save()
+            stop.exit(step, run.path)
+        elif checkpoint_every and step % checkpoint_every == 0:  # or every --checkpoint-every steps
+            save()
+
+    if sharded:
+        checkpoints.finish()  # last.pt and best.pt as single files too, for one process (sampling, export)
+    mfu = flops_per_token * log.throughput / (peak_flops * world_size)
+    log.finish(step, best.metrics() | {"mfu": mfu, "world_size": world_size} | (
+        {"memory": with_peaks(memory, device)} if memory else {}))
+    if dist.is_initialized():
         leave_process_group()
 
 

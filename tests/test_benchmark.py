@@ -88,26 +88,26 @@ def test_an_absent_device_is_one_error_line():
 
 
 def test_only_item_1_imports_the_run_logger():
-    """common.tracking is imported by item 1's file alone (and by the recipes an item runs): the runner, the
+    """common.runlog is imported by item 1's file alone (and by the recipes an item runs): the runner, the
     shared helpers and every other item import without it."""
     code = ("import importlib, pathlib, sys; import benchmarks.run, benchmarks.char_lm, benchmarks.nanogpt; "
             "[importlib.import_module(f'benchmarks.items.{p.stem}') for p in pathlib.Path('benchmarks/items')"
             ".glob('*.py') if p.stem not in ('__init__', 'core_overhead')]; "
-            "print('common.tracking' in sys.modules)")
+            "print('common.runlog' in sys.modules)")
     result = run_subprocess([sys.executable, "-c", code], timeout=120)
     assert result.code == 0 and result.stdout.split() == ["False"], result.stderr[-3000:]
 
 
 def test_an_item_that_cannot_be_imported_fails_alone(tmp_path):
-    """Items are imported as they run: with common.tracking unimportable, item 1 fails and item 8 still runs."""
+    """Items are imported as they run: with common.runlog unimportable, item 1 fails and item 8 still runs."""
     out = tmp_path / "bench.json"
     args = ["--quick", "--only", "1,8", "--out", str(out), "--adult-csv", str(tmp_path / "absent.csv")]
-    code = ("import runpy, sys; sys.modules['common.tracking'] = None; "  # None: importing it raises
+    code = ("import runpy, sys; sys.modules['common.runlog'] = None; "  # None: importing it raises
             f"sys.argv = ['benchmarks/run.py', *{args!r}]; runpy.run_path('benchmarks/run.py', run_name='__main__')")
     result = run_subprocess([sys.executable, "-c", code], timeout=300)
     assert result.code == 1, result.stderr[-3000:]
     items = json.loads(out.read_text())["items"]
-    assert "common.tracking" in items["1"]["error"] and items["1"]["met"] is None
+    assert "common.runlog" in items["1"]["error"] and items["1"]["met"] is None
     assert "error" not in items["8"] and items["8"]["result"].startswith("skipped")
     assert result.stderr.strip().splitlines()[-1].startswith("error: 1 of 2 items failed: 1 (")
 

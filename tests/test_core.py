@@ -23,9 +23,10 @@ from common import checkpoint as ckpt
 from common.cli import RecipeError
 from common.data import download, make_loader
 from common.loop import StepStats, evaluate, train_step
-from common.rundir import StopRequest, prepare_run_dir
-from common.runtime import make_grad_scaler, resolve_device, unwrap
-from common.tracking import Run
+from common.rundir import RunFolder, open_run_dir
+from common.runlog import RunLog
+from common.runtime import resolve_device, unwrap
+from common.stop import StopRequest
 
 CPU = torch.device("cpu")
 
@@ -49,8 +50,7 @@ def test_autocast_on_cpu_trains(precision):
     model = tiny_model()
     before = [p.detach().clone() for p in model.parameters()]
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    scaler = make_grad_scaler(CPU, precision)
-    assert (scaler is not None) == (precision == "fp16")
+    scaler = torch.amp.GradScaler("cpu", enabled=precision == "fp16")
     x, y = tiny_data().tensors
     output_dtypes = []
     model[-1].register_forward_hook(lambda module, inputs, output: output_dtypes.append(output.dtype))
@@ -58,7 +58,7 @@ def test_autocast_on_cpu_trains(precision):
     assert output_dtypes == [{"bf16": torch.bfloat16, "fp16": torch.float16}[precision]]  # the matmuls ran in 16 bits
     assert math.isfinite(stats.loss.item())
     assert all(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
-    if scaler:  # the step went through the scaler: it counted one good step and reported the norm
+    if scaler.is_enabled():  # the step went through the scaler: it counted one good step and reported the norm
         assert scaler.state_dict()["_growth_tracker"] == 1
         assert not stats.skipped and math.isfinite(stats.grad_norm.item())
 
@@ -244,18 +244,20 @@ def test_checkpoint_round_trip_continues_bit_identically(tmp_path):
     setup = training_setup()
     run_steps(setup, 0, 11)  # stops mid-epoch (8 steps per epoch)
     model, optimizer, scheduler, scaler, loader = setup
-    path = tmp_path / "last.pt"
-    saved = ckpt.TrainingState("test", {"a": 1}, model, optimizer, scheduler, scaler, loader.generator, step=11)
-    ckpt.save_checkpoint(path, saved.state_dict())
+    path = tmp_path / "checkpoints" / "last.pt"
+    run = RunFolder(tmp_path, None)
+    saved = ckpt.Checkpointer(run, "test", {"a": 1}, model=model, optimizer=optimizer, scheduler=scheduler,
+                              scaler=scaler, loader_generator=loader.generator)
+    saved.save(11)
     run_steps(setup, 11, 17)
     uninterrupted = {k: v.clone() for k, v in model.state_dict().items()}
 
     torch.manual_seed(123)  # disturb the global RNG: the checkpoint must restore it
     fresh = training_setup()
     state = ckpt.load_checkpoint(path, "test")
-    restored = ckpt.TrainingState("test", {"a": 1}, *fresh[:4], fresh[4].generator)
-    restored.load_state_dict(state, path)
-    assert restored.step == 11 and state["config"] == {"a": 1}
+    restored = ckpt.Checkpointer(RunFolder(tmp_path, path), "test", {"a": 1}, model=fresh[0], optimizer=fresh[1],
+                                 scheduler=fresh[2], scaler=fresh[3], loader_generator=fresh[4].generator)
+    assert restored.restore(state) == 11 and state["config"] == {"a": 1}
     run_steps(fresh, 11, 17)
     assert_same_weights(uninterrupted, fresh[0].state_dict())
     assert fresh[2].get_last_lr() == scheduler.get_last_lr()
@@ -321,7 +323,10 @@ def test_checkpoint_of_another_recipe_is_refused(tmp_path):
 def test_saved_model_is_unwrapped(tmp_path):
     compiled = torch.compile(tiny_model(), backend="eager")
     assert unwrap(compiled) is compiled._orig_mod
-    state = ckpt.TrainingState("t", {}, compiled, torch.optim.SGD(compiled.parameters(), lr=1)).state_dict()
+    checkpoints = ckpt.Checkpointer(RunFolder(tmp_path, None), "t", {}, model=compiled,
+                                    optimizer=torch.optim.SGD(compiled.parameters(), lr=1))
+    checkpoints.save(1)
+    state = torch.load(tmp_path / "checkpoints" / "last.pt", weights_only=True)
     assert all(not k.startswith(("_orig_mod.", "module.")) for k in state["model"])
 
 
@@ -337,17 +342,28 @@ def test_run_dir_with_checkpoints_is_not_overwritten(tmp_path):
     run_dir = tmp_path / "run"
     ckpt.save_checkpoint(run_dir / "checkpoints" / "last.pt", {"model": {}, "recipe": "t"})
     with pytest.raises(RecipeError, match="already holds checkpoints"):
-        prepare_run_dir("t", run_dir, None)
-    assert prepare_run_dir("t", run_dir, "auto") == (run_dir, run_dir / "checkpoints" / "last.pt")
-    assert prepare_run_dir("t", tmp_path / "new", "auto") == (tmp_path / "new", None)
+        open_run_dir("t", run_dir, None)
+    assert open_run_dir("t", run_dir, "auto") == RunFolder(run_dir, run_dir / "checkpoints" / "last.pt")
+    assert open_run_dir("t", tmp_path / "new", "auto") == RunFolder(tmp_path / "new", None)
 
 
-def started_run(run_dir: Path, steps: int, log_every: int = 10, **options) -> Run:
-    """A Run over a tiny model, started for ``steps`` steps (evaluated at the end only)."""
-    model = tiny_model()
-    run = Run("t", {"run_dir": run_dir, "progress": False, **options}, log_every=log_every)
-    run.start(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), steps=steps)
-    return run
+class Logged:
+    """A RunLog and a Checkpointer over a tiny model, started for ``steps`` steps (evaluated at the end only)."""
+
+    def __init__(self, run_dir: Path, steps: int, every: int = 10):
+        self.model = tiny_model()
+        run_dir.mkdir(parents=True, exist_ok=True)
+        run = RunFolder(run_dir, None)
+        self.log = RunLog(run, "t", total_steps=steps, every=every)
+        self.checkpoints = ckpt.Checkpointer(run, "t", {}, model=self.model,
+                                             optimizer=torch.optim.SGD(self.model.parameters(), lr=0.1),
+                                             parts={"log": self.log})
+        self.log.start(0, {}, CPU)
+        self.step = 0
+
+    def train(self, stats: StepStats, lr: float = 0.1, items: int = 1) -> None:
+        self.step += 1
+        self.log.train(self.step, stats, lr=lr, items=items)
 
 
 def stats(loss: float, grad_norm: float | None = None, skipped: bool | None = None) -> StepStats:
@@ -356,14 +372,15 @@ def stats(loss: float, grad_norm: float | None = None, skipped: bool | None = No
 
 
 def test_run_logs_scalars_and_stops_on_a_non_finite_loss(tmp_path):
-    run = started_run(tmp_path, steps=100, log_every=5)
+    run = Logged(tmp_path, steps=100, every=5)
     for step in range(1, 7):
-        run.log_train(stats(1.0 / step), lr=0.1 * step, items=4)
-    run.log_eval(lambda model: {"loss": 0.5, "acc": 0.75})  # also saves last.pt at step 6
-    run.log_train(stats(float("nan")), lr=0.7, items=4)
+        run.train(stats(1.0 / step), lr=0.1 * step, items=4)
+    run.log.eval(run.step, val={"loss": 0.5, "acc": 0.75})
+    run.checkpoints.save(run.step)  # last.pt at step 6
+    run.train(stats(float("nan")), lr=0.7, items=4)
     with pytest.raises(RecipeError, match=r"loss is nan at step 7; the last good checkpoint is .*last\.pt"):
-        run.flush()
-    run.close()
+        run.log.flush()
+    run.log.writer.close()
     scalars = read_scalars(tmp_path)
     assert [s for s, _ in scalars["train/loss"]] == [1, 2, 3, 4, 5, 6]
     assert scalars["train/lr"][2][1] == pytest.approx(0.3)
@@ -371,52 +388,63 @@ def test_run_logs_scalars_and_stops_on_a_non_finite_loss(tmp_path):
     assert torch.load(tmp_path / "checkpoints" / "last.pt", weights_only=True)["step"] == 6
 
 
+def test_a_checkpoint_reads_the_pending_losses_first_and_never_follows_a_nan(tmp_path):
+    run = Logged(tmp_path, steps=100)
+    run.train(stats(0.5))
+    run.checkpoints.save(run.step)
+    run.train(stats(float("nan")))  # still on the device: the save must read it back before writing
+    with pytest.raises(RecipeError, match=r"loss is nan at step 2"):
+        run.checkpoints.save(run.step)
+    assert torch.load(tmp_path / "checkpoints" / "last.pt", weights_only=True)["step"] == 1
+
+
 def test_fp16_skipped_steps_are_counted_not_fatal(tmp_path):
-    run = started_run(tmp_path, steps=2)
-    run.log_train(stats(float("inf"), float("inf"), True), lr=0.1, items=1)
-    run.log_train(stats(0.5, 1.0, False), lr=0.1, items=1)
-    summary = run.finish()
+    run = Logged(tmp_path, steps=2)
+    run.train(stats(float("inf"), float("inf"), True))
+    run.train(stats(0.5, 1.0, False))
+    summary = run.log.finish(run.step)
     assert summary["skipped_steps"] == 1 and summary["train_loss"] == 0.5
     assert Path(tmp_path / "metrics.json").is_file()
 
 
 def test_fp16_that_never_steps_stops_with_what_to_try(tmp_path):
-    run = started_run(tmp_path, steps=200)
+    run = Logged(tmp_path, steps=200)
     for _ in range(49):
-        run.log_train(stats(float("inf"), float("inf"), True), lr=0.1, items=1)
-    run.log_train(stats(0.5, 1.0, False), lr=0.1, items=1)  # one good step resets the count
+        run.train(stats(float("inf"), float("inf"), True))
+    run.train(stats(0.5, 1.0, False))  # one good step resets the count
     with pytest.raises(RecipeError, match=r"overflows fp16: the GradScaler skipped 50 steps in a row up to step 100; "
                                           r"try --precision bf16.*Try a lower --lr"):
         for _ in range(50):
-            run.log_train(stats(float("inf"), float("inf"), True), lr=0.1, items=1)
-        run.flush()
+            run.train(stats(float("inf"), float("inf"), True))
+        run.log.flush()
 
 
 def test_throughput_leaves_out_the_first_window(tmp_path, monkeypatch):
     clock = iter(range(1000))
     monkeypatch.setattr(time, "perf_counter", lambda: float(next(clock)))
-    run = started_run(tmp_path, steps=30, log_every=10)
+    run = Logged(tmp_path, steps=30, every=10)
     for step in range(1, 31):
         if step == 1:
             for _ in range(50):  # the first step is slow: start-up, compilation
                 time.perf_counter()
-        run.log_train(stats(1.0), lr=0.1, items=100)
-    assert run.first_window[0] == 1000 and run.first_window[1] > 50
-    steady = (run.items - run.first_window[0]) / (run.train_seconds - run.first_window[1])
-    assert run.throughput == pytest.approx(steady) and run.throughput > 1.5 * run.items / run.train_seconds
+        run.train(stats(1.0), items=100)
+    log = run.log
+    assert log.first_window[0] == 1000 and log.first_window[1] > 50
+    steady = (log.items - log.first_window[0]) / (log.seconds - log.first_window[1])
+    assert log.throughput == pytest.approx(steady) and log.throughput > 1.5 * log.items / log.seconds
 
 
 def test_spoiled_weights_are_never_saved(tmp_path):
     """A step can report a finite loss while its inf/nan gradients spoil the weights: no checkpoint of those."""
-    run = started_run(tmp_path, steps=10)
-    run.log_train(stats(0.5), lr=0.1, items=1)
-    run.save()
+    run = Logged(tmp_path, steps=10)
+    run.train(stats(0.5))
+    run.checkpoints.save(run.step)
     before = (tmp_path / "checkpoints" / "last.pt").read_bytes()
-    run.log_train(stats(0.4), lr=0.1, items=1)
+    run.train(stats(0.4))
     with torch.no_grad():
-        run.state.model[0].weight[0, 0] = float("nan")
+        run.model[0].weight[0, 0] = float("nan")
     with pytest.raises(RecipeError, match=r"the weights hold inf/nan after step 2 \(0\.weight\); the last good"):
-        run.save()
+        run.checkpoints.save(run.step)
     assert (tmp_path / "checkpoints" / "last.pt").read_bytes() == before
 
 
@@ -430,11 +458,11 @@ def test_a_full_disk_is_one_line_and_keeps_the_previous_checkpoint(tmp_path, mon
     disk = tmp_path / "small-disk"
     mounted = can_mount_tmpfs(disk)
     try:
-        run = started_run(disk / "run", steps=10)
-        run.log_train(stats(0.5), lr=0.1, items=1)
-        run.save()  # a few KB: fits
+        run = Logged(disk / "run", steps=10)
+        run.train(stats(0.5))
+        run.checkpoints.save(run.step)  # a few KB: fits
         before = (disk / "run" / "checkpoints" / "last.pt").read_bytes()
-        run.log_train(stats(0.4), lr=0.1, items=1)
+        run.train(stats(0.4))
         if mounted:  # a real full disk: fill what is left of it
             with open(disk / "filler", "wb", buffering=0) as filler, contextlib.suppress(OSError):
                 while True:
@@ -444,12 +472,12 @@ def test_a_full_disk_is_one_line_and_keeps_the_previous_checkpoint(tmp_path, mon
                 raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
             monkeypatch.setattr(torch, "save", no_space)
         with pytest.raises(RecipeError) as err:
-            run.save()
+            run.checkpoints.save(run.step)
         assert str(err.value) == (f"could not write checkpoint {disk / 'run' / 'checkpoints' / 'last.pt'}: No space "
                                   "left on device; the previous checkpoint (step 1) is intact")
         assert (disk / "run" / "checkpoints" / "last.pt").read_bytes() == before
         assert sorted(p.name for p in (disk / "run" / "checkpoints").iterdir()) == ["last.pt"]  # no temporary file
-        run.close()
+        run.log.writer.close()
     finally:
         if mounted:
             subprocess.run(["umount", str(disk)], check=True)
@@ -483,13 +511,12 @@ def test_download_checks_the_published_checksum(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize(("signum", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
-def test_first_signal_asks_for_a_stop_and_the_second_quits_at_once(signum, code):
-    said = []
+def test_first_signal_asks_for_a_stop_and_the_second_quits_at_once(signum, code, capsys):
     previous = signal.getsignal(signum)
-    stop = StopRequest(said.append)
+    stop = StopRequest()
     try:
         signal.raise_signal(signum)  # the handler runs now, in this thread
-        assert stop.requested and "saving a checkpoint after this step" in said[0]
+        assert stop.requested and "saving a checkpoint after this step" in capsys.readouterr().out
         with pytest.raises(SystemExit) as exit_:
             signal.raise_signal(signum)
         assert exit_.value.code == code

@@ -28,8 +28,7 @@ def checkpoints(tmp_path_factory, request) -> dict[str, Path]:
     for recipe in RECIPES:
         run_dir = tmp_path_factory.mktemp(f"trained_{recipe}")
         try:
-            run_recipe(load_recipe(recipe).main, [*smoke_args(recipe, request), "--run-dir", str(run_dir),
-                                                  "--no-progress"])
+            run_recipe(load_recipe(recipe).main, [*smoke_args(recipe, request), "--run-dir", str(run_dir)])
         except SystemExit as exit_:
             assert exit_.code in (0, None)
         paths[recipe] = run_dir / "checkpoints" / "last.pt"

@@ -1,10 +1,13 @@
-"""Long runs on shared machines: an EMA of the weights, the best k checkpoints, early stopping."""
+"""Long runs: an EMA of the weights (mnist_onecycle), the best k checkpoints and early stopping (tabular_mlp)."""
 
 import pytest
 import torch
 from conftest import assert_same_weights, read_metrics, read_scalars
+from torch import nn
 
-MNIST = ["--epochs", 3, "--batch-size", 32, "--width", 4, "--no-progress"]
+from common.ema import EMA
+
+MNIST = ["--epochs", 3, "--batch-size", 32, "--width", 4]
 
 
 def test_ema_is_evaluated_beside_the_weights_and_chooses_best(run_inprocess, mnist_dir, tmp_path):
@@ -18,16 +21,32 @@ def test_ema_is_evaluated_beside_the_weights_and_chooses_best(run_inprocess, mni
     assert [step for step, _ in scalars["ema_val/acc"]] == [14, 28, 42]
     best_step = max(scalars["ema_val/acc"], key=lambda s: (s[1], -s[0]))[0]  # the EMA's score chose it
     assert metrics["best_step"] == best_step
-    assert metrics["best_score"] == pytest.approx(max(v for _, v in scalars["ema_val/acc"]))  # (float32 there)
+    assert metrics["best_ema_val_acc"] == pytest.approx(max(v for _, v in scalars["ema_val/acc"]))  # (float32 there)
 
     last = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)
     best = torch.load(run_dir / "checkpoints" / "best.pt", weights_only=True)
-    averaged = {k.removeprefix("module."): v for k, v in last["ema"].items() if k.startswith("module.")}
-    assert last["ema"]["n_averaged"].item() == 42  # updated after every optimizer step
+    averaged = last["ema"]["module"]
+    assert last["ema"]["updates"] == 42  # updated after every optimizer step
     assert averaged.keys() == last["model"].keys()  # batch norm's running statistics averaged too
     assert not torch.equal(averaged["head.weight"], last["model"]["head.weight"])
     if best["step"] == 42:  # best.pt holds the averaged weights that scored
         assert_same_weights(best["model"], averaged)
+
+
+def test_the_average_warms_up_so_a_short_run_does_not_keep_its_untrained_start():
+    """A fixed decay of 0.99 would still hold 0.99^40 = 67% of the initial weights after 40 steps."""
+    model = nn.Linear(1, 1, bias=False)
+    with torch.no_grad():
+        model.weight.fill_(0.0)  # the untrained start
+    ema = EMA(model, decay=0.99)
+    with torch.no_grad():
+        model.weight.fill_(1.0)  # what training reached
+    ema.update()
+    assert ema.module.weight.item() == pytest.approx(1 - 2 / 11)  # decay (1 + 1) / (10 + 1) at the first update
+    for _ in range(39):
+        ema.update()
+    assert ema.module.weight.item() > 0.9  # less than a tenth of the start left after 40 updates
+    assert ema.module.weight.item() < 1.0 and not ema.module.weight.requires_grad
 
 
 def test_a_resumed_ema_continues_exactly(run_inprocess, mnist_dir, tmp_path):
@@ -38,55 +57,56 @@ def test_a_resumed_ema_continues_exactly(run_inprocess, mnist_dir, tmp_path):
     assert resumed.code == 0 and "resumed at step 17" in resumed.stdout
     full = torch.load(tmp_path / "full" / "checkpoints" / "last.pt", weights_only=True)
     cut = torch.load(tmp_path / "cut" / "checkpoints" / "last.pt", weights_only=True)
-    assert_same_weights(full["ema"], cut["ema"])  # the average, and how many steps it holds
+    assert_same_weights(full["ema"]["module"], cut["ema"]["module"])  # the average...
+    assert full["ema"]["updates"] == cut["ema"]["updates"] == 42  # ...and how many steps it holds
     assert_same_weights(full["model"], cut["model"])
 
 
-def test_keep_best_keeps_the_k_best_and_survives_a_resume(run_inprocess, mnist_dir, tmp_path, monkeypatch):
+def test_keep_best_keeps_the_k_best_and_survives_a_resume(run_inprocess, table_csv, tmp_path, monkeypatch):
     from conftest import load_recipe
 
-    # the accuracy each of six evaluations "measures"; the test set is scored at the end of each launch (0.2)
-    scores = iter([0.5, 0.9, 0.7, 0.2, 0.8, 0.6, 0.95, 0.2])
-    monkeypatch.setattr(load_recipe("mnist_onecycle"), "evaluate",
+    # the accuracy each of six evaluations "measures" (7 steps per epoch: 240 training rows at batch 32)
+    scores = iter([0.5, 0.9, 0.7, 0.8, 0.6, 0.95])
+    monkeypatch.setattr(load_recipe("tabular_mlp"), "evaluate",
                         lambda *args, **kwargs: {"loss": 1.0, "acc": next(scores, 0.1)})
     run_dir = tmp_path / "run"
-    common = ["--epochs", 6, "--batch-size", 32, "--width", 4, "--data-dir", mnist_dir, "--keep-best", 3,
-              "--run-dir", run_dir, "--resume", "auto", "--no-progress"]
-    assert run_inprocess("mnist_onecycle", *common, "--max-steps", 42).code == 0  # 3 epochs of 14 steps
+    common = ["--csv", table_csv, "--target", "label", "--epochs", 6, "--batch-size", 32, "--keep-best", 3,
+              "--run-dir", run_dir, "--resume", "auto"]
+    assert run_inprocess("tabular_mlp", *common, "--max-steps", 21).code == 0  # 3 epochs of 7 steps
     kept = sorted(p.name for p in (run_dir / "checkpoints").glob("best-step*.pt"))
-    assert kept == ["best-step14.pt", "best-step28.pt", "best-step42.pt"]  # 0.5, 0.9, 0.7: all three fit
-    assert run_inprocess("mnist_onecycle", *common).code == 0  # resumed: 0.8, 0.6, 0.95
+    assert kept == ["best-step14.pt", "best-step21.pt", "best-step7.pt"]  # 0.5, 0.9, 0.7: all three fit
+    assert run_inprocess("tabular_mlp", *common).code == 0  # resumed: 0.8, 0.6, 0.95
     kept = sorted(p.name for p in (run_dir / "checkpoints").glob("best-step*.pt"))
-    assert kept == ["best-step28.pt", "best-step56.pt", "best-step84.pt"]  # 0.9, 0.8, 0.95
-    assert torch.load(run_dir / "checkpoints" / "best.pt", weights_only=True)["step"] == 84
-    assert torch.load(run_dir / "checkpoints" / "best-step56.pt", weights_only=True)["step"] == 56
-    assert read_metrics(run_dir)["best_step"] == 84
+    assert kept == ["best-step14.pt", "best-step28.pt", "best-step42.pt"]  # 0.9, 0.8, 0.95
+    assert torch.load(run_dir / "checkpoints" / "best.pt", weights_only=True)["step"] == 42
+    assert torch.load(run_dir / "checkpoints" / "best-step28.pt", weights_only=True)["step"] == 28
+    assert read_metrics(run_dir)["best_step"] == 42
 
 
-def test_patience_stops_after_n_evaluations_without_a_better_score(run_inprocess, mnist_dir, tmp_path,
-                                                                      monkeypatch):
+def test_patience_stops_after_n_evaluations_without_a_better_score(run_inprocess, table_csv, tmp_path, monkeypatch):
     from conftest import load_recipe
 
     scores = iter([0.5, 0.9, 0.7, 0.8, 0.85, 0.99])
-    monkeypatch.setattr(load_recipe("mnist_onecycle"), "evaluate",
+    monkeypatch.setattr(load_recipe("tabular_mlp"), "evaluate",
                         lambda *args, **kwargs: {"loss": 1.0, "acc": next(scores, 0.1)})
     run_dir = tmp_path / "run"
-    args = ["--epochs", 6, "--batch-size", 32, "--width", 4, "--data-dir", mnist_dir, "--patience", 3,
-            "--run-dir", run_dir, "--resume", "auto", "--no-progress"]
-    result = run_inprocess("mnist_onecycle", *args)
+    args = ["--csv", table_csv, "--target", "label", "--epochs", 6, "--batch-size", 32, "--patience", 3,
+            "--run-dir", run_dir, "--resume", "auto"]
+    result = run_inprocess("tabular_mlp", *args)
     assert result.code == 0, result.stderr
-    assert "stopping early: no better score in 3 evaluations (the best: step 28)" in result.stdout
+    assert "stopping early: no better score in 3 evaluations (the best: step 14)" in result.stdout
     metrics = read_metrics(run_dir)
-    assert (metrics["steps"], metrics["stopped_early"], metrics["best_step"]) == (70, True, 28)
-    again = run_inprocess("mnist_onecycle", *args)  # the same command once more: it has finished
-    assert again.code == 0 and "already finished: step 70" in again.stdout
+    assert (metrics["steps"], metrics["stopped_early"], metrics["best_step"]) == (35, True, 14)
+    again = run_inprocess("tabular_mlp", *args)  # the same command once more: it has finished
+    assert again.code == 0 and "already finished: step 35" in again.stdout
 
 
-@pytest.mark.parametrize(("option", "value", "text"), [("--ema", "1.0", "must be between 0 and 1"),
-                                                       ("--ema", "0", "must be between 0 and 1"),
-                                                       ("--keep-best", "0", "greater than or equal to 1"),
-                                                       ("--patience", "0", "greater than or equal to 1")])
-def test_bad_values_are_usage_errors_naming_the_option(run_inprocess, mnist_dir, tmp_path, option, value, text):
-    result = run_inprocess("mnist_onecycle", "--data-dir", mnist_dir, option, value, "--run-dir", tmp_path)
+@pytest.mark.parametrize(("recipe", "option", "value", "text"), [
+    ("mnist_onecycle", "--ema", "1.0", "must be between 0 and 1"),
+    ("mnist_onecycle", "--ema", "0", "must be between 0 and 1"),
+    ("tabular_mlp", "--keep-best", "0", "greater than or equal to 1"),
+    ("tabular_mlp", "--patience", "0", "greater than or equal to 1")])
+def test_bad_values_are_usage_errors_naming_the_option(run_inprocess, recipe, tmp_path, option, value, text):
+    result = run_inprocess(recipe, option, value, "--run-dir", tmp_path)
     assert result.code == 2 and f"'{option}'" in result.stderr and text in result.stderr
     assert not any(tmp_path.iterdir())

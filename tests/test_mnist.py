@@ -7,7 +7,7 @@ import urllib.request
 
 import pytest
 import torch
-from conftest import assert_same_weights, load_recipe, load_weights, read_metrics, read_scalars
+from conftest import assert_same_weights, load_recipe, load_weights, read_hparams, read_metrics, read_scalars
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 RECIPE = "mnist_onecycle"
@@ -37,9 +37,13 @@ def test_smoke_writes_the_run_directory_of_the_conventions(run_inprocess, mnist_
     assert [step for step, _ in scalars["train/loss"]] == [1, 2, 3, 4, 5, 6]
     assert all(math.isfinite(v) for _, v in scalars["train/loss"])
     assert scalars["val/acc"][-1] == (6, pytest.approx(metrics["val_acc"]))
-    # the hparams table (one row per run in TensorBoard's HPARAMS tab) holds the final metrics
-    assert scalars["hparam/val_acc"][-1][1] == pytest.approx(metrics["val_acc"])
-    assert scalars["hparam/steps"][-1][1] == 6
+    assert scalars["test/acc"] == [(6, pytest.approx(metrics["test_acc"]))]
+    # the hyper-parameters, with their own types, in the HParams tab alone (no single-point hparam/* charts),
+    # beside the figures already logged; one event file for the launch
+    hparams, tags = read_hparams(run_dir)
+    assert hparams["batch_size"] == 32 and hparams["augment"] is True and hparams["precision"] == "fp32"
+    assert {"val/loss", "val/acc", "test/acc"} <= set(tags) and not [t for t in scalars if t.startswith("hparam")]
+    assert len(list(run_dir.glob("events.out.tfevents.*"))) == 1
     events = EventAccumulator(str(run_dir), size_guidance={"images": 0})
     events.Reload()
     assert [image.step for image in events.Images("val/misclassified")] == [6]  # the digits it got wrong
@@ -100,10 +104,11 @@ def test_best_checkpoint_is_the_best_epoch_and_survives_a_resume(run_inprocess, 
     assert run_inprocess(RECIPE, *common).code == 0  # the third epoch, resumed
     best = torch.load(run_dir / "checkpoints" / "best.pt", weights_only=True)
     last = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)
-    assert (best["step"], best["best_score"], best["best_step"]) == (28, 0.9, 28)
-    assert (last["step"], last["best_score"], last["best_step"]) == (42, 0.9, 28)  # remembered across the resume
+    assert (best["step"], best["best"]) == (28, {"score": 0.9, "step": 28})
+    assert (last["step"], last["best"]) == (42, {"score": 0.9, "step": 28})  # remembered across the resume
     metrics = read_metrics(run_dir)
-    assert (metrics["best_score"], metrics["best_step"], metrics["val_acc"], metrics["test_acc"]) == (0.9, 28, 0.7, 0.5)
+    assert (metrics["best_val_acc"], metrics["best_step"], metrics["val_acc"]) == (0.9, 28, 0.7)
+    assert metrics["test_acc"] == 0.5  # scored with best.pt's weights, once, at the end
 
 
 def test_stopped_and_resumed_run_ends_with_the_same_weights(run_inprocess, mnist_dir, tmp_path):

@@ -17,7 +17,7 @@ def checkpoint(tmp_path_factory, mnist_dir):
     run_dir = tmp_path_factory.mktemp("mnist_predict")
     try:
         run_recipe(mnist.main, ["--epochs", "4", "--batch-size", "32", "--width", "8", "--data-dir", str(mnist_dir),
-                                "--run-dir", str(run_dir), "--no-progress"])
+                                "--run-dir", str(run_dir)])
     except SystemExit as exit_:
         assert exit_.code in (0, None)
     return run_dir / "checkpoints" / "last.pt"
@@ -140,7 +140,7 @@ def test_a_checkpoint_of_another_recipe_is_refused(run_inprocess, table_csv, tmp
     image = tmp_path / "d.png"
     write_png(one_digit_per_class()[0][1], str(image))
     result = run_inprocess("tabular_mlp", "--csv", table_csv, "--target", "label", "--epochs", 1,
-                           "--run-dir", tmp_path / "run", "--no-progress")
+                           "--run-dir", tmp_path / "run")
     assert result.code == 0, result.stderr
     result = run_inprocess(RECIPE, "--predict", image, "--resume", tmp_path / "run" / "checkpoints" / "last.pt")
     assert result.code == 1 and "written by recipe 'tabular_mlp', not 'mnist_onecycle'" in result.stderr

@@ -53,7 +53,7 @@ def start(recipe: str, args: list[str]) -> subprocess.Popen:
 
 @pytest.mark.parametrize("recipe", sorted(CRASH_RUNS))
 def test_sigkill_at_random_moments_then_resume_auto_gives_the_same_weights(recipe, request, tmp_path):
-    args = [*fill(CRASH_RUNS[recipe], request), "--checkpoint-every", "1", "--resume", "auto", "--no-progress"]
+    args = [*fill(CRASH_RUNS[recipe], request), "--checkpoint-every", "1", "--resume", "auto"]
     reference = run_subprocess([f"recipes/{recipe}.py", *args, "--run-dir", tmp_path / "reference"])
     assert reference.code == 0, reference.stderr
 
@@ -101,7 +101,7 @@ def test_a_save_torn_by_a_crash_is_ignored(run_inprocess, table_csv, tmp_path):
 def test_ctrl_c_or_sigterm_saves_prints_how_to_resume_and_exits(recipe, signum, request, tmp_path):
     """Ctrl-C (SIGINT), or SIGTERM as a scheduler or spot instance sends it before killing a job: a checkpoint
     at the step the run had reached, the command that resumes, and the shell's exit status (128 + signal)."""
-    args = [*fill(CRASH_RUNS[recipe], request), "--checkpoint-every", "5", "--no-progress"]
+    args = [*fill(CRASH_RUNS[recipe], request), "--checkpoint-every", "5"]
     reference = run_subprocess([f"recipes/{recipe}.py", *args, "--run-dir", tmp_path / "reference"])
     assert reference.code == 0, reference.stderr
 
@@ -207,8 +207,7 @@ def trained(tmp_path_factory, request):
         if recipe not in runs:
             run_dir = tmp_path_factory.mktemp(f"trained_{recipe}")
             try:
-                run_recipe(load_recipe(recipe).main, [*smoke_args(recipe, request), "--run-dir", str(run_dir),
-                                                      "--no-progress"])
+                run_recipe(load_recipe(recipe).main, [*smoke_args(recipe, request), "--run-dir", str(run_dir)])
             except SystemExit as exit_:
                 assert exit_.code in (0, None)
             runs[recipe] = run_dir
@@ -237,6 +236,7 @@ def bad_arguments(recipe: str, case: str, request, tmp_path: Path, trained) -> t
             extra, text = [length, "0" if case.startswith("zero") else "-3"], f"'{length}'"
         return extra, 2, text
     resume = ["--resume", "auto"]
+    fresh = ["--run-dir", tmp_path / "fresh"]  # bad data for a new run: the checkpoint's options are not in the way
     checkpoint = tmp_path / "bad.pt"
     good = trained(recipe) / "checkpoints" / "last.pt"
     if case == "missing checkpoint":
@@ -255,9 +255,9 @@ def bad_arguments(recipe: str, case: str, request, tmp_path: Path, trained) -> t
         state["extra"] = Payload(tmp_path / "payload-ran")
         torch.save(state, checkpoint)
         return ["--resume", checkpoint], 1, "refuses to run"
-    if case == "older version's checkpoint":  # as written before --keep-best existed
+    if case == "older version's checkpoint":  # as written before the best score was kept in it
         state = torch.load(good, weights_only=True)
-        del state["kept_best"]
+        del state["best"]
         torch.save(state, checkpoint)
         return ["--resume", checkpoint], 1, "lacks part of the training state, or holds it in another form (KeyError"
     if case == "cuda absent":
@@ -279,32 +279,32 @@ def bad_arguments(recipe: str, case: str, request, tmp_path: Path, trained) -> t
         write_mnist(other, synthetic_digits(256, 0), synthetic_digits(32, 1))
         return [*resume, "--data-dir", other], 1, "steps per epoch, this run"
     if case == "text is a directory":
-        return [*resume, "--text", tmp_path], 1, f"--text {tmp_path}: is a directory"
+        return [*fresh, "--text", tmp_path], 1, f"--text {tmp_path}: is a directory"
     if case == "one-class target":
         (tmp_path / "one.csv").write_text("x,label\n" + "".join(f"{i},yes\n" for i in range(40)))
         text = "target column 'label' holds 1 distinct value(s)"
-        return ["--csv", tmp_path / "one.csv", "--run-dir", tmp_path / "fresh"], 1, text
+        return [*fresh, "--csv", tmp_path / "one.csv"], 1, text
     if case == "nccl without cuda":
         return [*resume, "--backend", "nccl", "--device", "cpu"], 1, "--backend nccl runs on CUDA devices only"
     if case == "unwritable run dir":
         (tmp_path / "a-file").write_text("not a folder")
         return ["--run-dir", tmp_path / "a-file" / "run"], 1, "cannot write to --run-dir"
     if case == "missing csv":
-        return [*resume, "--csv", tmp_path / "nope.csv"], 1, "nope.csv: no such file"
+        return [*fresh, "--csv", tmp_path / "nope.csv"], 1, "nope.csv: no such file"
     if case == "empty csv":
         (tmp_path / "e.csv").write_text("")
-        return [*resume, "--csv", tmp_path / "e.csv"], 1, "is empty"
+        return [*fresh, "--csv", tmp_path / "e.csv"], 1, "is empty"
     if case == "header-only csv":
         (tmp_path / "h.csv").write_text("age,income,colour,city,label\n")
-        return [*resume, "--csv", tmp_path / "h.csv"], 1, "has a header but no data rows"
+        return [*fresh, "--csv", tmp_path / "h.csv"], 1, "has a header but no data rows"
     if case == "no such target":
-        return [*resume, "--target", "price"], 1, "target column 'price' is not in the table"
+        return [*fresh, "--target", "price"], 1, "target column 'price' is not in the table"
     if case == "non-utf8 text":
         (tmp_path / "latin1.txt").write_bytes("caf\u00e9 na\u00efve ".encode("latin-1") * 50)
-        return [*resume, "--text", tmp_path / "latin1.txt"], 1, "is not UTF-8 text"
+        return [*fresh, "--text", tmp_path / "latin1.txt"], 1, "is not UTF-8 text"
     if case == "too-short text":
         (tmp_path / "short.txt").write_text("tiny")
-        return [*resume, "--text", tmp_path / "short.txt"], 1, "too short for --block-size"
+        return [*fresh, "--text", tmp_path / "short.txt"], 1, "too short for --block-size"
     if case == "corrupt idx":
         corrupt = tmp_path / "mnist"
         write_mnist(corrupt, synthetic_digits(64, 0), synthetic_digits(32, 1))
@@ -337,6 +337,7 @@ def test_bad_input_is_one_clear_line_and_loses_nothing(recipe, case, run_inproce
     if code == 1:
         assert result.stderr.strip() == errors[0]  # the whole of stderr is that one line
     assert snapshot(run_dir) == before  # not a file added, changed or removed
+    assert not (tmp_path / "fresh").exists()  # a run that fails before its first checkpoint leaves no folder
     assert not (tmp_path / "payload-ran").exists()
 
 
@@ -349,7 +350,8 @@ def snapshot(run_dir: Path) -> dict[str, bytes]:
 def test_relaunching_a_finished_run_trains_nothing_and_keeps_its_results(recipe, run_inprocess, request, tmp_path):
     args = [*smoke_args(recipe, request), "--run-dir", tmp_path, "--resume", "auto"]
     assert run_inprocess(recipe, *args).code == 0
-    steps = read_metrics(tmp_path)["steps"]
+    first = read_metrics(tmp_path)
+    steps = first["steps"]
     before = snapshot(tmp_path)
     result = run_inprocess(recipe, *args)  # "the same command on every restart", once more after the end
     assert result.code == 0, result.stderr
@@ -361,8 +363,9 @@ def test_relaunching_a_finished_run_trains_nothing_and_keeps_its_results(recipe,
     assert result.code == 0, result.stderr
     assert "already finished" not in result.stdout
     metrics = read_metrics(tmp_path)
-    assert metrics["steps"] == steps and "val_loss" in metrics  # evaluated, and finished
-    assert "train_loss" not in metrics  # this launch trained nothing: no NaN loss or zero throughput of its own
+    assert metrics["steps"] == steps and "val_loss" in metrics  # the last evaluation's figures, and finished
+    # this launch trained nothing: the run's own training loss, and no zero throughput of its own
+    assert metrics["train_loss"] == first["train_loss"] and not {"samples_per_s", "tokens_per_s"} & metrics.keys()
 
 
 @pytest.mark.parametrize(("every", "expected"), [
@@ -370,7 +373,7 @@ def test_relaunching_a_finished_run_trains_nothing_and_keeps_its_results(recipe,
     (5, [5, 10, 15, 20, 25, 30]),  # an epoch's last step once, after its evaluation: a resume never skips one
 ])
 def test_checkpoint_every_writes_at_those_steps(run_inprocess, tmp_path, monkeypatch, every, expected):
-    import common.tracking
+    import common.checkpoint
     from common.checkpoint import save_checkpoint
 
     saved = []  # (file name, step) of every checkpoint the run writes, in order
@@ -379,7 +382,7 @@ def test_checkpoint_every_writes_at_those_steps(run_inprocess, tmp_path, monkeyp
         saved.append((path.name, state["step"]))
         save_checkpoint(path, state)
 
-    monkeypatch.setattr(common.tracking, "save_checkpoint", recording_save)
+    monkeypatch.setattr(common.checkpoint, "save_checkpoint", recording_save)
     path = write_table(tmp_path / "t.csv")  # 240 training rows: 15 steps per epoch at batch 16
     result = run_inprocess("tabular_mlp", "--csv", path, "--target", "label", "--batch-size", 16,
                            "--checkpoint-every", every, "--epochs", 2, "--run-dir", tmp_path / "run")

@@ -142,13 +142,13 @@ def test_unknown_backend_is_a_usage_error(run_inprocess):
 
 
 def test_a_resume_may_change_where_and_how_fast_it_runs_and_ends_with_the_same_weights(run_inprocess, tmp_path):
-    """--num-workers, --checkpoint-every, --progress and --keep-best only say how the run goes: a resume may
+    """--num-workers, --checkpoint-every and --log-every only say how the run goes: a resume may
     change them (they are in MAY_CHANGE) and still ends with the weights of the run that never stopped."""
     common = [*MP_SMALL, "--epochs", 2]
     assert run_inprocess("mixed_precision", *common, "--run-dir", tmp_path / "full").code == 0
     assert run_inprocess("mixed_precision", *common, "--max-steps", 3, "--run-dir", tmp_path / "cut").code == 0
-    resumed = run_inprocess("mixed_precision", *common, "--num-workers", 2, "--checkpoint-every", 2, "--progress",
-                            "--keep-best", 2, "--resume", "auto", "--run-dir", tmp_path / "cut")
+    resumed = run_inprocess("mixed_precision", *common, "--num-workers", 2, "--checkpoint-every", 2, "--log-every",
+                            1, "--resume", "auto", "--run-dir", tmp_path / "cut")
     assert resumed.code == 0, resumed.stderr
     assert "resumed at step 3" in resumed.stdout
     assert_same_weights(load_weights(tmp_path / "full" / "checkpoints" / "last.pt"),

@@ -32,7 +32,7 @@ def ddp(quick: bool, work: Path) -> dict:
     # under torchrun each rank takes cuda:LOCAL_RANK for --device cuda (a cuda:N index would be overridden)
     device = ["--device", harness.DEVICE.type]
     common = ["recipes/ddp_mlp.py", "--data-dir", root, "--epochs", 2 if quick else 3, "--batch-size", batch,
-              "--no-progress", *device]
+              *device]
     one_thread = {"OMP_NUM_THREADS": "1"}
 
     all_threads = {"OMP_NUM_THREADS": str(os.cpu_count() or 1)}

@@ -79,7 +79,7 @@ def mnist_vs_examples(quick: bool, mnist_dir: Path | None, work: Path) -> dict:
     def ours() -> tuple[float, float]:
         i = next(runs)
         seconds, out = run_command([sys.executable, "recipes/mnist_onecycle.py", "--epochs", epochs, "--seed", i,
-                                    "--data-dir", split, "--run-dir", work / f"mnist_run{i}", "--no-progress",
+                                    "--data-dir", split, "--run-dir", work / f"mnist_run{i}",
                                     *device_args()])
         return seconds, float(re.search(r"test_acc=([\d.]+)", out)[1])
 

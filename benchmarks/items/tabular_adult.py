@@ -14,7 +14,7 @@ def tabular(quick: bool, adult_csv: Path | None, work: Path) -> dict:
                 "met": None}
     extra = ["--epochs", 1] if quick else []
     _, out = run_command([sys.executable, "recipes/tabular_mlp.py", "--csv", adult_csv, "--target", "income",
-                          *extra, "--run-dir", work / "adult_run", "--no-progress", *device_args()])
+                          *extra, "--run-dir", work / "adult_run", *device_args()])
     acc = float(re.search(r"val_acc=([\d.]+)", out)[1])
     return {"item": item, "result": f"{acc:.4f}", "target": ">= 0.85", "met": acc >= 0.85, "val_acc": acc}
 

@@ -17,7 +17,7 @@ def transformer_parallel(quick: bool, work: Path) -> dict:
                 "target": "<= 0.55x", "met": None}
     steps = 4 if quick else 30
     common = ["recipes/tiny_transformer.py", "--steps", steps, "--eval-every", steps, "--eval-batches", 2,
-              "--sample-tokens", 8, "--peak-flops", 1e11, "--global-batch", 32, "--no-progress", "--device", "cpu"]
+              "--sample-tokens", 8, "--peak-flops", 1e11, "--global-batch", 32, "--device", "cpu"]
     if quick:
         common += ["--n-layer", 2, "--n-embd", 32, "--block-size", 16]
     figures = {}

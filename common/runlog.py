@@ -1,0 +1,208 @@
+"""The log of a run: config.json, TensorBoard events, a line every few steps on the console (the same on a terminal
+and in a log file), the evaluations, and at the end metrics.json and the ``done:`` line.
+
+    log = RunLog(run, RECIPE, total_steps=..., every=..., steps_per_epoch=...)
+    log.start(step, config, device)              # once a resumed run is restored: config.json, TensorBoard, header
+    log.train(step, stats, lr=lr, items=n)       # after every step
+    log.eval(step, val=validate(model))          # after every evaluation
+    log.finish(step, {"test_acc": ...})          # metrics.json, the hyper-parameters, the done: line
+
+Step losses stay on the device and are read back ``every`` steps at a time: one sync per window instead of one
+per step. That read is also where a non-finite loss is caught, and a checkpoint reads first (``state_dict``),
+so no checkpoint holds weights that a NaN step has already spoiled. Only rank 0 writes (``write``).
+"""
+
+import math
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+from tensorboard.plugins.hparams import summary_v2 as hparams
+from torch.utils.tensorboard import SummaryWriter
+
+from common.checkpoint import diverged
+from common.cli import on_exit
+from common.loop import StepStats
+from common.rundir import RunFolder, last_file, write_json
+
+MAX_SKIPPED_IN_A_ROW = 50  # fp16 steps the GradScaler may skip in a row before the run is called diverged
+
+
+class Pending(NamedTuple):  # a step whose figures are still on the device
+    step: int
+    stats: StepStats
+    lr: float
+    items: int  # samples (or tokens) of the step, every process's together
+
+
+def log_interval(steps_per_epoch: int, every: int | None) -> int:
+    """``--log-every``, else a tenth of an epoch, at most 50 steps: often enough that a log tells slow from hung."""
+    return every or max(1, min(50, steps_per_epoch // 10))
+
+
+class RunLog:
+    def __init__(self, run: RunFolder, recipe: str, *, total_steps: int, every: int, steps_per_epoch: int | None = None,
+                 unit: str = "samples", last_checkpoint: Callable[[Path], Path | None] = last_file,
+                 write: bool = True):
+        self.run, self.recipe, self.total_steps, self.every, self.steps_per_epoch = run, recipe, total_steps, every, \
+            steps_per_epoch
+        self.unit, self.last_checkpoint, self.write = unit, last_checkpoint, write
+        self.writer: SummaryWriter | None = None
+        self.pending: list[Pending] = []
+        self.loss_sum, self.loss_steps, self.train_loss = 0.0, 0, math.nan  # since the last evaluation
+        self.skipped_steps = self.skipped_in_a_row = 0  # fp16 steps the GradScaler skipped for overflowing
+        self.evals: dict[str, dict[str, float]] = {}  # the last evaluation: {"val": {"loss": ..., "acc": ...}}
+        self.items, self.seconds, self.first_window = 0, 0.0, None  # throughput leaves the first window out
+
+    def start(self, step: int, config: dict, device: torch.device, world_size: int = 1) -> None:
+        """Write config.json (the options, and where the run ran), open TensorBoard, print the header line."""
+        self.config = {**config, "run_dir": str(self.run.path), "torch_version": torch.__version__,
+                       "device_used": str(device), "world_size": world_size}
+        if self.write:
+            write_json(self.run.path / "config.json", self.config)
+            # purge_step hides events a killed run logged after its checkpoint's step, so curves stay single
+            self.writer = SummaryWriter(str(self.run.path), purge_step=step + 1 if step else None)
+            on_exit(self.writer.close)  # an error that ends the run still flushes what was logged
+        self.started = self.window_start = time.perf_counter()
+        resumed = f" | resumed at step {step}" if step else ""
+        self.print(f"run_dir {self.run.path.resolve()} | device {device} | {world_size} process(es){resumed}")
+
+    def print(self, message: str) -> None:
+        if self.write:
+            print(message, flush=True)
+
+    def position(self, step: int) -> str:
+        if self.steps_per_epoch is None:
+            return f"step {step}/{self.total_steps}"
+        epochs = math.ceil(self.total_steps / self.steps_per_epoch)
+        return f"epoch {min(math.ceil(step / self.steps_per_epoch), epochs)}/{epochs}  step {step}/{self.total_steps}"
+
+    def train(self, step: int, stats: StepStats, *, lr: float, items: int) -> None:
+        if self.window_start is None:  # the first step after an evaluation or a save, of unknown start:
+            self.window_start, items = time.perf_counter(), 0  # it counts for the loss, not for the speed
+        self.pending.append(Pending(step, stats, lr, items))
+        if step % self.every == 0 or step >= self.total_steps:
+            self.flush(window_ends=True)
+
+    def flush(self, window_ends: bool = False) -> None:
+        """Read the pending steps' figures back in one transfer and log them; a non-finite loss is a divergence.
+        ``window_ends``: a step just ended, print the window's line."""
+        if not self.pending:
+            return
+        nan = torch.tensor(math.nan, device=self.pending[0].stats.loss.device)
+        rows = torch.stack([torch.stack([nan if x is None else x.float() for x in p.stats])
+                            for p in self.pending]).tolist()  # (loss, grad norm, skipped) per step
+        seconds = max(time.perf_counter() - self.window_start, 1e-9)
+        bad = next((i for i, (loss, _, skip) in enumerate(rows) if not math.isfinite(loss) and skip != 1), None)
+        pending, rows = self.pending[:bad], rows[:bad]  # [:None] is everything
+        items = sum(p.items for p in pending)
+        self.items, self.seconds = self.items + items, self.seconds + seconds
+        self.first_window = self.first_window or (items, seconds)  # start-up and compilation live here
+        for p, (loss, grad_norm, skip) in zip(pending, rows, strict=True):
+            skipped = skip == 1  # fp16: the scaler skipped the step, whose loss counts for nothing
+            self.skipped_in_a_row = self.skipped_in_a_row + 1 if skipped else 0
+            self.skipped_steps += skipped
+            if not skipped:
+                self.loss_sum, self.loss_steps, self.train_loss = self.loss_sum + loss, self.loss_steps + 1, loss
+            if self.writer:  # the steps before a divergence are logged too: the curve shows it coming
+                self.writer.add_scalar("train/lr", p.lr, p.step)
+                if not skipped:
+                    self.writer.add_scalar("train/loss", loss, p.step)
+                if math.isfinite(grad_norm):
+                    self.writer.add_scalar("train/grad_norm", grad_norm, p.step)
+        if self.writer and pending:
+            self.writer.add_scalar(f"perf/{self.unit}_per_s", items / seconds, pending[-1].step)
+        last = self.pending[-1]
+        if bad is not None:
+            what = f"the loss is {self.pending[bad].stats.loss.item()} at step {self.pending[bad].step}"
+            raise diverged(what, self.last_good())
+        if self.skipped_in_a_row >= MAX_SKIPPED_IN_A_ROW:
+            raise diverged(f"the loss overflows fp16: the GradScaler skipped {self.skipped_in_a_row} steps in a row "
+                           f"up to step {last.step}; try --precision bf16", self.last_good())
+        if window_ends:
+            eta = (self.total_steps - last.step) * seconds / len(self.pending)
+            self.print(f"{self.position(last.step)}  loss {self.train_loss:.4f}  lr {last.lr:.2e}  "
+                       f"{items / seconds:,.0f} {self.unit}/s  eta {eta // 60:.0f}m{eta % 60:02.0f}s")
+        self.pending.clear()
+        self.window_start = time.perf_counter()
+
+    def last_good(self) -> Path | None:
+        return self.last_checkpoint(self.run.path) or self.run.resume_from
+
+    @property
+    def throughput(self) -> float:
+        """Items per second of training, without the first window (start-up, compiling) when there are others."""
+        items, seconds = self.items, self.seconds
+        if self.first_window and seconds > self.first_window[1]:
+            items, seconds = items - self.first_window[0], seconds - self.first_window[1]
+        return items / seconds if seconds else 0.0
+
+    def eval(self, step: int, note: str = "", **results: dict[str, float]) -> None:
+        """Log an evaluation, ``val={"loss": ..., "acc": ...}`` (``ema_val=...``); a non-finite loss is a divergence.
+        With several processes the figures must be the whole group's, so that every rank decides alike."""
+        self.flush()
+        self.window_start = None  # evaluating, and what follows it (saving, sampling), is not training time
+        if self.loss_steps:  # the training loss shown: the mean since the last evaluation
+            self.train_loss, self.loss_sum, self.loss_steps = self.loss_sum / self.loss_steps, 0.0, 0
+        self.evals = results
+        for prefix, metrics in results.items():
+            for name, value in metrics.items():
+                if self.writer:
+                    self.writer.add_scalar(f"{prefix}/{name}", value, step)
+        shown = "  ".join(f"{prefix}_{k} {v:.4f}" for prefix, m in results.items() for k, v in m.items())
+        self.print(f"{self.position(step)}  train_loss {self.train_loss:.4f}  {shown}  "
+                   f"{self.throughput:,.0f} {self.unit}/s{'  ' + note if note else ''}")
+        for prefix, metrics in results.items():  # finite weights can still overflow in a forward pass
+            if not math.isfinite(metrics.get("loss", 0.0)):
+                what = prefix.replace("_", " ").replace("val", "validation")  # val: "validation", ema_val: "ema ..."
+                raise diverged(f"the {what} loss is {metrics['loss']} at step {step}", self.last_good())
+
+    def state_dict(self) -> dict:
+        """What a resumed run needs to log on as if it had never stopped; reads the pending steps back first."""
+        self.flush()
+        self.window_start = None  # a checkpoint is being saved: not training time
+        return {"loss_sum": self.loss_sum, "loss_steps": self.loss_steps, "train_loss": self.train_loss,
+                "skipped_steps": self.skipped_steps, "evals": self.evals}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.loss_sum, self.loss_steps, self.train_loss = state["loss_sum"], state["loss_steps"], state["train_loss"]
+        self.skipped_steps, self.evals = state["skipped_steps"], state["evals"]
+
+    def finish(self, step: int, metrics: dict | None = None) -> dict:
+        """Write metrics.json (the last evaluation, ``metrics``, speed) and the hyper-parameters with their final
+        figures (TensorBoard's HParams tab), close the events, print the ``done:`` line; returns the summary."""
+        self.flush()
+        if self.loss_steps:
+            self.train_loss = self.loss_sum / self.loss_steps
+        metrics = metrics or {}
+        evals = {f"{prefix}_{name}": value for prefix, m in self.evals.items() for name, value in m.items()}
+        summary = {"recipe": self.recipe, "steps": step, "train_loss": self.train_loss, **evals, **metrics,
+                   "wall_s": time.perf_counter() - self.started}
+        if self.items:  # a launch that only finished (resumed at the last step) has no speed of its own
+            summary[f"{self.unit}_per_s"] = self.throughput
+        if self.skipped_steps:
+            summary["skipped_steps"] = self.skipped_steps
+        if self.writer:
+            write_json(self.run.path / "metrics.json", summary)
+            tags = [f"{prefix}/{name}" for prefix, m in self.evals.items() for name in m]
+            for name, value in metrics.items():  # the test set's figures, once: test/acc, ...
+                if name.startswith("test_") and isinstance(value, float):
+                    tags.append(name.replace("_", "/", 1))
+                    self.writer.add_scalar(tags[-1], value, step)
+            values = {k: v if isinstance(v, bool | int | float | str) else str(v)
+                      for k, v in self.config.items() if v is not None}
+            self.writer.file_writer.add_summary(hparams.hparams_config_pb(
+                hparams=[hparams.HParam(k) for k in values], metrics=[hparams.Metric(tag) for tag in tags]))
+            self.writer.file_writer.add_summary(hparams.hparams_pb(values, start_time_secs=time.time()))
+            self.writer.close()
+        shown = " ".join(f"{k}={format_number(v)}" for k, v in summary.items() if k not in ("recipe", "memory"))
+        self.print(f"done: {shown} run_dir={self.run.path}")
+        return summary
+
+
+def format_number(value) -> str:
+    if isinstance(value, float):
+        return f"{value:.0f}" if abs(value) >= 1000 else f"{value:.4g}"
+    return str(value)

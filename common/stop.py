@@ -1,0 +1,65 @@
+"""Ctrl-C and SIGTERM as a request to stop, which the training loop reads between two steps.
+
+    stop = StopRequest()
+    ...                                  # in the loop, after a step:
+    if stop.requested:
+        checkpoints.save(step)           # the run's state at this step
+        stop.exit(step, run.path)        # says how to resume, exits 130 (Ctrl-C) or 143 (SIGTERM)
+"""
+
+import os
+import shlex
+import signal
+import sys
+from pathlib import Path
+
+from common.cli import launched_as_rank_0, on_exit
+
+
+class StopRequest:
+    """Ctrl-C and SIGTERM (sent by schedulers and spot instances before a kill) as a flag, ``requested``, instead
+    of an exception half-way through a step; the loop saves and calls ``exit``. A second signal quits at once.
+    Exit status: 128 + signal. The previous handlers come back when the recipe's command ends."""
+
+    def __init__(self):
+        self.signal: int | None = None
+        self.previous = {s: signal.signal(s, self.handle) for s in (signal.SIGINT, signal.SIGTERM)}
+        on_exit(self.restore)
+
+    @property
+    def requested(self) -> bool:
+        return self.signal is not None
+
+    def exit(self, step: int, run_dir: Path) -> None:
+        """Once a checkpoint of ``step`` is saved: say how to resume, and exit (SystemExit: clean-ups still run)."""
+        if self.requested and launched_as_rank_0():
+            print(f"interrupted at step {step}; checkpoint saved. Resume with:\n  {resume_command(run_dir)}",
+                  flush=True)
+        sys.exit(128 + (self.signal or signal.SIGTERM))  # a rank not signalled itself: as if SIGTERMed
+
+    def handle(self, signum, frame) -> None:
+        if self.requested:
+            sys.exit(128 + signum)
+        self.signal = signum
+        name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+        if launched_as_rank_0():
+            print(f"{name}: saving a checkpoint after this step (send it again to quit without saving)", flush=True)
+
+    def restore(self) -> None:
+        for s, handler in self.previous.items():
+            signal.signal(s, handler)
+
+
+def resume_command(run_dir: Path) -> str:
+    """This process's own command line, made to continue from ``run_dir``'s last checkpoint."""
+    args, skip = [], False
+    for arg in sys.argv[1:]:  # --resume and --run-dir are left out, with their values
+        if skip:
+            skip = False
+        elif arg in ("--resume", "--run-dir"):
+            skip = True
+        elif not arg.startswith(("--resume=", "--run-dir=")):
+            args.append(arg)
+    launcher = ["torchrun", f"--nproc_per_node={os.environ['LOCAL_WORLD_SIZE']}"] if "LOCAL_WORLD_SIZE" in os.environ \
+        else ["python"]  # under torchrun: its options beyond the process count are not known here
+    return shlex.join([*launcher, sys.argv[0], *args, "--resume", "auto", "--run-dir", str(run_dir)])

@@ -1,0 +1,119 @@
+"""The run directory: one run at a time in it, no empty folder left by a failed run, and a finished run known
+before any data is loaded."""
+
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from conftest import ROOT, read_metrics, write_table
+
+from common.cli import RecipeError
+from common.loop import batches_left, epochs_left
+from common.rundir import open_run_dir
+
+SLOW = ["--epochs", "200", "--samples", "4096", "--batch-size", "64", "--width", "64", "--depth", "2"]
+
+
+def start_slow_run(run_dir) -> subprocess.Popen:
+    """mixed_precision for far longer than a test lasts; returns once it trains (its config.json is written)."""
+    process = subprocess.Popen([sys.executable, "recipes/mixed_precision.py", *SLOW, "--run-dir", run_dir, "--resume",
+                                "auto", "--checkpoint-every", "5"], cwd=ROOT, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 60
+    while not (run_dir / "checkpoints" / "last.pt").exists() and time.time() < deadline:
+        assert process.poll() is None, process.stderr.read()
+        time.sleep(0.05)
+    return process
+
+
+def test_a_second_launch_on_a_run_directory_in_use_is_refused_naming_the_process(run_inprocess, tmp_path):
+    run_dir = tmp_path / "run"
+    first = start_slow_run(run_dir)
+    try:
+        second = run_inprocess("mixed_precision", *SLOW, "--run-dir", run_dir, "--resume", "auto")
+        assert second.code == 1
+        assert second.stderr.strip() == (f"error: {run_dir} is in use by another run (process {first.pid}: "
+                                         f"{sys.executable} recipes/mixed_precision.py {' '.join(SLOW)} --run-dir "
+                                         f"{run_dir} --resume auto --checkpoint-every 5); wait for it to end, or "
+                                         "choose another --run-dir")
+        assert first.poll() is None  # the first run goes on, untouched
+    finally:
+        first.kill()
+        first.wait()
+
+
+def test_the_lock_of_a_killed_run_does_not_block_its_restart(run_inprocess, tmp_path):
+    run_dir = tmp_path / "run"
+    first = start_slow_run(run_dir)
+    first.send_signal(signal.SIGKILL)  # no clean-up at all: the kernel drops the lock with the process
+    first.wait()
+    resumed = run_inprocess("mixed_precision", *SLOW, "--max-steps", 12, "--run-dir", run_dir, "--resume", "auto")
+    assert resumed.code == 0, resumed.stderr
+    assert "resumed at step" in resumed.stdout
+
+
+def test_the_same_process_may_open_a_run_directory_again_once_its_command_has_ended(run_inprocess, tmp_path):
+    args = ["--epochs", 1, "--samples", 128, "--batch-size", 64, "--width", 8, "--depth", 1, "--run-dir", tmp_path,
+            "--resume", "auto"]
+    assert run_inprocess("mixed_precision", *args).code == 0
+    assert "already finished" in run_inprocess("mixed_precision", *args).stdout  # the lock went with the command
+
+
+def test_a_fresh_run_that_fails_before_its_first_checkpoint_leaves_no_folder(run_inprocess, tmp_path):
+    result = run_inprocess("tabular_mlp", "--csv", tmp_path / "missing.csv", "--target", "y",
+                           "--run-dir", tmp_path / "run")
+    assert result.code == 1 and "no such file" in result.stderr
+    assert not (tmp_path / "run").exists()
+    existing = tmp_path / "mine"
+    existing.mkdir()
+    (existing / "notes.txt").write_text("kept")  # a folder that was there before is left as it was
+    result = run_inprocess("tabular_mlp", "--csv", tmp_path / "missing.csv", "--target", "y", "--run-dir", existing)
+    assert result.code == 1 and sorted(p.name for p in existing.iterdir()) == ["notes.txt"]
+
+
+def test_a_finished_run_says_so_before_it_loads_any_data(run_inprocess, tmp_path):
+    table = write_table(tmp_path / "t.csv")
+    args = ["--csv", table, "--target", "label", "--epochs", 1, "--batch-size", 32, "--run-dir", tmp_path / "run",
+            "--resume", "auto"]
+    assert run_inprocess("tabular_mlp", *args).code == 0
+    steps = read_metrics(tmp_path / "run")["steps"]
+    table.unlink()  # a relaunch that read the table would fail now
+    again = run_inprocess("tabular_mlp", *args)
+    assert again.code == 0, again.stderr
+    assert again.stdout.startswith(f"already finished: step {steps} of {steps}")
+
+
+def test_resume_auto_needs_a_run_directory():
+    with pytest.raises(Exception, match="give --run-dir too"):
+        open_run_dir("t", None, "auto")
+    with pytest.raises(RecipeError, match="cannot write to --run-dir"):
+        open_run_dir("t", ROOT / "README.md" / "run", None)
+
+
+class Loader(list):
+    """Just what batches_left uses of a DataLoader: its length, batch size and resumable sampler."""
+
+    batch_size = 4
+
+    def __init__(self, n: int):
+        super().__init__(range(n))
+        self.sampler = type("Sampler", (), {"skip": 0})()
+
+    def __iter__(self):
+        return iter(list(list.__iter__(self))[self.sampler.skip // self.batch_size:])
+
+
+@pytest.mark.parametrize(("step", "total", "epochs", "batches"), [
+    (0, 30, range(0, 3), list(range(10))),  # from the start
+    (13, 30, range(1, 3), list(range(3, 10))),  # mid-epoch: the epoch's first 3 batches were trained on
+    (20, 30, range(2, 3), list(range(10))),  # at an epoch's end: the next one, whole
+    (13, 15, range(1, 2), [3, 4]),  # cut by --max-steps 15 within the epoch
+    (30, 30, range(0), []),  # done: nothing left
+])
+def test_a_resumed_loop_goes_on_where_it_stopped(step, total, epochs, batches):
+    assert epochs_left(step, 10, total) == epochs
+    loader = Loader(10)
+    assert list(batches_left(loader, step, total)) == batches
+    assert loader.sampler.skip == 0  # put back for the next epoch
