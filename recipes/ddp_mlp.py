@@ -165,7 +165,7 @@ def main(
     run = from_rank_0(lambda: open_run_dir(RECIPE, run_dir, resume))
     checkpoint = resume_checkpoint(run, RECIPE, config)
     if already_finished(run, checkpoint, epochs=epochs, max_steps=max_steps):
-        if world_size > 1:
+        if dist.is_initialized():
             leave_process_group()
         return
     # The same seed on every rank: every rank draws the same random numbers (each shards its data with the
@@ -190,7 +190,7 @@ def main(
                                            device=device) for split in (val_set, test_set))
 
     model = MLP(hidden).to(device)
-    if world_size > 1:
+    if dist.is_initialized():  # under torchrun, even as one process: DDP runs for real, as on a one-GPU machine
         # DDP broadcasts rank 0's weights at construction, then all-reduces (averages) the gradients during the
         # backward pass, bucket by bucket, overlapping communication with the rest of the backward.
         model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
@@ -213,7 +213,7 @@ def main(
     step = checkpoints.restore(checkpoint) if checkpoint else 0
     log.start(step, config, device, world_size)
     log.print(f"{len(train_set)} train / {len(val_set)} validation digits | global batch {batch_size * world_size} "
-              f"({world_size} x {batch_size})")
+              f"({world_size} x {batch_size}) | model {type(getattr(model, '_orig_mod', model)).__name__}")
     stop = StopRequest()  # Ctrl-C and SIGTERM: save and exit at the end of the step
 
     for epoch in epochs_left(step, steps_per_epoch, total_steps):
@@ -244,7 +244,7 @@ def main(
     load_model_state(model, load_checkpoint(best_path, RECIPE)["model"], best_path)
     test = evaluate(model, test_loader, device)
     log.finish(step, best.metrics() | {"test_loss": test["loss"], "test_acc": test["acc"], "world_size": world_size})
-    if world_size > 1:
+    if dist.is_initialized():
         leave_process_group()
 
 

@@ -196,3 +196,11 @@ def test_a_run_saved_by_two_processes_is_not_resumed_by_one(run_inprocess, mnist
     assert alone.code == 1 and alone.stderr.startswith("error: ") and len(alone.stderr.strip().splitlines()) == 1
     assert "has 7 steps per epoch, this run 14" in alone.stderr
     assert (run_dir / "checkpoints" / "last.pt").read_bytes() == saved
+
+
+def test_one_process_under_torchrun_is_wrapped_in_ddp_for_real(mnist_dir, tmp_path):
+    """As on a one-GPU machine: a process group of one, and the model in DistributedDataParallel."""
+    result = torchrun("--nproc_per_node=1", "recipes/ddp_mlp.py", "--data-dir", mnist_dir, "--epochs", 1,
+                      "--batch-size", 32, "--max-steps", 3, "--run-dir", tmp_path / "run", *SMALL)
+    assert result.code == 0, result.stderr
+    assert "global batch 32 (1 x 32) | model DistributedDataParallel" in result.stdout

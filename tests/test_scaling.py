@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, TORCHRUN, load_weights, read_metrics, read_scalars, run_torchrun, worker_pids
+from conftest import ROOT, TORCHRUN, load_recipe, load_weights, read_metrics, read_scalars, run_torchrun, worker_pids
 
 RECIPE = "recipes/tiny_transformer.py"
 # A tiny model (2 layers, 32 wide, block 16); lr high enough, and clipping tight enough, that the weights move
@@ -62,8 +62,14 @@ def test_two_ranks_end_with_the_weights_of_one_process(parallel, per_rank, one_p
     result = run_torchrun(["--nproc_per_node=2", RECIPE, "--text", corpus_txt, *TINY, *per_rank,
                            "--parallel", parallel, "--run-dir", run_dir])
     assert result.code == 0, result.stderr
-    assert f"parallel {parallel} | global batch 16 (2 x " in result.stdout
-    assert read_metrics(run_dir)["world_size"] == 2 and read_metrics(run_dir)["steps"] == 6
+    wrapper = {"ddp": "DistributedDataParallel", "fsdp": "FSDPGPT"}[parallel]
+    assert f"parallel {parallel}: {wrapper} | global batch 16 (2 x " in result.stdout
+    metrics = read_metrics(run_dir)
+    assert metrics["world_size"] == 2 and metrics["steps"] == 6
+    # MFU: the tokens of both ranks over the peak of both ranks' devices (--peak-flops each), not of one
+    gpt = load_recipe("tiny_transformer")
+    flops_per_token = gpt.GPT(gpt.GPTConfig(256, block_size=16, n_layer=2, n_head=2, n_embd=32)).flops_per_token()
+    assert metrics["mfu"] == pytest.approx(flops_per_token * metrics["tokens_per_s"] / (1e11 * 2), rel=1e-6)
     # the same gradient norms (so averaged, not summed, across ranks; and clipped as a whole under FSDP)...
     reference_norms = grad_norms(one_process)
     assert max(reference_norms) > 0.5  # clipping acted
@@ -89,6 +95,17 @@ def test_two_ranks_end_with_the_weights_of_one_process(parallel, per_rank, one_p
         assert best["step"] == read_metrics(run_dir)["best_step"] in (3, 6) and last["step"] == 6
         same = all(torch.equal(best["model"][k], last["model"][k]) for k in last["model"])
         assert same == (best["step"] == 6)
+
+
+@pytest.mark.parametrize("parallel, wrapper", [("ddp", "DistributedDataParallel"), ("fsdp", "FSDPGPT")])
+def test_one_process_under_torchrun_wraps_for_real(parallel, wrapper, one_process, corpus_txt, tmp_path):
+    """A one-GPU machine (the GPU check's) runs DDP and FSDP at world size 1: the group and the wrap are real."""
+    result = run_torchrun(["--nproc_per_node=1", RECIPE, "--text", corpus_txt, *TINY, "--batch-size", 16,
+                           "--parallel", parallel, "--run-dir", tmp_path / "run"])
+    assert result.code == 0, result.stderr
+    assert f"parallel {parallel}: {wrapper} | global batch 16 (1 x 16 x 1)" in result.stdout
+    assert_close_weights(load_weights(one_process / "checkpoints" / "last.pt"),
+                         load_weights(tmp_path / "run" / "checkpoints" / "last.pt"))
 
 
 def test_the_ejected_transformer_runs_sharded_under_torchrun_to_the_same_weights(one_process, corpus_txt, tmp_path):
