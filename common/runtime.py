@@ -28,7 +28,8 @@ T = TypeVar("T")
 
 
 def resolve_device(name: str) -> torch.device:
-    """``auto`` picks cuda, else mps, else cpu; asking for a device that is absent is a RecipeError."""
+    """``auto`` picks cuda, else mps, else cpu; asking for a device that is absent is a RecipeError. Sets fp32 to
+    true fp32 (no TF32 in convolutions either)."""
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
     device = torch.device(name)
@@ -39,6 +40,9 @@ def resolve_device(name: str) -> torch.device:
             raise RecipeError(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA device(s)")
     if device.type == "mps" and not torch.backends.mps.is_available():
         raise RecipeError(f"--device {name}: MPS is not available on this machine; use --device cpu or auto")
+    # fp32 means fp32: PyTorch keeps TF32 off for matmuls by default but lets cuDNN's convolutions use it (10
+    # mantissa bits on Ampere and later); --precision bf16 or fp16 is how a recipe asks for fewer bits.
+    torch.backends.cudnn.allow_tf32 = False
     return device
 
 

@@ -234,3 +234,17 @@ def corpus_txt(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("corpus") / "corpus.txt"
     path.write_text("def forward(self, x):\n    return self.head(self.body(x))  # logits\n" * 40, encoding="utf-8")
     return path
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A folder on a 256 KB tmpfs (root only; skipped elsewhere): writes there fail with ENOSPC once it fills."""
+    disk = tmp_path / "small-disk"
+    disk.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(disk)],
+                                           capture_output=True).returncode != 0:
+        pytest.skip("no tmpfs can be mounted here")
+    try:
+        yield disk
+    finally:
+        subprocess.run(["umount", str(disk)], check=True)

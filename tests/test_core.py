@@ -523,3 +523,34 @@ def test_first_signal_asks_for_a_stop_and_the_second_quits_at_once(signum, code,
     finally:
         stop.restore()
     assert signal.getsignal(signum) is previous
+
+
+def test_fp32_means_fp32_for_convolutions_too(tmp_path, monkeypatch):
+    """cuDNN lets convolutions run in TF32 by default (10 mantissa bits on Ampere+); fp32 runs switch it off, and
+    the run's config records what fp32 meant."""
+    import json
+
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", True)  # PyTorch's default
+    resolve_device("cpu")
+    assert torch.backends.cudnn.allow_tf32 is False and torch.backends.cuda.matmul.allow_tf32 is False
+    log = RunLog(RunFolder(tmp_path, None), "t", total_steps=1, every=1)
+    log.start(0, {}, CPU)
+    log.writer.close()
+    assert json.loads((tmp_path / "config.json").read_text())["tf32"] is False
+
+
+def test_loader_workers_ignore_ctrl_c_and_sigterm_which_the_main_process_handles():
+    """A scheduler's SIGTERM reaches the whole process group: a worker that died of it would end a run that had
+    just saved in a DataLoader traceback."""
+    from common.data import make_loader
+
+    loader = make_loader(tiny_data(), 8, train=True, num_workers=1)
+    handlers = []
+    previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        loader.worker_init_fn(0)  # what each worker runs first
+        handlers = [signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)]
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    assert handlers == [signal.SIG_IGN, signal.SIG_IGN]

@@ -204,3 +204,17 @@ def test_one_process_under_torchrun_is_wrapped_in_ddp_for_real(mnist_dir, tmp_pa
                       "--batch-size", 32, "--max-steps", 3, "--run-dir", tmp_path / "run", *SMALL)
     assert result.code == 0, result.stderr
     assert "global batch 32 (1 x 32) | model DistributedDataParallel" in result.stdout
+
+
+def test_a_save_that_fails_on_rank_0_alone_ends_every_rank_with_its_one_line(mnist_dir, small_disk):
+    """Rank 0 writes the checkpoints while the others wait: its full disk must reach them as the same error, not
+    leave them in a barrier (gloo: "Connection closed by peer"; NCCL: a hang until the watchdog)."""
+    run_dir = small_disk / "run"  # config.json and the events fit; a checkpoint of the model does not
+    result = run_subprocess([*TORCHRUN, "--nproc_per_node=2", "recipes/ddp_mlp.py", "--data-dir", mnist_dir,
+                             "--epochs", 1, "--batch-size", 32, "--max-steps", 2, "--run-dir", run_dir, *SMALL],
+                            timeout=120)
+    assert result.code != 0
+    errors = [line for line in result.stderr.splitlines() if "error: " in line]
+    assert errors == [f"error: could not write checkpoint {run_dir / 'checkpoints' / 'best.pt'}: No space left on "
+                      "device; no earlier checkpoint"], result.stderr[-2000:]
+    assert "Connection closed" not in result.stdout + result.stderr and 'ddp_mlp.py", line' not in result.stderr

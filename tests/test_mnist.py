@@ -218,3 +218,27 @@ def test_augmented_run_stopped_and_resumed_ends_with_the_same_weights(run_inproc
     plain = load_weights(tmp_path / "plain" / "checkpoints" / "last.pt")
     full = load_weights(tmp_path / "full" / "checkpoints" / "last.pt")
     assert not all(torch.equal(plain[k], full[k]) for k in full)
+
+
+def test_the_test_set_is_scored_with_the_weights_best_pt_holds(run_inprocess, mnist_dir, tmp_path):
+    """The score a run reports is the deployed model's: best.pt's weights (with --ema, the average), not the
+    last step's, which --predict and export.py never use."""
+    from common.data import load_mnist, make_loader
+    from common.loop import evaluate
+
+    run_dir = tmp_path / "run"
+    result = run_inprocess(RECIPE, "--epochs", 2, "--batch-size", 32, "--width", 4, "--ema", 0.9,
+                           "--data-dir", mnist_dir, "--run-dir", run_dir)
+    assert result.code == 0, result.stderr
+    best, last = (load_weights(run_dir / "checkpoints" / name) for name in ("best.pt", "last.pt"))
+    assert not all(torch.equal(best[k], last[k]) for k in best)  # two different models
+    recipe = load_recipe(RECIPE)
+    test_set = make_loader(torch.utils.data.TensorDataset(*load_mnist(mnist_dir, train=False)), 1000, train=False)
+    scores = {}
+    for name, weights in (("best", best), ("last", last)):
+        model = recipe.DigitNet(4)
+        model.load_state_dict(weights)
+        scores[name] = evaluate(model, test_set, torch.nn.CrossEntropyLoss(), device=torch.device("cpu"))
+    metrics = read_metrics(run_dir)
+    assert (metrics["test_acc"], metrics["test_loss"]) == pytest.approx((scores["best"]["acc"], scores["best"]["loss"]))
+    assert metrics["test_loss"] != pytest.approx(scores["last"]["loss"])
