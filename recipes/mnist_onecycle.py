@@ -237,7 +237,7 @@ def main(
     max_steps: cli.MaxSteps = None,
     batch_size: cli.BatchSize = 32,
     max_lr: Annotated[float, typer.Option("--max-lr", "--lr", callback=cli.positive_float,
-                                          help="Peak learning rate of the one-cycle schedule.")] = 0.1,
+                                          help="Peak learning rate of the one-cycle schedule.")] = 0.2,
     momentum: Annotated[
         float, typer.Option(min=0.0, max=0.999, help="Peak SGD (Nesterov) momentum; the cycle dips it to 0.85.")
     ] = 0.95,

@@ -2,14 +2,17 @@
 
     python scripts/plot_runs.py runs/tiny_transformer/20250101-120000 runs/tiny_transformer/20250102-090000 \
         --out compare.png
+    python scripts/plot_runs.py                       # every run under runs/, into curves.png
+    python scripts/plot_runs.py runs/mnist_onecycle   # a folder of runs: each run in it
 
 Quantities, each drawn when some run logged it: loss (train/loss solid, val/loss dashed), accuracy
 (val/acc, train/acc), bits per byte or character (val/bits_per_byte, val/bits_per_char) and the learning
 rate (train/lr), and throughput (perf/samples_per_s or perf/tokens_per_s). The PNG is small (a few tens
 of KB) so that it can go into an issue or a README.
 
-Exit status: 0 on success, 1 with one line ``error: ...`` when a run directory is missing or holds no event
-files (or nothing to plot), 2 on a usage error.
+A folder without event files is skipped with one line (a run that never trained); a folder that holds run
+directories stands for them. Exit status: 0 on success, 1 with one line ``error: ...`` when a path is missing or
+no run is left to plot, 2 on a usage error.
 """
 
 import argparse
@@ -31,12 +34,32 @@ class PlotError(Exception):
     """A problem with the input: shown as one line, exit 1."""
 
 
+def has_events(folder: Path) -> bool:
+    return any(folder.glob("events.out.tfevents.*"))
+
+
+def run_folders(paths: list[Path]) -> list[Path]:
+    """The run directories to plot: each path that holds event files, the runs inside a folder of runs (e.g.
+    runs/ or runs/mnist_onecycle), and a one-line note for each folder skipped for holding none."""
+    found = []
+    for path in paths:
+        if not path.is_dir():
+            raise PlotError(f"{path} does not exist or is not a directory")
+        inside = sorted(d for d in path.glob("**/") if d != path and has_events(d))
+        if has_events(path) or not inside:
+            found.append(path)
+        else:
+            found += inside
+    kept = [d for d in found if has_events(d)]
+    for skipped in (d for d in found if d not in kept):
+        print(f"skipped {skipped}: no TensorBoard event files (a run that never trained?)", file=sys.stderr)
+    if not kept:
+        raise PlotError(f"no run directory with TensorBoard event files in {', '.join(map(str, paths))}")
+    return kept
+
+
 def read_scalars(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
     """Every scalar in a run directory's event files, as {tag: [(step, value), ...]} sorted by step."""
-    if not run_dir.is_dir():
-        raise PlotError(f"{run_dir} does not exist or is not a directory")
-    if not any(run_dir.glob("events.out.tfevents.*")):
-        raise PlotError(f"{run_dir} holds no TensorBoard event files (events.out.tfevents.*): is it a run directory?")
     # imported here: a usage error should not wait for tensorboard's import
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -101,20 +124,23 @@ def plot(run_dirs: list[Path], out: Path) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("run_dirs", nargs="+", type=Path, metavar="RUN_DIR", help="run directories to compare")
-    parser.add_argument("--out", type=Path, required=True, metavar="FILE.png", help="the PNG to write")
+    parser.add_argument("run_dirs", nargs="*", type=Path, metavar="RUN_DIR",
+                        help="run directories to compare, or folders of them [default: runs]")
+    parser.add_argument("--out", type=Path, default=Path("curves.png"), metavar="FILE.png",
+                        help="the PNG to write [default: curves.png]")
     args = parser.parse_args(argv)
     if args.out.suffix.lower() != ".png":
         parser.error(f"argument --out: {args.out} must end in .png")
     try:
-        drawn = plot(args.run_dirs, args.out)
+        run_dirs = run_folders(args.run_dirs or [Path("runs")])
+        drawn = plot(run_dirs, args.out)
     except PlotError as err:
         print(f"error: {' '.join(str(err).split())}", file=sys.stderr)
         return 1
     except OSError as err:  # e.g. --out in a folder we may not write
         print(f"error: cannot write {args.out}: {err.strerror or err}", file=sys.stderr)
         return 1
-    print(f"wrote {args.out}: {', '.join(drawn)} for {len(args.run_dirs)} run(s)")
+    print(f"wrote {args.out}: {', '.join(drawn)} for {len(run_dirs)} run(s)")
     return 0
 
 

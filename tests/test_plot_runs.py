@@ -2,7 +2,7 @@
 
 import sys
 
-from conftest import run_subprocess
+from conftest import ROOT, run_subprocess
 from torch.utils.tensorboard import SummaryWriter
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -44,16 +44,40 @@ def test_only_the_quantities_logged_are_drawn(tmp_path):
 
 
 def test_bad_input_is_one_error_line(tmp_path):
+    good = make_run(tmp_path / "good")
+    out = tmp_path / "x.png"
+    result = plot(good, tmp_path / "absent", "--out", out)
+    assert result.code == 1
+    assert result.stderr.strip().splitlines() == [f"error: {tmp_path / 'absent'} does not exist or is not a directory"]
+    assert not out.exists()
+
+
+def test_a_folder_without_events_is_skipped_with_one_line(tmp_path):
+    """A run that failed before it trained leaves a folder without event files: it is skipped, not an error."""
     good, empty = make_run(tmp_path / "good"), tmp_path / "empty"
     empty.mkdir()
     (empty / "metrics.json").write_text("{}")
-    for bad, message in ((tmp_path / "absent", f"error: {tmp_path / 'absent'} does not exist or is not a directory"),
-                         (empty, f"error: {empty} holds no TensorBoard event files (events.out.tfevents.*): "
-                                 "is it a run directory?")):
-        out = tmp_path / "x.png"
-        result = plot(good, bad, "--out", out)
-        assert result.code == 1 and result.stderr.strip().splitlines() == [message]
-        assert not out.exists()
+    out = tmp_path / "x.png"
+    result = plot(good, empty, "--out", out)
+    assert result.code == 0, result.stderr
+    assert result.stderr.strip().splitlines() == [f"skipped {empty}: no TensorBoard event files (a run that never "
+                                                   "trained?)"]
+    assert result.stdout.strip() == f"wrote {out}: loss, accuracy, learning rate for 1 run(s)"
+    alone = plot(empty, "--out", out)
+    assert alone.code == 1 and alone.stderr.strip().splitlines()[-1] == (
+        f"error: no run directory with TensorBoard event files in {empty}")
+
+
+def test_without_arguments_every_run_under_runs_goes_into_curves_png(tmp_path):
+    for name in ("20260101-000000", "20260102-000000"):
+        make_run(tmp_path / "runs" / "mnist_onecycle" / name)
+    (tmp_path / "runs" / "mnist_onecycle" / "20260103-000000").mkdir()  # never trained
+    result = run_subprocess([sys.executable, ROOT / "scripts" / "plot_runs.py"], cwd=tmp_path, timeout=120)
+    assert result.code == 0, result.stderr
+    assert result.stdout.strip() == "wrote curves.png: loss, accuracy, learning rate for 2 run(s)"
+    assert (tmp_path / "curves.png").read_bytes()[:8] == PNG_MAGIC
+    folder = plot(tmp_path / "runs" / "mnist_onecycle", "--out", tmp_path / "one.png")  # a folder of runs
+    assert folder.code == 0 and "for 2 run(s)" in folder.stdout
 
 
 def test_a_run_with_nothing_to_plot_is_an_error(tmp_path):
@@ -66,9 +90,7 @@ def test_a_run_with_nothing_to_plot_is_an_error(tmp_path):
 
 def test_usage_errors_exit_2_naming_the_option(tmp_path):
     run = make_run(tmp_path / "a")
-    no_out = plot(run)
-    assert no_out.code == 2 and "--out" in no_out.stderr
     not_png = plot(run, "--out", tmp_path / "x.jpg")
     assert not_png.code == 2 and "argument --out: " in not_png.stderr and ".png" in not_png.stderr
-    no_runs = plot("--out", tmp_path / "x.png")
-    assert no_runs.code == 2 and "RUN_DIR" in no_runs.stderr
+    unknown = plot(run, "--colour", "red")
+    assert unknown.code == 2 and "--colour" in unknown.stderr
