@@ -2,6 +2,7 @@
 
     python scripts/eject.py mnist_onecycle my_train.py
     python scripts/eject.py path/to/recipes/NAME.py OUTPUT.py
+    python scripts/eject.py mnist_onecycle my_train.py --overwrite     # replace an earlier copy
 
 Recipes import the shared core by name (``from common.loop import train_step``). To start a project of
 your own from a recipe without carrying ``common/`` along, eject writes OUTPUT: the recipe's docstring, one
@@ -453,7 +454,7 @@ def check_imports(script: Path, name: Path, timeout: float = 300) -> tuple[int, 
 
 class Parser(argparse.ArgumentParser):
     def error(self, message: str):  # one line instead of argparse's usage block; exit 2 like every usage error
-        print(f"error: {message} (usage: python scripts/eject.py RECIPE OUTPUT)", file=sys.stderr)
+        print(f"error: {message} (usage: python scripts/eject.py RECIPE OUTPUT [--overwrite])", file=sys.stderr)
         sys.exit(2)
 
 
@@ -461,6 +462,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = Parser(prog="scripts/eject.py", description=__doc__.splitlines()[0])
     parser.add_argument("recipe", help="a recipe's name (mnist_onecycle) or the path of a recipe file")
     parser.add_argument("output", type=Path, help="the script to write, e.g. my_train.py")
+    parser.add_argument("--overwrite", action="store_true", help="replace OUTPUT if it exists (your edits in it too)")
     args = parser.parse_args(argv)
     recipe, output = Path(args.recipe), args.output
     if not recipe.is_file():  # a name: mnist_onecycle
@@ -476,6 +478,8 @@ def main(argv: list[str] | None = None) -> int:
             raise EjectError(f"cannot write {output}: the folder {output.parent} does not exist")
         if output.resolve() == recipe.resolve():
             raise EjectError(f"{output} is the recipe itself; write the script somewhere else")
+        if output.exists() and not args.overwrite:  # it may be a copy the user has edited since
+            raise EjectError(f"{output} exists; choose another name, or add --overwrite to replace it")
         ejection = Ejection(recipe)
         target = output.resolve()  # through a symbolic link: the file it points to is replaced
         handle, name = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name[:100]}.", suffix=".tmp")

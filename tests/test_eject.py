@@ -275,7 +275,7 @@ def test_core_names_read_only_after_import_are_accepted(tmp_path):
 def test_a_script_that_fails_at_import_leaves_an_existing_output_as_it_was(tmp_path):
     (tmp_path / "core_base.py").write_text(CORE_BASE_RECIPE)
     (tmp_path / "out.py").write_text("# my edited copy\n")
-    result = run_subprocess(["scripts/eject.py", tmp_path / "core_base.py", tmp_path / "out.py"])
+    result = run_subprocess(["scripts/eject.py", tmp_path / "core_base.py", tmp_path / "out.py", "--overwrite"])
     assert result.code == 1 and "fails when it is imported, at core_base.py:6 " in result.stderr, result.stderr
     assert (tmp_path / "out.py").read_text() == "# my edited copy\n" and not list(tmp_path.glob(".*.tmp"))
 
@@ -284,7 +284,18 @@ def test_an_output_behind_a_link_is_written_where_the_link_points_and_keeps_its_
     (tmp_path / "real.py").write_text("# an older copy\n")
     (tmp_path / "real.py").chmod(0o755)
     (tmp_path / "link.py").symlink_to("real.py")
-    result = run_subprocess(["scripts/eject.py", "mixed_precision", tmp_path / "link.py"])
+    result = run_subprocess(["scripts/eject.py", "mixed_precision", tmp_path / "link.py", "--overwrite"])
     assert result.code == 0, result.stderr
     assert (tmp_path / "link.py").is_symlink() and "def amp_step(" in (tmp_path / "real.py").read_text()
     assert (tmp_path / "real.py").stat().st_mode & 0o777 == 0o755
+
+
+def test_an_existing_output_is_replaced_only_with_overwrite(tmp_path):
+    """As export.py refuses a non-empty OUT_DIR: an existing copy may hold the user's edits."""
+    (tmp_path / "train.py").write_text("# my edited copy\n")
+    refused = run_subprocess(["scripts/eject.py", "mixed_precision", tmp_path / "train.py"])
+    assert refused.code == 1 and refused.stderr.strip() == (f"error: {tmp_path / 'train.py'} exists; choose another "
+                                                            "name, or add --overwrite to replace it")
+    assert (tmp_path / "train.py").read_text() == "# my edited copy\n"
+    replaced = run_subprocess(["scripts/eject.py", "mixed_precision", tmp_path / "train.py", "--overwrite"])
+    assert replaced.code == 0 and "def amp_step(" in (tmp_path / "train.py").read_text()
