@@ -138,7 +138,8 @@ def evaluate(model: nn.Module, loader, device: torch.device) -> dict[str, float]
 def main(
     epochs: cli.Epochs = 5,
     max_steps: cli.MaxSteps = None,
-    batch_size: cli.BatchSize = 1024,
+    batch_size: Annotated[int, typer.Option(
+        min=1, help="Digits per batch in each process: the global batch is this x the processes.")] = 1024,
     lr: cli.LearningRate = 0.2,
     hidden: Annotated[int, typer.Option(min=1, help="Width of the two hidden layers.")] = 512,
     val_size: Annotated[int | None, typer.Option(

@@ -258,11 +258,11 @@ def main(
     ] = 0.1,
     predict: Annotated[
         list[Path] | None,
-        typer.Option(help="Only predict: these PNG/JPEG digit images, or folders of them, with the model from "
-                          "--resume; prints file, digit and probability. More images may follow as arguments."),
+        typer.Option(metavar="IMAGE", help="Only predict: these PNG/JPEG digit images, or folders of them, with the "
+                     "model from --resume; prints file, digit and probability. More images may follow as arguments."),
     ] = None,
-    more_images: Annotated[
-        list[Path] | None, typer.Argument(metavar="IMAGE", help="More images for --predict.", show_default=False)
+    more_images: Annotated[  # the usage line shows them as [IMAGE]...
+        list[Path] | None, typer.Argument(metavar="IMAGE", hidden=True, show_default=False)
     ] = None,
     seed: cli.Seed = 0,
     device: cli.Device = "auto",

@@ -447,7 +447,8 @@ def main(
     ] = "bytes",
     steps: cli.Steps = 1200,
     max_steps: cli.MaxSteps = None,
-    batch_size: cli.BatchSize = 32,
+    batch_size: Annotated[int, typer.Option(
+        min=1, help="Sequences per step in each process (--global-batch sets it for you).")] = 32,
     grad_accum: Annotated[int, typer.Option(min=1, help="Micro-batches accumulated per optimizer step.")] = 1,
     lr: cli.LearningRate = 2e-3,
     min_lr_ratio: Annotated[float, typer.Option(min=0.0, max=1.0, help="Final rate as a share of --lr.")] = 0.1,

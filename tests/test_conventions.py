@@ -54,3 +54,19 @@ def test_no_file_names_a_document_that_is_not_in_the_project():
     written = {"table.md"}  # what benchmarks/gpu_check.sh writes, not a document of the project
     missing = [(name, doc) for name, doc in cited if doc.rsplit("/", 1)[-1] not in documents | written]
     assert not missing  # e.g. a contract that only exists outside the repository
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_help_mentions_only_options_the_recipe_has(recipe, run_inprocess):
+    """e.g. no "--epochs" in a step-based recipe's help, and metavars that read as words, not Python types."""
+    import typer
+
+    from conftest import load_recipe
+
+    app = typer.Typer()
+    app.command()(load_recipe(recipe).main)
+    options = {opt for param in typer.main.get_command(app).params for opt in [*param.opts, *param.secondary_opts]}
+    text = run_inprocess(recipe, "--help").stdout
+    mentioned = set(re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*)", text))
+    assert mentioned - options - {"--help"} == set(), text
+    assert "<list[" not in text and "Path]" not in text
