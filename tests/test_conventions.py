@@ -60,7 +60,6 @@ def test_no_file_names_a_document_that_is_not_in_the_project():
 def test_help_mentions_only_options_the_recipe_has(recipe, run_inprocess):
     """e.g. no "--epochs" in a step-based recipe's help, and metavars that read as words, not Python types."""
     import typer
-
     from conftest import load_recipe
 
     app = typer.Typer()
