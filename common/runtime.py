@@ -9,6 +9,7 @@ enabled=p != "fp32")`` around the forward pass, and ``torch.amp.GradScaler(devic
 always built: disabled, its calls pass the loss and the step straight through.
 """
 
+import logging
 import random
 import re
 import time
@@ -43,6 +44,8 @@ def resolve_device(name: str) -> torch.device:
     # fp32 means fp32: PyTorch keeps TF32 off for matmuls by default but lets cuDNN's convolutions use it (10
     # mantissa bits on Ampere and later); --precision bf16 or fp16 is how a recipe asks for fewer bits.
     torch.backends.cudnn.allow_tf32 = False
+    if device.type != "cuda":  # torch.compile's C++ toolchain warns of a CUDA it will not use: noise on a CPU
+        logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
     return device
 
 

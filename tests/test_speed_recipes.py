@@ -153,3 +153,14 @@ def test_a_resume_may_change_where_and_how_fast_it_runs_and_ends_with_the_same_w
     assert "resumed at step 3" in resumed.stdout
     assert_same_weights(load_weights(tmp_path / "full" / "checkpoints" / "last.pt"),
                         load_weights(tmp_path / "cut" / "checkpoints" / "last.pt"))
+
+
+def test_a_compiled_run_on_a_cpu_prints_no_cuda_warning(tmp_path):
+    """torch.compile's C++ toolchain looks for CUDA and warns when it finds none: noise on a CPU-only machine."""
+    from conftest import run_subprocess
+
+    result = run_subprocess(["recipes/compiled_model.py", "--epochs", 1, "--max-steps", 2, "--samples", 256,
+                             "--batch-size", 128, "--width", 8, "--depth", 1, "--compile", "--device", "cpu",
+                             "--run-dir", tmp_path])
+    assert result.code == 0, result.stderr
+    assert "CUDA" not in result.stdout + result.stderr
