@@ -7,6 +7,7 @@ traceback either way.
 """
 
 import atexit
+import json
 import math
 import os
 import re
@@ -83,6 +84,35 @@ EMADecay = Annotated[float | None, typer.Option("--ema", callback=ema_decay, hel
                                                 "(ema_val_*), it chooses best.pt, which then holds it.")]
 KeepBest = Annotated[int, typer.Option(min=1, help="Keep the K best checkpoints (best-stepN.pt); best.pt is the best.")]
 Patience = Annotated[int | None, typer.Option(min=1, help="Stop after N evaluations without a better score.")]
+
+
+# What config.json records beside the options: where and how the run ran, and settings a recipe derives
+RECORD_KEYS = {"run_dir", "resume", "config_file", "recipe", "torch_version", "device_used", "world_size", "tf32",
+               "checkpoint_format"}
+
+
+def replay(ctx: typer.Context, path: Path | None) -> Path | None:
+    """--config: a run's config.json (or a file of that form) as this command's defaults; options given win. Not
+    its run directory or resume point: a replay is a new run."""
+    if path is None:
+        return None
+    try:
+        saved = json.loads(path.read_text())
+    except OSError as err:
+        raise typer.BadParameter(f"cannot read {path}: {err.strerror or err}") from None
+    except ValueError:
+        raise typer.BadParameter(f"{path} is not a JSON file (a run's config.json)") from None
+    names = {param.name for param in ctx.command.params}
+    unknown = sorted(saved.keys() - names - RECORD_KEYS) if isinstance(saved, dict) else ["(not an object)"]
+    if unknown:
+        raise typer.BadParameter(f"{path} holds settings this recipe does not have ({', '.join(unknown[:6])}): "
+                                 "another recipe's config?")
+    ctx.default_map = {k: v for k, v in saved.items() if k in names - {"run_dir", "resume", "config_file"}}
+    return path
+
+
+ConfigFile = Annotated[Path | None, typer.Option("--config", is_eager=True, callback=replay, help="Take the "
+                                                 "options of a run's config.json (those given here win): a replay.")]
 
 
 def as_config(options: dict) -> dict:

@@ -59,8 +59,8 @@ class RunLog:
     def start(self, step: int, config: dict, device: torch.device, world_size: int = 1) -> None:
         """Write config.json (the options, and where the run ran), open TensorBoard, print the header line."""
         tf32 = torch.backends.cuda.matmul.allow_tf32 or torch.backends.cudnn.allow_tf32  # what fp32 means on a GPU
-        self.config = {**config, "run_dir": str(self.run.path), "torch_version": torch.__version__,
-                       "device_used": str(device), "world_size": world_size, "tf32": tf32}
+        self.config = {**config, "recipe": self.recipe, "run_dir": str(self.run.path), "device_used": str(device),
+                       "world_size": world_size, "tf32": tf32, "torch_version": torch.__version__}
         if self.write:
             write_json(self.run.path / "config.json", self.config)
             # purge_step hides events a killed run logged after its checkpoint's step, so curves stay single

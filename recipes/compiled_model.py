@@ -94,8 +94,8 @@ class GatedMLP(nn.Module):
 
 def train(epochs: int, max_steps: int | None, batch_size: int, lr: float, samples: int, width: int, depth: int,
           compile: bool, mode: str, dynamic: bool | None, fullgraph: bool, backend: str, seed: int, device: str,
-          precision: str, num_workers: int, run_dir: Path | None, resume: str | None, checkpoint_every: int | None,
-          log_every: int | None) -> dict:
+          precision: str, num_workers: int, run_dir: Path | None, resume: str | None, config_file: Path | None,
+          checkpoint_every: int | None, log_every: int | None) -> dict:
     """One training run, eager or compiled, every step timed: the first steps carry the compilation."""
     config = cli.as_config(locals())  # every option: config.json, and what a resume must match
     run = open_run_dir(RECIPE, run_dir, resume)  # never over another run's checkpoints; one run at a time in it
@@ -297,6 +297,7 @@ def main(
     num_workers: cli.NumWorkers = 0,
     run_dir: cli.RunDir = None,
     resume: cli.Resume = None,
+    config_file: cli.ConfigFile = None,
     checkpoint_every: cli.CheckpointEvery = None,
     log_every: cli.LogEvery = None,
 ):

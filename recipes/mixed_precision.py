@@ -87,7 +87,8 @@ def amp_step(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.a
 
 def train(epochs: int, max_steps: int | None, batch_size: int, lr: float, samples: int, width: int, depth: int,
           max_slowdown: float, seed: int, device: str, precision: str, compile: bool, num_workers: int,
-          run_dir: Path | None, resume: str | None, checkpoint_every: int | None, log_every: int | None) -> dict:
+          run_dir: Path | None, resume: str | None, config_file: Path | None, checkpoint_every: int | None,
+          log_every: int | None) -> dict:
     """One training run in ``precision``; returns its metrics and the loss of every step."""
     config = cli.as_config(locals())  # every option: config.json, and what a resume must match
     run = open_run_dir(RECIPE, run_dir, resume)  # never over another run's checkpoints; one run at a time in it
@@ -226,6 +227,7 @@ def main(
     num_workers: cli.NumWorkers = 0,
     run_dir: cli.RunDir = None,
     resume: cli.Resume = None,
+    config_file: cli.ConfigFile = None,
     checkpoint_every: cli.CheckpointEvery = None,
     log_every: cli.LogEvery = None,
 ):

@@ -272,6 +272,7 @@ def main(
     data_dir: cli.DataDir = Path("data"),
     run_dir: cli.RunDir = None,
     resume: cli.Resume = None,
+    config_file: cli.ConfigFile = None,
     checkpoint_every: cli.CheckpointEvery = None,
     log_every: cli.LogEvery = None,
     ema_decay: cli.EMADecay = None,

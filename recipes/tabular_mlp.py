@@ -415,6 +415,7 @@ def main(
     data_dir: cli.DataDir = Path("data"),
     run_dir: cli.RunDir = None,
     resume: cli.Resume = None,
+    config_file: cli.ConfigFile = None,
     checkpoint_every: cli.CheckpointEvery = None,
     log_every: cli.LogEvery = None,
     keep_best: cli.KeepBest = 1,

@@ -485,6 +485,7 @@ def main(
     num_workers: cli.NumWorkers = 0,
     run_dir: cli.RunDir = None,
     resume: cli.Resume = None,
+    config_file: cli.ConfigFile = None,
     checkpoint_every: cli.CheckpointEvery = None,
     log_every: cli.LogEvery = None,
     parallel: Annotated[Literal["auto", "none", "ddp", "fsdp"], typer.Option(

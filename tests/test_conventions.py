@@ -8,7 +8,7 @@ import pytest
 from conftest import RECIPES, ROOT, read_metrics, smoke_args
 
 COMMON = ["--max-steps", "--batch-size", "--lr", "--seed", "--device", "--precision", "--compile", "--num-workers",
-          "--run-dir", "--resume", "--checkpoint-every", "--log-every"]
+          "--run-dir", "--resume", "--config", "--checkpoint-every", "--log-every"]
 READS_A_DATA_SET = {"mnist_onecycle", "ddp_mlp", "tabular_mlp"}  # the others make their data or take a file
 
 
@@ -69,3 +69,34 @@ def test_help_mentions_only_options_the_recipe_has(recipe, run_inprocess):
     mentioned = set(re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*)", text))
     assert mentioned - options - {"--help"} == set(), text
     assert "<list[" not in text and "Path]" not in text
+
+
+# measured, or where the run was: they differ between any two runs
+NOT_REPLAYED = {"wall_s", "samples_per_s", "tokens_per_s", "mfu", "step_ms", "first_step_s", "compile_s", "memory"}
+
+
+@pytest.mark.parametrize("recipe", ["mnist_onecycle", "tabular_mlp", "tiny_transformer"])
+def test_a_run_replayed_from_its_config_trains_to_the_same_numbers(recipe, run_inprocess, request, tmp_path):
+    first = run_inprocess(recipe, *smoke_args(recipe, request), "--seed", 3, "--run-dir", tmp_path / "first")
+    assert first.code == 0, first.stderr
+    replay = run_inprocess(recipe, "--config", tmp_path / "first" / "config.json", "--run-dir", tmp_path / "replay")
+    assert replay.code == 0, replay.stderr
+    a, b = ({k: v for k, v in read_metrics(tmp_path / d).items() if k not in NOT_REPLAYED} for d in ("first", "replay"))
+    assert a == b and a["steps"] > 0
+    config = json.loads((tmp_path / "replay" / "config.json").read_text())
+    assert config["seed"] == 3 and config["run_dir"] == str(tmp_path / "replay")  # its own run directory
+    # options given on the command line win over the file's
+    more = run_inprocess(recipe, "--config", tmp_path / "first" / "config.json", "--seed", 4, "--max-steps", 1,
+                         "--run-dir", tmp_path / "other")
+    assert more.code == 0 and json.loads((tmp_path / "other" / "config.json").read_text())["seed"] == 4
+
+
+def test_a_config_of_another_recipe_or_no_config_is_a_usage_error(run_inprocess, request, tmp_path):
+    first = run_inprocess("mixed_precision", *smoke_args("mixed_precision", request), "--run-dir", tmp_path / "a")
+    assert first.code == 0
+    other = run_inprocess("tabular_mlp", "--config", tmp_path / "a" / "config.json")
+    assert other.code == 2 and "'--config'" in other.stderr and "another recipe's config?" in other.stderr
+    (tmp_path / "bad.json").write_text("{not json")
+    for path, text in [(tmp_path / "bad.json", "is not a JSON file"), (tmp_path / "none.json", "cannot read")]:
+        result = run_inprocess("mixed_precision", "--config", path)
+        assert result.code == 2 and "'--config'" in result.stderr and text in result.stderr
