@@ -214,8 +214,9 @@ def main(
                                parts={"log": log, "best": best})
     step = checkpoints.restore(checkpoint) if checkpoint else 0
     log.start(step, config, device, world_size)
-    log.print(f"{len(train_set)} train / {len(val_set)} validation digits | global batch {batch_size * world_size} "
-              f"({world_size} x {batch_size}) | model {type(getattr(model, '_orig_mod', model)).__name__}")
+    log.print(f"{len(train_set)} train / {len(val_set)} validation digits from {data_dir.resolve()} | global "
+              f"batch {batch_size * world_size} ({world_size} x {batch_size}) | model "
+              f"{type(getattr(model, '_orig_mod', model)).__name__}")
     stop = StopRequest()  # Ctrl-C and SIGTERM: save and exit at the end of the step
 
     for epoch in epochs_left(step, steps_per_epoch, total_steps):

@@ -330,7 +330,8 @@ def main(
                                parts={"log": log, "best": best} | ({"ema": ema} if ema else {}))
     step = checkpoints.restore(checkpoint) if checkpoint else 0
     log.start(step, config, device)
-    log.print(f"{len(train_set)} train / {len(val_set)} validation / {len(test_set)} test digits")
+    log.print(f"{len(train_set)} train / {len(val_set)} validation / {len(test_set)} test digits from "
+              f"{data_dir.resolve()}")
     if finetune:
         log.print(f"fine-tuning from {finetune}: backbone peak lr {backbone_lr:g}, head peak lr {max_lr:g}")
     stop = StopRequest()  # Ctrl-C and SIGTERM: save and exit at the end of the step

@@ -695,7 +695,8 @@ def main(
     if sharded:
         checkpoints.finish()  # last.pt and best.pt as single files too, for one process (sampling, export)
     mfu = flops_per_token * log.throughput / (peak_flops * world_size)
-    log.finish(step, best.metrics() | {"mfu": mfu, "world_size": world_size} | (
+    log.finish(step, best.metrics() | {"mfu": mfu, "peak_flops": peak_flops, "peak_source": peak_source,
+                                       "world_size": world_size} | (
         {"memory": with_peaks(memory, device)} if memory else {}))
     if dist.is_initialized():
         leave_process_group()

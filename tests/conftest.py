@@ -11,6 +11,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +22,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+# The measured peak FLOP/s is cached per machine under ~/.cache: the tests' own cache, for every process they start
+os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="torch-recipes-test-cache-")
 
 from benchmarks.mnist_files import write_mnist  # noqa: E402
 

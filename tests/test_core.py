@@ -554,3 +554,23 @@ def test_loader_workers_ignore_ctrl_c_and_sigterm_which_the_main_process_handles
         for s, handler in previous.items():
             signal.signal(s, handler)
     assert handlers == [signal.SIG_IGN, signal.SIG_IGN]
+
+
+def test_a_log_file_gets_a_line_every_few_steps_in_the_format_of_the_evaluation_line(tmp_path, monkeypatch, capsys):
+    """Without a terminal (a cluster job's log) a run still says every N steps where it is, how fast and when it
+    will be done, flushed as written, so that a slow run reads differently from a hung one."""
+    now = [0.0]
+    monkeypatch.setattr(time, "perf_counter", lambda: now[0])  # a step takes one second
+    log = RunLog(RunFolder(tmp_path, None), "t", total_steps=40, every=10, steps_per_epoch=20)
+    log.start(0, {}, CPU)
+    for step in range(1, 21):
+        now[0] += 1.0
+        log.train(step, stats(1.0 / step), lr=0.01, items=8)
+    log.eval(20, val={"loss": 0.5})
+    log.writer.close()
+    lines = capsys.readouterr().out.strip().splitlines()[1:]  # after the header
+    assert lines[0].startswith("epoch 1/2  step 10/40  loss 0.1000  lr 1.00e-02  ")
+    assert lines[0].endswith("  8 samples/s  eta 0m30s")  # 30 steps left, one second each
+    assert lines[1].startswith("epoch 1/2  step 20/40  loss 0.0500  ")
+    assert lines[2].startswith("epoch 1/2  step 20/40  train_loss ") and "val_loss 0.5000" in lines[2]
+    assert len(lines) == 3

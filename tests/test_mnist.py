@@ -242,3 +242,19 @@ def test_the_test_set_is_scored_with_the_weights_best_pt_holds(run_inprocess, mn
     metrics = read_metrics(run_dir)
     assert (metrics["test_acc"], metrics["test_loss"]) == pytest.approx((scores["best"]["acc"], scores["best"]["loss"]))
     assert metrics["test_loss"] != pytest.approx(scores["last"]["loss"])
+
+
+def test_a_launch_from_another_folder_says_which_folders_it_uses(mnist_dir, tmp_path):
+    """--data-dir and --run-dir are relative to where a run is launched (as the README says): the header names
+    the absolute folders, and runs/ goes where the command ran."""
+    from conftest import ROOT, run_subprocess
+
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "digits").symlink_to(mnist_dir)
+    result = run_subprocess([ROOT / "recipes" / "mnist_onecycle.py", "--data-dir", "digits", "--max-steps", 2,
+                             "--batch-size", 32], cwd=elsewhere)
+    assert result.code == 0, result.stderr
+    run_dir = next((elsewhere / "runs" / RECIPE).iterdir())
+    assert f"run_dir {run_dir.resolve()} | device cpu" in result.stdout
+    assert f"test digits from {(elsewhere / 'digits').resolve()}" in result.stdout

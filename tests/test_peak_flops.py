@@ -28,7 +28,9 @@ def test_datasheet_figures_by_device_name(name, dtype, tf32, expected):
 
 
 @pytest.fixture
-def fake_gpu(monkeypatch):
+def fake_gpu(monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # measured afresh: nothing cached yet
+
     def install(name: str):
         monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
         monkeypatch.setattr(runtime, "measure_matmul_flops", lambda device, dtype: 1.5e12)
@@ -58,9 +60,11 @@ def test_an_unknown_gpu_is_measured_and_says_so(fake_gpu):
     assert flops == 1.5e12 and source == "measured: back-to-back torch.bfloat16 matmuls on NVIDIA A10G"
 
 
-def test_the_cpu_is_measured():
+def test_the_cpu_is_measured(monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     flops, source = device_peak_flops(torch.device("cpu"), torch.float32)
-    assert flops > 0 and source == "measured: back-to-back torch.float32 matmuls on cpu"
+    assert flops > 0 and source.startswith("measured: back-to-back torch.float32 matmuls on ")
+    assert source.endswith(f", {torch.get_num_threads()} threads")  # the CPU's model and the threads it used
 
 
 def test_measure_keeps_its_signature_and_leaves_the_global_rng_alone():
@@ -70,3 +74,17 @@ def test_measure_keeps_its_signature_and_leaves_the_global_rng_alone():
     assert measure_matmul_flops(torch.device("cpu"), torch.float32) > 0  # tiny_transformer's call
     assert measure_matmul_flops(torch.device("cpu"), torch.float32, 256) > 0  # the former size argument
     assert torch.equal(torch.rand(2), expected)
+
+
+def test_a_measured_peak_is_measured_once_per_machine_and_then_read_back(monkeypatch, tmp_path):
+    """MFU's denominator must not move with how busy the machine was when a run started: the first run measures
+    (the best of five), later runs read the figure back, and say where it came from."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    readings = iter([1.0e11, 3.0e11, 2.0e11, 2.5e11, 0.5e11])
+    monkeypatch.setattr(runtime, "measure_matmul_flops", lambda device, dtype: next(readings))
+    flops, source = device_peak_flops(torch.device("cpu"), torch.float32)
+    assert flops == 3.0e11 and source.startswith("measured: back-to-back torch.float32 matmuls on ")
+    monkeypatch.setattr(runtime, "measure_matmul_flops", lambda device, dtype: pytest.fail("measured again"))
+    again, cached = device_peak_flops(torch.device("cpu"), torch.float32)
+    assert again == 3.0e11 and f"(cached in {tmp_path / 'torch-recipes' / 'peak_flops.json'})" in cached
+    assert source in cached and f"{torch.get_num_threads()} threads" in cached
