@@ -12,6 +12,7 @@ import math
 import os
 import re
 import sys
+import time
 from collections.abc import Callable
 from contextlib import ExitStack
 from contextvars import ContextVar
@@ -163,8 +164,12 @@ def run_recipe(main: Callable[..., object], argv: list[str] | None = None) -> No
             finally:
                 RUNNING.reset(running)
     except RecipeError as err:
+        message = " ".join(str(err).split())  # one line, however it was built
         if not quiet:
-            print(f"error: {' '.join(str(err).split())}", file=sys.stderr, flush=True)  # one line, however built
+            print(f"error: {message}", file=sys.stderr, flush=True)
+        if "TORCHELASTIC_ERROR_FILE" in os.environ:  # torchrun's report of the failure quotes it (not a link)
+            failure = {"message": message, "extraInfo": {"py_callstack": message, "timestamp": str(int(time.time()))}}
+            Path(os.environ["TORCHELASTIC_ERROR_FILE"]).write_text(json.dumps({"message": failure}))
         sys.exit(1)
     except (KeyboardInterrupt, typer.Abort):  # Ctrl-C before training, where no StopRequest listens yet
         sys.exit(130)

@@ -163,6 +163,8 @@ def test_a_failure_on_the_ranks_ends_them_all_with_the_one_line_error(mnist_dir,
     # Every rank meets it, and rank 0 alone says it, on a line of its own (the others exit with the same status)
     errors = [line for line in result.stderr.splitlines() if "error: " in line]
     assert errors == [f"error: checkpoint {tmp_path / 'missing.pt'} does not exist"]
+    # torchrun's own report of the failed ranks (its ChildFailedError) quotes the reason from each error file
+    assert f"traceback : checkpoint {tmp_path / 'missing.pt'} does not exist" in result.stdout + result.stderr
 
 
 def test_a_failure_found_by_rank_0_alone_ends_every_rank_with_its_one_line_error(mnist_dir, tmp_path):
