@@ -6,6 +6,7 @@ Their speed targets are measured by benchmarks/run.py, never asserted here.
 import json
 import math
 import re
+import statistics
 
 import pytest
 import torch
@@ -71,26 +72,50 @@ def test_mixed_precision_compare_table(run_inprocess, tmp_path):
     assert result.code == 0, result.stderr
     table = parse_table(result.stdout)
     assert {"fp32", "bf16", "fp16"} <= table.keys()
-    rows = json.loads((tmp_path / "cmp" / "metrics.json").read_text())["compare"]
+    summary = json.loads((tmp_path / "cmp" / "metrics.json").read_text())
+    rows = summary["compare"]
+    assert summary["repeats"] == 3 and "median (min-max) of 3 interleaved rounds" in result.stdout
     for precision in ("fp32", "bf16", "fp16"):
-        throughput, speedup, final_loss = table[precision][:3]
+        ms, throughput, speedup, final_loss = table[precision][:4]
         row = rows[precision]
-        assert float(speedup.rstrip("x")) == pytest.approx(row["samples_per_s"] / rows["fp32"]["samples_per_s"],
-                                                           abs=0.01)
-        assert float(throughput.replace(",", "")) == pytest.approx(row["samples_per_s"], abs=1)
+        # one clock for all: samples/s is the batch over the very seconds per step the table shows
+        assert float(ms.split()[0]) == pytest.approx(statistics.median(row["ms_per_step"]), abs=0.01)
+        assert float(throughput.replace(",", "")) == pytest.approx(statistics.median(row["samples_per_s"]), abs=1)
+        assert [b / s for b, s in zip([64] * 3, [m / 1000 for m in row["ms_per_step"]], strict=True)] == \
+            pytest.approx(row["samples_per_s"])
+        assert float(speedup.split()[0]) == pytest.approx(statistics.median(row["speedup"]), abs=0.01)
         assert float(final_loss) == pytest.approx(row["train_loss"], abs=1e-4)
         assert math.isfinite(row["max_loss_diff"])
-    assert rows["fp32"]["max_loss_diff"] == 0
+    assert rows["fp32"]["max_loss_diff"] == 0 and rows["fp32"]["speedup"] == [1.0, 1.0, 1.0]
     assert 0 < rows["bf16"]["max_loss_diff"] < 0.1  # bf16 really ran, and tracks fp32 closely
     for precision in ("fp32", "bf16", "fp16"):
         assert (tmp_path / "cmp" / precision / "checkpoints" / "last.pt").is_file()
 
 
+def test_compare_times_the_precisions_interleaved_and_warns_of_a_busy_machine(run_inprocess, tmp_path, monkeypatch):
+    # the timings are fixed here: what is tested is what --compare does with them, not this CPU's speed
+    calls = []
+    timings = {"fp32": iter([0.010, 0.011, 0.020]), "bf16": iter([0.005, 0.005, 0.006]), "fp16": iter([0.5] * 3)}
+
+    def fake(device, precision, *args, **kwargs):
+        calls.append(precision)
+        return (next(timings[precision]), "") if args[-1] != 1 else (0.0, "")
+
+    monkeypatch.setattr(load_recipe("mixed_precision"), "seconds_per_step", fake)
+    result = run_inprocess("mixed_precision", "--compare", *MP_SMALL, "--epochs", 1, "--max-slowdown", 4,
+                           "--run-dir", tmp_path / "cmp")
+    assert result.code == 0, result.stderr
+    assert calls[:9] == ["fp32", "bf16", "fp16"] * 3  # A B C A B C A B C: drifting load hits all alike
+    rows = json.loads((tmp_path / "cmp" / "metrics.json").read_text())["compare"]
+    assert rows["bf16"]["speedup"] == pytest.approx([2.0, 2.2, 20 / 6])  # per round: fp32's seconds over its own
+    assert rows["fp16"]["note"] == "45x slower than fp32 here: not trained"  # the median round: 0.5 s vs 0.011 s
+    assert "warning: fp32 varied by over 25% between rounds: the machine is busy" in result.stdout
+
+
 def test_compare_says_when_a_precision_is_too_slow_or_unsupported(run_inprocess, tmp_path, monkeypatch):
-    # the probe's timings are fixed here: what is tested is what --compare does with them, not this CPU's speed
     probes = {"fp32": (0.01, ""), "bf16": (0.5, ""), "fp16": (float("inf"), "no fp16 kernel for Linear")}
     monkeypatch.setattr(load_recipe("mixed_precision"), "seconds_per_step",
-                        lambda device, precision, *sizes: probes[precision])
+                        lambda device, precision, *sizes, **kwargs: probes[precision])
     result = run_inprocess("mixed_precision", "--compare", *MP_SMALL, "--epochs", 1, "--max-slowdown", 4,
                            "--run-dir", tmp_path / "cmp")
     assert result.code == 0, result.stderr

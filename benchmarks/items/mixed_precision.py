@@ -3,21 +3,18 @@
 import torch
 
 from benchmarks import harness
-from benchmarks.harness import interleaved, load_recipe, summarise
+from benchmarks.harness import load_recipe, summarise
 
 
 def mixed_precision(quick: bool) -> dict:
     """Seconds per training step of the recipe's MLP (784-1024x3-10, AdamW, batch 512) in fp32, bf16 and fp16
-    autocast, each a fresh model timed over a few steps after a warm-up step (mixed_precision.seconds_per_step:
-    the median step), interleaved fp32, bf16, fp16, fp32, ...; the speed-up is fp32's seconds over the other's,
-    per round."""
+    autocast, measured as the recipe's --compare measures them (mixed_precision.measure_speed: fresh models, the
+    median of a few steps after a warm-up, interleaved fp32, bf16, fp16, fp32, ...); the speed-up is fp32's
+    seconds over the other's, per round."""
     mp = load_recipe("mixed_precision")
     sizes = {"width": 128 if quick else 1024, "depth": 3, "batch_size": 64 if quick else 512}
     repeats = 1 if quick else 3
-    # emulated bf16 (no native units) is slow: 2 timed steps of each low precision, 5 of fp32
-    runs = interleaved(repeats, **{precision: lambda p=precision: mp.seconds_per_step(
-        torch.device(harness.DEVICE), p, **sizes, steps=5 if p == "fp32" else 2)[0]
-        for precision in ("fp32", "bf16", "fp16")})
+    runs = mp.measure_speed(torch.device(harness.DEVICE), **sizes, repeats=repeats)
     rows = {p: summarise([f / x for f, x in zip(runs["fp32"], runs[p], strict=True)]) for p in runs}
     return {"item": "Mixed precision: speed-up over fp32, the recipe's MLP (784-1024x3-10, batch 512), "
                     f"{repeats} interleaved rounds",
