@@ -619,8 +619,8 @@ def main(
     log.start(step, config, device, world_size)
     log.print(f"{len(train_tokens):,} train / {len(val_tokens):,} val tokens | vocab {model_config.vocab_size} | "
               f"{sum(p.numel() for p in model.parameters()):,} parameters | peak {peak_flops / 1e9:,.0f} GFLOP/s "
-              f"({peak_source}) | parallel {parallel}: {type(ddp).__name__} | global batch {global_batch} ({world_size} "
-              f"x {batch_size} x {grad_accum})")
+              f"({peak_source}) | parallel {parallel}: {type(ddp).__name__} | global batch {global_batch} "
+              f"({world_size} x {batch_size} x {grad_accum})")
     stop = StopRequest()  # Ctrl-C and SIGTERM: save and exit at the end of the step
     reset_peak_memory(device)  # the peak of training, not of setting up
     memory = {}
