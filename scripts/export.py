@@ -432,6 +432,10 @@ def export_checkpoint(checkpoint: Path, out_dir: Path, overwrite: bool = False, 
                 "check": {"batch": CHECK_BATCH, "tolerance": TOLERANCE, "max_abs_diff": differences}}
         if format != "hf":  # a GPT-2 folder holds Hugging Face's files only
             (tmp / "model.json").write_text(json.dumps(info, indent=2) + "\n")
+        umask = os.umask(0)
+        os.umask(umask)
+        for path in tmp.iterdir():  # safetensors writes its files private; the export is ordinary files
+            os.chmod(path, 0o666 & ~umask)
         replace_dir(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -118,6 +118,7 @@ def test_the_exported_folder_loads_without_a_warning_and_gives_the_recipes_logit
     said = capfd.readouterr()
     for word in ("missing", "unexpected", "newly initialized", "not used", "mismatch"):
         assert word not in (said.out + said.err).lower(), said
+    assert {p.stat().st_mode & 0o777 for p in folder.iterdir()} == {(folder / "config.json").stat().st_mode & 0o777}
     config = json.loads((folder / "config.json").read_text())
     assert config["activation_function"] == "gelu" and config["layer_norm_epsilon"] == 1e-5  # exact GELU, nn's eps
     assert config["n_positions"] == 16 and config["tie_word_embeddings"] is True and config["model_type"] == "gpt2"
