@@ -18,8 +18,14 @@ global batch is drawn once and every rank takes its slice, so 1 x 32, 2 x 16 and
 the same tokens and end with the same weights (within float rounding). ``--activation-checkpointing``
 recomputes each block in the backward pass.
 
+``--init-from DIR`` fine-tunes GPT-2: a folder in Hugging Face's format (``hf download gpt2 --local-dir gpt2``, or
+one scripts/export.py --format hf wrote) gives the model's shape, weights and tokenizer; the model is the same
+GPT, with GPT-2's biases and its GELU (``GPTConfig.bias``, ``activation``) where the folder has them.
+common/hf_gpt2.py converts names, layouts and tokenizers, both ways.
+
     python recipes/tiny_transformer.py                       # corpus: this Python's standard library
     python recipes/tiny_transformer.py --text input.txt --vocab chars
+    python recipes/tiny_transformer.py --init-from gpt2 --text input.txt --lr 3e-5 --min-lr-ratio 1
     python recipes/tiny_transformer.py --sample-only --resume runs/tiny_transformer/.../checkpoints/last.pt
     torchrun --nproc_per_node=2 recipes/tiny_transformer.py --parallel fsdp --batch-size 16
 
@@ -52,7 +58,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import checkpoint
 from torch.utils.data import IterableDataset, get_worker_info
 
-from common import cli
+from common import cli, hf_gpt2
 from common.best import BestScore
 from common.checkpoint import Checkpointer, load_model_state, resume_checkpoint
 from common.data import make_loader
@@ -87,14 +93,18 @@ class GPTConfig:
     n_embd: int = 128
     dropout: float = 0.0
     attention: str = "sdpa"  # or "einsum": the same attention written out
+    # GPT-2's own, for a model from a Hugging Face folder (--init-from): biases in every linear layer and norm, and
+    # "gelu_new", GELU's tanh approximation. A model of its own has neither: no biases, exact GELU.
+    bias: bool = False
+    activation: str = "gelu"  # or "gelu_new"
 
 
 class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
         self.n_head, self.attention, self.dropout = config.n_head, config.attention, config.dropout
-        self.qkv = nn.Linear(config.n_embd, 3 * config.n_embd, bias=False)  # query, key, value in one matmul
-        self.proj = nn.Linear(config.n_embd, config.n_embd, bias=False)
+        self.qkv = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)  # query, key, value in one matmul
+        self.proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.attn_dropout = nn.Dropout(config.dropout)
         self.resid_dropout = nn.Dropout(config.dropout)
         # The causal mask is a buffer: not learned, but it moves with .to(device) like the parameters.
@@ -137,12 +147,13 @@ class CausalSelfAttention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
-        self.fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=False)
-        self.proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=False)
+        self.fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
+        self.proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
         self.dropout = nn.Dropout(config.dropout)
+        self.approximate = "tanh" if config.activation == "gelu_new" else "none"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.dropout(self.proj(F.gelu(self.fc(x))))
+        return self.dropout(self.proj(F.gelu(self.fc(x), approximate=self.approximate)))
 
 
 class Block(nn.Module):
@@ -150,9 +161,9 @@ class Block(nn.Module):
 
     def __init__(self, config: GPTConfig):
         super().__init__()
-        self.ln_1 = nn.LayerNorm(config.n_embd, bias=False)
+        self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.attn = CausalSelfAttention(config)
-        self.ln_2 = nn.LayerNorm(config.n_embd, bias=False)
+        self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.mlp = MLP(config)
 
     def forward(self, x: torch.Tensor, cache: dict | None = None) -> torch.Tensor:
@@ -168,7 +179,7 @@ class GPT(nn.Module):
         self.wpe = nn.Embedding(config.block_size, config.n_embd)  # position embeddings
         self.drop = nn.Dropout(config.dropout)
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
-        self.ln_f = nn.LayerNorm(config.n_embd, bias=False)
+        self.ln_f = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         # Weight tying: reading a token in and writing it out share one matrix (fewer parameters, and
         # it trains better at small scale).
@@ -183,6 +194,8 @@ class GPT(nn.Module):
     def _init_weights(module: nn.Module) -> None:
         if isinstance(module, nn.Linear | nn.Embedding):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:  # GPT-2's biases start at zero
+            nn.init.zeros_(module.bias)
 
     def forward(self, idx: torch.Tensor, caches: list[dict] | None = None) -> torch.Tensor:
         """(B, T) token ids -> (B, T, vocab_size) logits for the next token at every position.
@@ -274,10 +287,16 @@ def read_text(path: Path) -> bytes:
     return data
 
 
-def encode(data: bytes, vocab: str | None) -> torch.Tensor:
-    """Bytes -> token ids. ``vocab`` None means byte-level (ids 0-255); otherwise ids index its characters."""
+def encode(data: bytes, vocab: str | object | None) -> torch.Tensor:
+    """Bytes -> token ids. ``vocab`` None means byte-level (ids 0-255); a string: ids index its characters; else
+    it is the tokenizer of an --init-from folder (GPT-2's BPE, a ``tokenizers.Tokenizer``), which gives the ids."""
     if vocab is None:
         return torch.frombuffer(bytearray(data), dtype=torch.uint8)  # 1 byte per token: 8x less than int64
+    if not isinstance(vocab, str):
+        try:
+            return torch.tensor(vocab.encode(data.decode("utf-8")).ids, dtype=torch.int32)
+        except Exception as err:  # a tokenizer without byte fallback meets a character it does not know
+            raise cli.RecipeError(f"the folder's tokenizer cannot encode the text: {err}") from None
     index = {ch: i for i, ch in enumerate(vocab)}
     text = data.decode("utf-8")
     unknown = sorted(set(text) - index.keys())
@@ -286,9 +305,11 @@ def encode(data: bytes, vocab: str | None) -> torch.Tensor:
     return torch.tensor([index[ch] for ch in text], dtype=torch.int16 if len(vocab) < 2**15 else torch.int32)
 
 
-def decode(tokens: list[int], vocab: str | None) -> str:
+def decode(tokens: list[int], vocab: str | object | None) -> str:
     if vocab is None:
         return bytes(tokens).decode("utf-8", errors="replace")
+    if not isinstance(vocab, str):
+        return vocab.decode(tokens, skip_special_tokens=False)
     return "".join(vocab[t] for t in tokens)
 
 
@@ -352,12 +373,13 @@ def warmup_cosine(optimizer, warmup_steps: int, total_steps: int, min_lr_ratio: 
     return torch.optim.lr_scheduler.SequentialLR(optimizer, [warmup, cosine], milestones=[warmup_steps])
 
 
-def sample_text(model: GPT, vocab: str | None, prompt: str, tokens: int, temperature: float, top_k: int | None,
+def sample_text(model: GPT, vocab: str | object | None, prompt: str, tokens: int, temperature: float, top_k: int | None,
                 seed: int, device: torch.device, use_cache: bool = True) -> str:
     model = unwrap(model)  # generation changes the sequence length every token: no compiled graph for it
     was_training = model.training
     model.eval()
-    prompt = prompt or ("\n" if vocab is None or "\n" in vocab else vocab[0])  # no prompt: a newline, if known
+    # no prompt: a newline, if the vocabulary has one
+    prompt = prompt or ("\n" if not isinstance(vocab, str) or "\n" in vocab else vocab[0])
     start = encode(prompt.encode("utf-8"), vocab).long()[None, -model.config.block_size :].to(device)
     # A generator of its own: sampling never shifts the training run's random numbers.
     generator = torch.Generator(device).manual_seed(seed)
@@ -442,9 +464,12 @@ def leave_process_group() -> None:
 
 def main(
     text: Annotated[Path | None, typer.Option(help="Train on this UTF-8 file [default: Python's stdlib].")] = None,
-    vocab_kind: Annotated[
-        Literal["bytes", "chars"], typer.Option("--vocab", help="Tokens: bytes (256) or the characters seen.")
-    ] = "bytes",
+    vocab_kind: Annotated[Literal["bytes", "chars"] | None, typer.Option(
+        "--vocab", help="Tokens: bytes (256) or the characters seen [default: bytes; --init-from: the folder's].")
+    ] = None,
+    init_from: Annotated[Path | None, typer.Option(
+        help="Start from a GPT-2 folder in Hugging Face's format (hf download gpt2 --local-dir gpt2, or an export): "
+             "its shape, weights and tokenizer.")] = None,
     steps: cli.Steps = 1200,
     max_steps: cli.MaxSteps = None,
     batch_size: Annotated[int, typer.Option(
@@ -462,10 +487,14 @@ def main(
              "suits the small, noisy batches of a CPU run; 0.95 (GPT-2/3's) reacts faster, for large batches."),
     ] = 0.99,
     max_grad_norm: Annotated[float, typer.Option(min=0.0, help="Gradient clipping norm (0: off).")] = 1.0,
-    n_layer: Annotated[int, typer.Option(min=1, help="Transformer blocks.")] = 4,
-    n_head: Annotated[int, typer.Option(min=1, help="Attention heads (must divide --n-embd).")] = 4,
-    n_embd: Annotated[int, typer.Option(min=1, help="Width of the residual stream.")] = 128,
-    block_size: Annotated[int, typer.Option(min=2, help="Context length in tokens.")] = 128,
+    n_layer: Annotated[int | None, typer.Option(min=1, help="Transformer blocks [default: 4; --init-from: the "
+                                                "folder's].")] = None,
+    n_head: Annotated[int | None, typer.Option(min=1, help="Attention heads, must divide --n-embd [default: 4; "
+                                               "--init-from: the folder's].")] = None,
+    n_embd: Annotated[int | None, typer.Option(min=1, help="Width of the residual stream [default: 128; --init-from: "
+                                               "the folder's].")] = None,
+    block_size: Annotated[int | None, typer.Option(min=2, help="Context length in tokens [default: 128; --init-from: "
+                                                   "the folder's].")] = None,
     dropout: Annotated[float, typer.Option(min=0.0, max=0.9, help="Dropout (0 suits short runs).")] = 0.0,
     attention: Annotated[
         Literal["sdpa", "einsum"], typer.Option(help="sdpa: fused kernel; einsum: the same math written out.")
@@ -501,14 +530,26 @@ def main(
 ):
     """Train a tiny GPT on text (default: the Python standard library), or sample from a trained one."""
     options = dict(locals())  # the run's config, as given (with the batch sizes filled in below)
-    if n_embd % n_head:
+    if init_from is None:  # a model of its own: the defaults of what a --init-from folder sets (None: the folder's)
+        vocab_kind, n_layer, n_head, n_embd, block_size = vocab_kind or "bytes", n_layer or 4, n_head or 4, \
+            n_embd or 128, block_size or 128
+        options.update(vocab_kind=vocab_kind, n_layer=n_layer, n_head=n_head, n_embd=n_embd, block_size=block_size)
+    if n_embd and n_head and n_embd % n_head:
         raise typer.BadParameter(f"{n_embd} is not divisible by --n-head {n_head}", param_hint="--n-embd")
     if parallel == "fsdp" and precision == "fp16":
         raise typer.BadParameter("fp16 needs a GradScaler of sharded gradients: use bf16 with --parallel fsdp",
                                  param_hint="--precision")
     if sample_only:
-        if resume is None or resume == "auto":
-            raise typer.BadParameter("--sample-only needs a checkpoint file", param_hint="--resume")
+        if resume == "auto" or (resume is None) == (init_from is None):
+            raise typer.BadParameter("--sample-only needs a checkpoint file, or else an --init-from folder (one of "
+                                     "them)", param_hint="--resume")
+        if init_from is not None:  # straight from a GPT-2 folder: what does it say before any training?
+            folder = hf_gpt2.read_folder(init_from)
+            model = GPT(GPTConfig(**folder.shape)).to(resolve_device(device))
+            load_model_state(model, folder.weights, init_from)
+            print(sample_text(model, folder.vocab, prompt, sample_tokens, temperature, top_k, seed,
+                              next(model.parameters()).device))
+            return
         # a single file (last.pt) or a sharded checkpoint folder: DCP reads its shards into one whole model
         checkpoint = load_trainer_state(Path(resume), RECIPE)
         model = GPT(GPTConfig(**checkpoint["model_config"])).to(resolve_device(device))
@@ -516,7 +557,7 @@ def main(
             load_sharded(Path(resume), model)
         else:
             load_model_state(model, checkpoint["model"], Path(resume))
-        print(sample_text(model, checkpoint["vocab"], prompt, sample_tokens, temperature, top_k, seed,
+        print(sample_text(model, hf_gpt2.checkpoint_vocab(checkpoint), prompt, sample_tokens, temperature, top_k, seed,
                           next(model.parameters()).device))
         return
     rank, world_size, device = init_distributed(resolve_device(device))
@@ -555,14 +596,32 @@ def main(
     # DDP checks they agree), and draws the same validation batches.
     seed_everything(seed)
 
+    # --init-from: a GPT-2 folder in Hugging Face's format gives the model's shape, its weights and its tokens (a
+    # resume takes them from its checkpoint instead, so the folder is read only at the start). common/hf_gpt2.py
+    # converts its names and layout; options that contradict it are refused.
+    folder = None
+    if init_from is not None and not checkpoint:
+        folder = hf_gpt2.read_folder(init_from)
+        hf_gpt2.check_options(folder, vocab=vocab_kind, n_layer=n_layer, n_head=n_head, n_embd=n_embd,
+                              block_size=block_size)
+
     # Data: the last 10% of the corpus is the validation split
     corpus = read_text(text) if text else stdlib_corpus()
-    if checkpoint:
-        vocab = checkpoint["vocab"]
+    if checkpoint:  # the tokens the run started with
+        vocab = hf_gpt2.checkpoint_vocab(checkpoint)
+    elif folder:
+        vocab = folder.vocab
     else:
         vocab = None if vocab_kind == "bytes" else "".join(sorted(set(corpus.decode("utf-8"))))
+    if init_from is None:
+        model_config = GPTConfig(256 if vocab is None else len(vocab), block_size, n_layer, n_head, n_embd, dropout,
+                                 attention)
+    else:  # the folder's shape (a resume's checkpoint has it from there), with this run's dropout and attention
+        model_config = GPTConfig(**{**(checkpoint["model_config"] if checkpoint else folder.shape),
+                                    "dropout": dropout, "attention": attention})
+        block_size = model_config.block_size
     tokens = encode(corpus, vocab)
-    if vocab is not None and (unknown := sorted(set(prompt) - set(vocab))):  # now, not after training
+    if isinstance(vocab, str) and (unknown := sorted(set(prompt) - set(vocab))):  # now, not after training
         raise typer.BadParameter(f"characters not in the text's vocabulary: {''.join(unknown[:20])!r}",
                                  param_hint="--prompt")
     split = int(0.9 * len(tokens))
@@ -575,9 +634,9 @@ def main(
     val_stream = RandomWindows(val_tokens, block_size, global_batch, seed + 1, rows=rows)
     val_batches = [val_stream.batch(i) for i in range(eval_batches)]  # the same batches at every evaluation
 
-    model_config = GPTConfig(256 if vocab is None else len(vocab), block_size, n_layer, n_head, n_embd, dropout,
-                             attention)
     model = GPT(model_config).to(device)
+    if folder:
+        load_model_state(model, folder.weights, init_from)
     model.checkpoint_blocks = activation_checkpointing
     flops_per_token = model.flops_per_token()
     if parallel == "ddp" and dist.is_initialized():
@@ -605,7 +664,7 @@ def main(
                  write=rank == 0)
     best = BestScore("val_loss", higher_is_better=False)
     state = dict(model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, parts={"log": log, "best": best},
-                 data={"vocab": vocab, "model_config": asdict(model_config)})
+                 data={**hf_gpt2.vocab_state(vocab), "model_config": asdict(model_config)})
     checkpoints = ShardedCheckpointer(run, RECIPE, config, best=best, **state) if sharded else \
         Checkpointer(run, RECIPE, config, **state)
     step = checkpoints.restore(checkpoint) if checkpoint else 0
@@ -626,7 +685,7 @@ def main(
     stop = StopRequest()  # Ctrl-C and SIGTERM: save and exit at the end of the step
     reset_peak_memory(device)  # the peak of training, not of setting up
     memory = {}
-    unit = "byte" if vocab is None else "char"
+    unit = "byte" if vocab is None else "char" if isinstance(vocab, str) else "token"
 
     def validate(weights: nn.Module) -> dict[str, float]:
         val = mean_over_ranks(evaluate(weights, val_batches, lm_loss, device=device, precision=precision), device)

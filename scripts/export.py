@@ -1,8 +1,11 @@
 """Turn a recipe's checkpoint into files a deployment can use without this repository.
 
     python scripts/export.py runs/mnist_onecycle/.../checkpoints/best.pt exported/mnist
+    python scripts/export.py runs/tiny_transformer/.../checkpoints/best.pt exported/gpt --format hf
+    python scripts/export.py runs/tiny_transformer/.../checkpoints/dcp/step-000600 exported/gpt --format hf
 
-writes into OUT_DIR:
+CHECKPOINT is a checkpoint file (last.pt, best.pt) or a sharded checkpoint folder (FSDP's ``dcp/step-N``, read
+into one whole model with common/sharded.py). ``--format graph`` (the default) writes into OUT_DIR:
 
 - ``model.pt2``: a ``torch.export`` program (graph and weights) with a dynamic batch dimension, which
   ``torch.export.load`` runs in any process that has torch, without common/ or the recipe;
@@ -12,8 +15,18 @@ writes into OUT_DIR:
   them (MNIST's size and normalisation, a table's preprocessing, the vocabulary), what the output means,
   and the agreement check below.
 
-Before anything is kept, one batch runs through the eager model, the exported program and onnxruntime; the
-largest difference must be at most 1e-4, else the export fails. Everything is written into a temporary
+(and ``tokenizer.json`` for a transformer that has a Hugging Face tokenizer, from ``--init-from``).
+
+``--format hf`` (tiny_transformer only) writes a GPT-2 folder in Hugging Face's format, which
+``transformers.GPT2LMHeadModel.from_pretrained`` and ``AutoTokenizer.from_pretrained`` load: config.json,
+model.safetensors, generation_config.json, tokenizer.json and tokenizer_config.json (common/hf_gpt2.py does the
+conversion). ``--format safetensors`` writes the model's state_dict as ``model.safetensors`` (tied weights stored
+under each name, so ``model.load_state_dict(safetensors.torch.load_file(...))`` takes it as it is) and the
+``model.json`` above.
+
+Before anything is kept, one batch runs through the eager model and what was written (the exported program and
+onnxruntime; transformers' GPT-2; the weights read back); the largest difference must be at most 1e-4, else
+the export fails. Everything is written into a temporary
 folder next to OUT_DIR and renamed at the end: a failed export leaves nothing behind.
 
 Exit status 0 on success, 2 on a usage error, 1 on any other problem; every error is one line
@@ -26,13 +39,14 @@ import importlib.util
 import io
 import json
 import logging
+import math
 import os
 import re
 import shutil
 import sys
 import tempfile
 import warnings
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -42,6 +56,7 @@ import torch
 from torch import nn
 from torch.export import Dim
 
+from common import hf_gpt2
 from common.checkpoint import load_model_state
 from common.cli import RecipeError
 from common.data import MNIST_MEAN, MNIST_STD
@@ -65,6 +80,7 @@ class Exportable:
     check: dict[str, torch.Tensor]
     info: dict
     reference: nn.Module | None = None  # the eager model the check compares against, if not ``model`` itself
+    files: dict[str, str] = field(default_factory=dict)  # more files to write beside the model: name -> text
 
 
 def load_recipe(name: str):
@@ -173,10 +189,13 @@ def tiny_transformer(state: dict, path: Path) -> Exportable:
     tokens = Dim("tokens", min=1, max=config.block_size)
     example = {"idx": torch.randint(config.vocab_size, (EXAMPLE_BATCH, max(2, config.block_size // 2)), generator=g)}
     check = {"idx": torch.randint(config.vocab_size, (CHECK_BATCH, config.block_size), generator=g)}
+    tokenizer = state.get("tokenizer")  # a Hugging Face tokenizer's JSON (--init-from), written as tokenizer.json
     info = {
         "input": {"idx": {"shape": ["batch", "tokens"], "dtype": "int64", "max_tokens": config.block_size}},
-        # None: byte-level, token t is the byte t (0-255); else token t is the character vocab[t]
+        # None: byte-level, token t is the byte t (0-255); else token t is the character vocab[t]; with a
+        # "tokenizer" entry, that file's tokenizer (tokenizers.Tokenizer.from_file) gives the tokens
         "vocab": state["vocab"],
+        **({"tokenizer": "tokenizer.json"} if tokenizer else {}),
         "vocab_size": config.vocab_size,
         "block_size": config.block_size,
         "model_config": state["model_config"],
@@ -184,7 +203,8 @@ def tiny_transformer(state: dict, path: Path) -> Exportable:
         "output": {"logits": {"shape": ["batch", "tokens", config.vocab_size], "dtype": "float32",
                               "meaning": "scores of the next token at every position; sample from the last"}},
     }
-    return Exportable(model, example, {"idx": {0: BATCH, 1: tokens}}, check, info, reference)
+    return Exportable(model, example, {"idx": {0: BATCH, 1: tokens}}, check, info, reference,
+                      {"tokenizer.json": tokenizer} if tokenizer else {})
 
 
 def synthetic_mlp(n_features: int) -> dict:
@@ -230,8 +250,11 @@ BUILDERS = {f.__name__: f for f in (mnist_onecycle, ddp_mlp, tabular_mlp, tiny_t
 
 def read_checkpoint(path: Path) -> dict:
     """The checkpoint's dict, loaded safely (weights_only); any problem is one ExportError."""
+    if path.is_dir() and (path / ".metadata").is_file() and (path / "trainer.pt").is_file():
+        return read_sharded(path)
     if not path.is_file():
-        raise ExportError(f"checkpoint {path} does not exist" if not path.exists() else f"{path} is not a file")
+        raise ExportError(f"checkpoint {path} does not exist" if not path.exists() else
+                          f"{path} is not a file (nor a sharded checkpoint folder with .metadata and trainer.pt)")
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -245,6 +268,31 @@ def read_checkpoint(path: Path) -> dict:
         raise ExportError(f"{path} is not a checkpoint of a recipe of this project "
                           f"(one of {', '.join(sorted(BUILDERS))})")
     return state
+
+
+def read_sharded(path: Path) -> dict:
+    """A sharded (DCP) checkpoint folder as the single file's dict: common.sharded.to_single_file writes the whole
+    model into a temporary file, which is read and removed again."""
+    from common.sharded import to_single_file
+
+    try:
+        trainer = torch.load(path / "trainer.pt", map_location="cpu", weights_only=True)
+    except Exception:
+        raise ExportError(f"cannot load {path / 'trainer.pt'}: it is corrupt or not a checkpoint") from None
+    recipe = trainer.get("recipe") if isinstance(trainer, dict) else None
+    if recipe not in BUILDERS:
+        raise ExportError(f"{path} is not a checkpoint of a recipe of this project (one of "
+                          f"{', '.join(sorted(BUILDERS))})")
+    with tempfile.TemporaryDirectory(prefix="export-dcp-") as tmp:
+        try:
+            with quiet():
+                to_single_file(path, Path(tmp) / "checkpoint.pt", recipe)
+        except RecipeError as err:
+            raise ExportError(str(err)) from None
+        except Exception as err:  # DCP's error for a damaged shard: its last line
+            reason = (str(err).strip().splitlines() or [type(err).__name__])[-1][:300]
+            raise ExportError(f"cannot read the sharded checkpoint {path}: {reason}") from None
+        return read_checkpoint(Path(tmp) / "checkpoint.pt")
 
 
 @contextlib.contextmanager
@@ -286,14 +334,62 @@ def export(exportable: Exportable, out: Path) -> dict[str, float]:
             "onnxruntime": (torch.from_numpy(onnx_out) - eager).abs().max().item()}
 
 
-def export_checkpoint(checkpoint: Path, out_dir: Path, overwrite: bool = False) -> dict:
-    """Export ``checkpoint`` into ``out_dir`` (written whole or not at all); returns model.json's contents."""
+def export_hf(exportable: Exportable, state: dict, out: Path) -> dict[str, float]:
+    """Write a GPT-2 folder into ``out``; returns the largest difference of transformers' logits from the eager
+    model's. Loading must find every weight where it belongs: nothing missing, unexpected or of another shape."""
+    import transformers
+
+    model = (exportable.reference or exportable.model).eval()
+    hf_gpt2.save_folder(out, model.state_dict(), state["model_config"], hf_gpt2.checkpoint_vocab(state))
+    verbosity, bars = transformers.logging.get_verbosity(), transformers.logging.is_progress_bar_enabled()
+    transformers.logging.set_verbosity_error()  # its notes and progress bars; what matters is in `loading`
+    transformers.logging.disable_progress_bar()
+    try:
+        with quiet():
+            hf, loading = transformers.GPT2LMHeadModel.from_pretrained(out, output_loading_info=True)
+    finally:
+        transformers.logging.set_verbosity(verbosity)
+        if bars:
+            transformers.logging.enable_progress_bar()
+    if wrong := {kind: sorted(keys)[:3] for kind, keys in loading.items() if keys}:
+        raise ExportError(f"transformers does not load the written GPT-2 folder as it is: {wrong}")
+    check = tuple(exportable.check.values())
+    with torch.no_grad():
+        difference = (hf.eval()(*check).logits - model(*check)).abs().max().item()
+    return {"transformers": difference}
+
+
+def export_safetensors(exportable: Exportable, out: Path, recipe: str) -> dict[str, float]:
+    """Write the model's state_dict as model.safetensors; returns the largest difference of the file read back."""
+    from safetensors.torch import load_file, save_file
+
+    state = (exportable.reference or exportable.model).state_dict()
+    # safetensors stores no tensor twice: a tied weight (the transformer's lm_head.weight is wte.weight) gets a copy
+    # under each of its names, so the file is the state_dict as load_state_dict takes it (which ties them again)
+    save_file({key: value.detach().cpu().clone().contiguous() for key, value in state.items()},
+              out / "model.safetensors", metadata={"format": "pt", "recipe": recipe})
+    read = load_file(out / "model.safetensors")
+    if read.keys() != state.keys():
+        return {"safetensors": math.inf}
+    return {"safetensors": max((read[k].double() - state[k].double()).abs().max().item() for k in state)}
+
+
+FORMATS = {"graph": "model.pt2, model.onnx, model.json", "hf": "a GPT-2 folder for transformers",
+           "safetensors": "model.safetensors, model.json"}
+
+
+def export_checkpoint(checkpoint: Path, out_dir: Path, overwrite: bool = False, format: str = "graph") -> dict:
+    """Export ``checkpoint`` into ``out_dir`` (written whole or not at all) in ``format`` (see FORMATS); returns
+    model.json's contents (for ``hf``, the same facts, not written)."""
     if out_dir.exists() and not out_dir.is_dir():
         raise ExportError(f"OUT_DIR {out_dir} is a file, not a folder")
     if out_dir.is_dir() and any(out_dir.iterdir()) and not overwrite:
         raise ExportError(f"OUT_DIR {out_dir} already holds files; choose a new folder or add --overwrite")
     state = read_checkpoint(checkpoint)
     recipe = state["recipe"]
+    if format == "hf" and recipe != "tiny_transformer":
+        raise ExportError(f"--format hf writes GPT-2 folders, for tiny_transformer checkpoints; {checkpoint} is "
+                          f"{recipe}'s: use --format graph or safetensors")
     try:
         exportable = BUILDERS[recipe](state, checkpoint)
     except RecipeError as err:  # load_model_state: weights that do not fit the model
@@ -309,7 +405,14 @@ def export_checkpoint(checkpoint: Path, out_dir: Path, overwrite: bool = False) 
         raise ExportError(f"cannot write to {out_dir.parent}: {err.strerror}") from None
     try:
         try:
-            differences = export(exportable, tmp)
+            for name, text in exportable.files.items():
+                (tmp / name).write_text(text, encoding="utf-8")
+            if format == "hf":
+                differences = export_hf(exportable, state, tmp)
+            elif format == "safetensors":
+                differences = export_safetensors(exportable, tmp, recipe)
+            else:
+                differences = export(exportable, tmp)
         except ImportError as err:
             raise ExportError(f"{err.name} is not installed: pip install -r requirements.txt") from None
         except OSError as err:
@@ -319,14 +422,20 @@ def export_checkpoint(checkpoint: Path, out_dir: Path, overwrite: bool = False) 
             raise ExportError(f"exporting the {recipe} model failed: {first}") from None
         worst = max(differences.values())
         if not worst <= TOLERANCE:  # also catches nan
+            each = ", ".join(f"{name} {value:.3g}" for name, value in differences.items())
             raise ExportError(f"the exported {recipe} model disagrees with the checkpoint's: largest difference "
-                              f"{worst:.3g} (torch.export {differences['torch.export']:.3g}, onnxruntime "
-                              f"{differences['onnxruntime']:.3g}), tolerance {TOLERANCE:g}")
+                              f"{worst:.3g} ({each}), tolerance {TOLERANCE:g}")
+        files = {"graph": {"torch.export": "model.pt2", "onnx": "model.onnx"},
+                 "safetensors": {"safetensors": "model.safetensors"}, "hf": {"transformers": "."}}[format]
         info = {"recipe": recipe, "source": str(checkpoint), "step": state.get("step"),
-                "torch_version": torch.__version__, "files": {"torch.export": "model.pt2", "onnx": "model.onnx"},
-                **exportable.info,
+                "torch_version": torch.__version__, "format": format, "files": files, **exportable.info,
                 "check": {"batch": CHECK_BATCH, "tolerance": TOLERANCE, "max_abs_diff": differences}}
-        (tmp / "model.json").write_text(json.dumps(info, indent=2) + "\n")
+        if format != "hf":  # a GPT-2 folder holds Hugging Face's files only
+            (tmp / "model.json").write_text(json.dumps(info, indent=2) + "\n")
+        umask = os.umask(0)
+        os.umask(umask)
+        for path in tmp.iterdir():  # safetensors writes its files private; the export is ordinary files
+            os.chmod(path, 0o666 & ~umask)
         replace_dir(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -386,19 +495,24 @@ class Parser(argparse.ArgumentParser):
 
 def main(argv: list[str] | None = None) -> int:
     parser = Parser(prog="scripts/export.py", description=__doc__.splitlines()[0])
-    parser.add_argument("checkpoint", type=Path, help="a checkpoint of any recipe, e.g. .../checkpoints/best.pt")
-    parser.add_argument("out_dir", type=Path, help="the folder to write model.pt2, model.onnx and model.json into")
+    parser.add_argument("checkpoint", type=Path, help="a checkpoint of any recipe, e.g. .../checkpoints/best.pt, "
+                        "or a sharded checkpoint folder (.../checkpoints/dcp/step-N)")
+    parser.add_argument("out_dir", type=Path, help="the folder to write the export into")
+    parser.add_argument("--format", choices=list(FORMATS), default="graph",
+                        help="graph: model.pt2 (torch.export), model.onnx and model.json (default); hf: a Hugging Face "
+                             "GPT-2 folder (tiny_transformer); safetensors: the state_dict and model.json")
     parser.add_argument("--overwrite", action="store_true", help="replace an earlier export in OUT_DIR")
     args = parser.parse_args(argv)
     try:
-        info = export_checkpoint(args.checkpoint, args.out_dir, args.overwrite)
+        info = export_checkpoint(args.checkpoint, args.out_dir, args.overwrite, args.format)
     except ExportError as err:
         print(f"error: {' '.join(str(err).split())}", file=sys.stderr)
         return 1
     diff = info["check"]["max_abs_diff"]
-    print(f"{info['recipe']}: eager vs torch.export max difference {diff['torch.export']:.2e}, "
-          f"vs onnxruntime {diff['onnxruntime']:.2e} (batch {CHECK_BATCH}, tolerance {TOLERANCE:g})")
-    print(f"done: exported {args.checkpoint} to {args.out_dir} (model.pt2, model.onnx, model.json)")
+    print(f"{info['recipe']}: eager vs " + ", vs ".join(f"{name} max difference {value:.2e}" for name, value in
+                                                          diff.items())
+          + f" (batch {CHECK_BATCH}, tolerance {TOLERANCE:g})")
+    print(f"done: exported {args.checkpoint} to {args.out_dir} ({FORMATS[args.format]})")
     return 0
 
 

@@ -251,3 +251,38 @@ def small_disk(tmp_path):
         yield disk
     finally:
         subprocess.run(["umount", str(disk)], check=True)
+
+
+def tiny_bpe_tokenizer(text: str):
+    """A byte-level BPE as GPT-2's, trained on ``text`` with the tokenizers library: the 256 byte characters,
+    merges up to 300 tokens, and <|endoftext|>."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator([text], trainer)
+    return tokenizer
+
+
+def write_tiny_gpt2(folder: Path, text: str, n_positions: int = 32) -> None:
+    """A stand-in for the real gpt2 folder, offline: a tiny random GPT2LMHeadModel as save_pretrained writes it
+    (biases and norms random: a fresh model's are 0 and 1; the vocabulary padded past the tokenizer's), and
+    ``tiny_bpe_tokenizer(text)`` as its tokenizer.json."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    tokenizer = tiny_bpe_tokenizer(text)
+    end = tokenizer.token_to_id("<|endoftext|>")
+    config = GPT2Config(vocab_size=tokenizer.get_vocab_size() + 4, n_positions=n_positions, n_embd=32, n_layer=2,
+                        n_head=4, bos_token_id=end, eos_token_id=end)
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(folder)
+    tokenizer.save(str(folder / "tokenizer.json"))

@@ -7,17 +7,18 @@ import shutil
 import sys
 
 import pytest
-from conftest import ROOT, run_subprocess, run_torchrun, smoke_args
+from conftest import ROOT, run_subprocess, run_torchrun, smoke_args, write_tiny_gpt2
 
 README = (ROOT / "README.md").read_text()
 CODE_BLOCKS = re.findall(r"```bash\n(.*?)```", README, flags=re.S)
 BLOCK_COMMANDS = [line.strip() for block in CODE_BLOCKS for line in block.splitlines() if line.strip()]
 TABLE_COMMANDS = re.findall(r"\| `((?:python|torchrun) [^`]*recipes/[^`]+)` \|", README)
 # Every command that trains a recipe on one machine; the two-machine commands are run by tests/test_ddp.py,
-# the Deploy section's prediction (it needs a checkpoint and images) by tests/test_export.py.
+# the Deploy section's prediction (it needs a checkpoint and images) by tests/test_export.py, the GPT-2 fine-tune
+# (it needs a gpt2 folder) below, with a stand-in for it.
 RECIPE_COMMANDS = sorted({c for c in BLOCK_COMMANDS + TABLE_COMMANDS
                           if re.match(r"(python|torchrun) .*recipes/\w+\.py", c) and "--nnodes" not in c
-                          and "--predict" not in c})
+                          and "--predict" not in c and "--init-from" not in c})
 
 
 def test_readme_shows_the_two_newcomer_commands():
@@ -115,3 +116,40 @@ def test_readme_scaling_command_trains_as_it_says(command, request, tmp_path):
             assert str(config[key]) == str(value) if value is not True else config[key] is True, (word, config[key])
     processes = int(re.search(r"--nproc_per_node=(\d+)", command)[1]) if words[0] == "torchrun" else 1
     assert json.loads((tmp_path / "run" / "metrics.json").read_text())["world_size"] == processes
+
+
+def section(title: str) -> str:
+    return README.split(f"## {title}\n", 1)[1].split("\n## ", 1)[0]
+
+
+def test_the_gpt2_sections_run_as_written_with_a_tiny_stand_in_for_gpt2(tmp_path):
+    """"Fine-tune GPT-2 on your own text", then "Use your model with transformers", in order, in a folder of their
+    own: the download is replaced by a tiny random GPT-2 folder written there (no network), input.txt is a small
+    text, the training run is cut to a few steps (appended options win), and RUN is the run it made. The Python
+    block runs with -I from that folder: only transformers is needed."""
+    fine_tune = re.findall(r"```(bash|python)\n(.*?)```", section("Fine-tune GPT-2 on your own text"), flags=re.S)
+    use = re.findall(r"```(bash|python)\n(.*?)```", section("Use your model with transformers"), flags=re.S)
+    assert [kind for kind, _ in fine_tune] == ["bash"] and [kind for kind, _ in use] == ["python"]
+    download, train, export = fine_tune[0][1].strip().splitlines()
+    assert shlex.split(download) == ["hf", "download", "gpt2", "--local-dir", "gpt2"]
+    text = "Once upon a time there was a model that learned to write Python.\n    def forward(self, x):\n" * 60
+    write_tiny_gpt2(tmp_path / "gpt2", text, n_positions=64)
+    (tmp_path / "input.txt").write_text(text, encoding="utf-8")
+
+    words = shlex.split(train)
+    assert words[:2] == ["python", "recipes/tiny_transformer.py"] and words[2:4] == ["--init-from", "gpt2"]
+    short = ["--steps", "2", "--eval-every", "2", "--eval-batches", "1", "--batch-size", "2", "--sample-tokens", "10",
+             "--peak-flops", "1e11", "--run-dir", "runs/tiny_transformer/RUN"]
+    result = run_subprocess([sys.executable, str(ROOT / words[1]), *words[2:], *short], cwd=tmp_path)
+    assert result.code == 0, f"{train}\n{result.stderr[-3000:]}"
+    assert "val_bits_per_token=" in result.stdout.strip().splitlines()[-1]
+
+    words = shlex.split(export)
+    assert words[:2] == ["python", "scripts/export.py"] and "--format" in words
+    result = run_subprocess([sys.executable, str(ROOT / words[1]), *words[2:]], cwd=tmp_path)
+    assert result.code == 0, f"{export}\n{result.stderr[-3000:]}"
+    assert result.stdout.strip().splitlines()[-1].startswith("done: exported")
+
+    result = run_subprocess([sys.executable, "-I", "-c", use[0][1]], cwd=tmp_path)
+    assert result.code == 0, result.stderr[-3000:]
+    assert result.stdout.startswith("Once upon a time") and len(result.stdout) > len("Once upon a time")

@@ -1,0 +1,349 @@
+"""GPT-2 in Hugging Face's format, both ways, for recipes/tiny_transformer.py: ``--init-from DIR`` reads a GPT-2
+folder (the real ``gpt2``, or one exported here) and ``scripts/export.py --format hf`` writes one.
+
+The recipe's GPT is GPT-2's architecture (learned positions, pre-norm blocks, a tied head, 1/sqrt(d) attention,
+LayerNorm eps 1e-5). A model started from scratch has no biases and exact GELU; a folder's model has biases and
+GPT-2's ``gelu_new`` (the tanh approximation), which the recipe's ``GPTConfig(bias=True, activation="gelu_new")``
+adds. The weights differ only in names and layout: GPT-2's ``Conv1D`` stores (in, out), the recipe's
+``nn.Linear`` (out, in), so every matrix of a block is transposed; the fused query-key-value projection is
+``c_attn`` both ways. GPT-2 always has biases: an export writes zeros where the recipe has none (they add
+nothing), and an import whose biases are all zero (an export of a model without them) gives the recipe's model
+without biases, exactly as it was.
+
+Tokens, as the ``tokenizers`` library expresses them (``tokenizer.json``, which ``AutoTokenizer`` loads):
+
+- bytes (the recipe's ``vocab`` None): byte-level BPE without merges. The ByteLevel pre-tokenizer maps each byte
+  to one printable character (GPT-2's alphabet of 256), the vocabulary maps that character to the byte's value,
+  and with no merges every byte stays its own token: token b is byte b, as in the recipe;
+- characters (``vocab`` a string): a WordLevel model over the characters, ids in the vocabulary's order, after a
+  pre-tokenizer that splits the text into single characters (``Split`` on the regex ``[\\s\\S]``), and a ``Fuse``
+  decoder that joins them without spaces. A character outside the vocabulary is an error there too;
+- a folder's own tokenizer (GPT-2's BPE): read from its ``tokenizer.json``, or built by ``AutoTokenizer`` from
+  ``vocab.json`` and ``merges.txt``, kept as it is, and stored in the checkpoint as its JSON text, so a resume,
+  ``--sample-only`` and an export need the folder no more. A folder whose tokenizer is one of the two above
+  gives the recipe's bytes or characters again.
+
+transformers, tokenizers and safetensors are imported inside the functions that use them: a recipe run that
+neither reads nor writes a folder never loads them.
+"""
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import click
+import torch
+
+from common.cli import RecipeError
+
+# GPT-2's activation_function -> the recipe's GPTConfig.activation: exact GELU, or the tanh approximation
+ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_new", "gelu_pytorch_tanh": "gelu_new"}
+# A block's modules: the recipe's name -> GPT-2's. The four matrices are Conv1D there, (in, out): transposed.
+BLOCK = {"ln_1": "ln_1", "attn.qkv": "attn.c_attn", "attn.proj": "attn.c_proj", "ln_2": "ln_2", "mlp.fc": "mlp.c_fc",
+         "mlp.proj": "mlp.c_proj"}
+CONV1D = {"attn.qkv", "attn.proj", "mlp.fc", "mlp.proj"}
+BUFFER = re.compile(r"h\.\d+\.attn\.(bias|masked_bias)")  # older GPT-2 files also store the causal mask
+END_OF_TEXT = "<|endoftext|>"  # GPT-2's one special token: bos, eos and unk
+
+
+@dataclass
+class Folder:
+    """A GPT-2 folder as the recipe uses it: ``shape``, the GPTConfig fields it fixes; ``weights``, a state dict
+    of the recipe's GPT; ``vocab``, the recipe's tokens (None: bytes; a string: its characters; else the folder's
+    tokenizer, a ``tokenizers.Tokenizer``) and ``vocab_kind`` ("bytes", "chars" or "tokenizer")."""
+
+    path: Path
+    shape: dict
+    weights: dict
+    vocab: object
+    vocab_kind: str
+
+
+def read_json(path: Path) -> dict:
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise RecipeError(f"cannot read {path}: {getattr(err, 'strerror', None) or err}") from None
+    if not isinstance(value, dict):
+        raise RecipeError(f"{path} is not a JSON object")
+    return value
+
+
+def read_shape(path: Path) -> dict:
+    """The recipe's GPTConfig fields from a folder's config.json; refuses what the recipe's model cannot compute."""
+    if not path.is_dir():
+        raise RecipeError(f"--init-from {path}: {'is a file, not a folder' if path.exists() else 'no such folder'}")
+    if not (path / "config.json").is_file():
+        raise RecipeError(f"{path} has no config.json: not a Hugging Face model folder (get one with "
+                          "`hf download gpt2 --local-dir gpt2`)")
+    config = read_json(path / "config.json")
+    if config.get("model_type") != "gpt2":
+        kind = config.get("model_type") or ", ".join(config.get("architectures") or []) or "unknown"
+        raise RecipeError(f"{path} holds a {kind} model, not GPT-2: --init-from takes GPT-2 folders (model_type gpt2)")
+    try:
+        n_layer, n_head, n_embd, n_positions, vocab_size = (int(config[key]) for key in (
+            "n_layer", "n_head", "n_embd", "n_positions", "vocab_size"))
+    except (KeyError, TypeError, ValueError) as err:
+        raise RecipeError(f"{path / 'config.json'} lacks a GPT-2 setting or holds it in another form ({err})") from None
+    activation = config.get("activation_function", "gelu_new")
+    checks = [  # (setting, its value, whether the recipe's GPT computes it, what it computes)
+        ("activation_function", activation, activation in ACTIVATIONS, "one of " + ", ".join(ACTIVATIONS)),
+        ("layer_norm_epsilon", eps := config.get("layer_norm_epsilon", 1e-5), eps == 1e-5, "1e-05"),
+        ("n_inner", inner := config.get("n_inner"), inner in (None, 4 * n_embd), f"null or {4 * n_embd}"),
+        *((key, value := config.get(key, default), value is default, json.dumps(default)) for key, default in (
+            ("scale_attn_weights", True), ("scale_attn_by_inverse_layer_idx", False), ("add_cross_attention", False),
+            ("tie_word_embeddings", True)))]
+    if unfit := [f"{key} {json.dumps(value)} (it computes {needs})" for key, value, ok, needs in checks if not ok]:
+        raise RecipeError(f"{path / 'config.json'} sets what the recipe's GPT does not compute: {'; '.join(unfit)}")
+    if min(n_layer, n_head, n_embd, vocab_size) < 1 or n_positions < 2 or n_embd % n_head:
+        raise RecipeError(f"{path / 'config.json'}: n_embd {n_embd}, n_head {n_head}, n_layer {n_layer}, n_positions "
+                          f"{n_positions}, vocab_size {vocab_size} is no model (n_head must divide n_embd)")
+    return {"vocab_size": vocab_size, "block_size": n_positions, "n_layer": n_layer, "n_head": n_head,
+            "n_embd": n_embd, "bias": True, "activation": ACTIVATIONS[activation]}
+
+
+def read_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the folder's model.safetensors (or of the files its index names), keys as stored."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    index = path / "model.safetensors.index.json"
+    if (path / "model.safetensors").is_file():
+        files = [path / "model.safetensors"]
+    elif index.is_file():
+        weight_map = read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise RecipeError(f"{index} has no weight_map")
+        files = [path / name for name in sorted(set(weight_map.values()))]
+    else:
+        other = sorted(p.name for p in path.glob("*.bin")) or sorted(p.name for p in path.glob("*.h5"))
+        raise RecipeError(f"{path} has no model.safetensors{f' (only {other[0]})' if other else ''}: download the "
+                          "safetensors weights (`hf download gpt2 --local-dir gpt2` does)")
+    tensors = {}
+    for file in files:
+        try:
+            tensors |= load_file(file)
+        except (SafetensorError, OSError, ValueError, RuntimeError) as err:
+            reason = getattr(err, "strerror", None) or str(err).strip().splitlines()[0][:200]
+            raise RecipeError(f"{file} is damaged or not a safetensors file ({reason}); download it again") from None
+    return tensors
+
+
+def recipe_names(n_layer: int):
+    """(the recipe's module, GPT-2's, whether its weight is transposed) for every module with a weight and a bias."""
+    for i in range(n_layer):
+        for ours, theirs in BLOCK.items():
+            yield f"blocks.{i}.{ours}", f"transformer.h.{i}.{theirs}", ours in CONV1D
+    yield "ln_f", "transformer.ln_f", False
+
+
+def from_hf(tensors: dict[str, torch.Tensor], shape: dict, source: Path) -> tuple[dict, bool]:
+    """GPT-2's tensors (GPT2LMHeadModel's names, with or without ``transformer.``) -> (the recipe's state dict,
+    fp32, and whether it needs biases: not when every bias is zero)."""
+    given = {key if key.startswith("transformer.") or key == "lm_head.weight" else f"transformer.{key}": value
+             for key, value in tensors.items() if not BUFFER.fullmatch(key.removeprefix("transformer."))}
+    head = given.pop("lm_head.weight", None)
+    state = {name: given.pop(f"transformer.{name}", None) for name in ("wte.weight", "wpe.weight")}
+    missing = [f"transformer.{name}" for name, value in state.items() if value is None]
+    biases = []
+    for ours, theirs, transposed in recipe_names(shape["n_layer"]):
+        weight, bias = given.pop(f"{theirs}.weight", None), given.pop(f"{theirs}.bias", None)
+        missing += [f"{theirs}.{kind}" for kind, value in (("weight", weight), ("bias", bias)) if value is None]
+        if weight is not None and bias is not None:
+            state[f"{ours}.weight"] = weight.t() if transposed and weight.dim() == 2 else weight
+            state[f"{ours}.bias"] = bias
+            biases.append(bias)
+    if missing or given:
+        problems = [f"{label} {', '.join(keys[:4])}{' ...' if len(keys) > 4 else ''}"
+                    for label, keys in (("lacks", missing), ("holds unexpected", sorted(given))) if keys]
+        raise RecipeError(f"{source}'s weights are not those of its config.json's GPT-2: it {'; '.join(problems)}")
+    if head is not None and not (head.shape == state["wte.weight"].shape and torch.equal(head, state["wte.weight"])):
+        raise RecipeError(f"{source}'s lm_head.weight differs from wte.weight: the recipe's GPT ties them")
+    state["lm_head.weight"] = state["wte.weight"]
+    bias = any(b.any() for b in biases)
+    if not bias:  # all zero: the recipe's model without biases, exactly (an export of one)
+        state = {k: v for k, v in state.items() if not k.endswith(".bias")}
+    return {k: v.float().contiguous() for k, v in state.items()}, bool(bias)
+
+
+def read_tokenizer(path: Path):
+    """The folder's tokenizer: tokenizer.json, else AutoTokenizer's from vocab.json and merges.txt (GPT-2's files)."""
+    from tokenizers import Tokenizer
+
+    if (path / "tokenizer.json").is_file():
+        try:
+            return Tokenizer.from_file(str(path / "tokenizer.json"))
+        except Exception as err:  # tokenizers raises a plain Exception for a file it cannot parse
+            reason = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
+            raise RecipeError(f"cannot read {path / 'tokenizer.json'}: {reason}") from None
+    if not ((path / "vocab.json").is_file() and (path / "merges.txt").is_file()):
+        raise RecipeError(f"{path} has no tokenizer: tokenizer.json, or GPT-2's vocab.json and merges.txt")
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(path), local_files_only=True).backend_tokenizer
+    except Exception as err:
+        reason = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
+        raise RecipeError(f"cannot read {path}'s vocab.json and merges.txt: {reason}") from None
+
+
+def tokenizer_for(vocab: object):
+    """The recipe's tokens as a ``tokenizers.Tokenizer`` (see the module's docstring); a tokenizer stays itself."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    if vocab is None:  # bytes: token b is byte b
+        alphabet = byte_alphabet()
+        tokenizer = Tokenizer(models.BPE(vocab={alphabet[b]: b for b in range(256)}, merges=[]))
+        tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        tokenizer.decoder = decoders.ByteLevel()
+        return tokenizer
+    if isinstance(vocab, str):  # characters: token i is vocab[i]
+        tokenizer = Tokenizer(models.WordLevel(vocab={ch: i for i, ch in enumerate(vocab)}, unk_token=None))
+        tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")  # every character
+        tokenizer.decoder = decoders.Fuse()  # joined as they are, no spaces between
+        return tokenizer
+    return vocab
+
+
+def byte_alphabet() -> dict[int, str]:
+    """GPT-2's byte -> printable character map (the ByteLevel pre-tokenizer's): printable Latin-1 bytes stand for
+    themselves, the other 68 for the characters from U+0100 on, in byte order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    return {**{b: chr(b) for b in printable}, **{b: chr(256 + i) for i, b in enumerate(others)}}
+
+
+# Text that holds every kind of character: control, ASCII, Latin-1, 2-, 3- and 4-byte UTF-8
+PROBE = "".join(map(chr, range(0x180))) + " \u20ac \u6f22\u5b57 \U0001f642\r\n"
+
+
+def tokenizes_as(tokenizer, text: str, ids: list[int]) -> bool:
+    try:
+        return tokenizer.encode(text).ids == ids and tokenizer.decode(ids, skip_special_tokens=False) == text
+    except Exception:  # a character it does not know
+        return False
+
+
+def recipe_vocab(tokenizer) -> tuple[str, object]:
+    """(vocab_kind, vocab): the recipe's bytes or characters if the tokenizer gives exactly their tokens (as an
+    export writes them; transformers rewrites some of the JSON when it saves one), else the tokenizer itself."""
+    size = tokenizer.get_vocab_size()
+    if size == 256 and tokenizes_as(tokenizer, PROBE, list(PROBE.encode())):
+        return "bytes", None
+    ids = tokenizer.get_vocab()
+    vocab = "".join(sorted(ids, key=ids.get))
+    if json.loads(tokenizer.to_str())["model"].get("type") == "WordLevel" and len(vocab) == size == len(ids) and \
+            tokenizes_as(tokenizer, vocab + vocab[::-1], [*range(size), *reversed(range(size))]):
+        return "chars", vocab
+    return "tokenizer", tokenizer
+
+
+def describe(kind: str, vocab: object) -> str:
+    if kind == "bytes":
+        return "tokenizer of bytes"
+    if kind == "chars":
+        return f"tokenizer of {len(vocab)} characters"
+    model = json.loads(vocab.to_str())["model"].get("type", "its own")
+    return f"tokenizer ({model}, {vocab.get_vocab_size()} tokens)"
+
+
+def read_folder(path: Path) -> Folder:
+    """A GPT-2 folder, checked and converted: its shape, the recipe's weights, its tokens. Any problem is one
+    RecipeError naming the file and what is wrong with it."""
+    shape = read_shape(path)
+    tokenizer = read_tokenizer(path)
+    if tokenizer.get_vocab_size() > shape["vocab_size"]:
+        raise RecipeError(f"{path}'s tokenizer has {tokenizer.get_vocab_size()} tokens, more than config.json's "
+                          f"vocab_size {shape['vocab_size']}")
+    kind, vocab = recipe_vocab(tokenizer)
+    weights, shape["bias"] = from_hf(read_tensors(path), shape, path)
+    return Folder(path, shape, weights, vocab, kind)
+
+
+def check_options(folder: Folder, **given) -> None:
+    """Refuse, as a usage error naming both, an option given explicitly (not None) that contradicts the folder:
+    ``vocab``, ``n_layer``, ``n_head``, ``n_embd``, ``block_size``."""
+    theirs = {"n_layer": ("n_layer", folder.shape["n_layer"]), "n_head": ("n_head", folder.shape["n_head"]),
+              "n_embd": ("n_embd", folder.shape["n_embd"]), "block_size": ("n_positions", folder.shape["block_size"]),
+              "vocab": (describe(folder.vocab_kind, folder.vocab), folder.vocab_kind)}
+    for name, value in given.items():
+        setting, their_value = theirs[name]
+        if value is not None and value != their_value:
+            option = "--" + name.replace("_", "-")
+            raise click.UsageError(f"{option} {value} contradicts {folder.path}'s "
+                                   f"{setting if name == 'vocab' else f'{setting} {their_value}'}: leave {option} out "
+                                   "(the folder sets it)")
+
+
+def vocab_state(vocab: object) -> dict:
+    """What a checkpoint keeps of the recipe's tokens: ``vocab`` (None: bytes; a string: characters) and
+    ``tokenizer``, a folder's tokenizer as its JSON text (then ``vocab`` is None)."""
+    if vocab is None or isinstance(vocab, str):
+        return {"vocab": vocab, "tokenizer": None}
+    return {"vocab": None, "tokenizer": vocab.to_str()}
+
+
+def checkpoint_vocab(checkpoint: dict) -> object:
+    """The recipe's tokens from a checkpoint (``vocab_state``'s entries): None, a string, or a tokenizer."""
+    if not checkpoint.get("tokenizer"):
+        return checkpoint["vocab"]
+    from tokenizers import Tokenizer
+
+    try:
+        return Tokenizer.from_str(checkpoint["tokenizer"])
+    except Exception:
+        raise RecipeError("the checkpoint's tokenizer is damaged (not a tokenizers JSON)") from None
+
+
+# ------------------------------------------------------------------------------------------------------
+# Writing a folder (scripts/export.py --format hf)
+
+
+def to_hf(state: dict, n_layer: int) -> dict[str, torch.Tensor]:
+    """The recipe's state dict -> GPT2LMHeadModel's, Conv1D matrices transposed, zeros for biases the recipe has
+    not; lm_head.weight is left out, as save_pretrained leaves out a tied head."""
+    tensors = {"transformer.wte.weight": state["wte.weight"], "transformer.wpe.weight": state["wpe.weight"]}
+    for ours, theirs, transposed in recipe_names(n_layer):
+        weight = state[f"{ours}.weight"]
+        tensors[f"{theirs}.weight"] = weight.t() if transposed else weight
+        tensors[f"{theirs}.bias"] = state.get(f"{ours}.bias", torch.zeros(weight.size(0), dtype=weight.dtype))
+    return {key: value.detach().cpu().contiguous() for key, value in tensors.items()}
+
+
+def hf_config(model_config: dict, tokenizer):
+    """The GPT2Config that computes what the recipe's GPTConfig does."""
+    from transformers import GPT2Config
+
+    end = tokenizer.token_to_id(END_OF_TEXT)  # GPT-2's <|endoftext|>, if the tokens are GPT-2's
+    dropout = model_config.get("dropout", 0.0)
+    return GPT2Config(
+        vocab_size=model_config["vocab_size"], n_positions=model_config["block_size"], n_embd=model_config["n_embd"],
+        n_layer=model_config["n_layer"], n_head=model_config["n_head"], n_inner=None,
+        activation_function={"gelu": "gelu", "gelu_new": "gelu_new"}[model_config.get("activation", "gelu")],
+        resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout, layer_norm_epsilon=1e-5,
+        scale_attn_weights=True, scale_attn_by_inverse_layer_idx=False, reorder_and_upcast_attn=False,
+        tie_word_embeddings=True, bos_token_id=end, eos_token_id=end, architectures=["GPT2LMHeadModel"])
+
+
+def save_folder(out: Path, state: dict, model_config: dict, vocab: object) -> None:
+    """Write a GPT-2 folder into ``out`` (an empty folder): config.json, model.safetensors, generation_config.json,
+    tokenizer.json and tokenizer_config.json. ``GPT2LMHeadModel.from_pretrained(out)`` and
+    ``AutoTokenizer.from_pretrained(out)`` load it."""
+    from safetensors.torch import save_file
+    from transformers import GenerationConfig, PreTrainedTokenizerFast
+
+    tokenizer = tokenizer_for(vocab)
+    config = hf_config(model_config, tokenizer)
+    config.save_pretrained(out)
+    save_file(to_hf(state, model_config["n_layer"]), out / "model.safetensors", metadata={"format": "pt"})
+    GenerationConfig.from_model_config(config).save_pretrained(out)
+    special = {"bos_token": END_OF_TEXT, "eos_token": END_OF_TEXT, "unk_token": END_OF_TEXT} \
+        if tokenizer.token_to_id(END_OF_TEXT) is not None else {}
+    # clean_up_tokenization_spaces off: decode gives the text back as it was (no " ." -> "." rewriting)
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, model_max_length=model_config["block_size"],
+                            clean_up_tokenization_spaces=False, **special).save_pretrained(out)
+    # transformers 5 names the class TokenizersBackend, which 4.x does not know; both load PreTrainedTokenizerFast
+    settings = json.loads((out / "tokenizer_config.json").read_text())
+    settings["tokenizer_class"] = "PreTrainedTokenizerFast"
+    (out / "tokenizer_config.json").write_text(json.dumps(settings, indent=2) + "\n")
