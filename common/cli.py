@@ -69,7 +69,8 @@ Seed = Annotated[int, typer.Option(min=0, max=2**31 - 1, help="Seed for python a
                                    "options: the same numbers on a CPU; close, not bitwise, on a GPU.")]
 Device = Annotated[str, typer.Option(callback=device_name, help="auto (cuda, else mps, else cpu), cpu, cuda, cuda:N "
                                      "or mps.")]
-Precision = Annotated[Literal["fp32", "bf16", "fp16"], typer.Option(help="Autocast dtype; fp16 adds a GradScaler.")]
+Precision = Annotated[Literal["auto", "fp32", "bf16", "fp16"], typer.Option(
+    help="Autocast dtype; fp16 adds a GradScaler; auto: bf16 where the device multiplies it natively, else fp32.")]
 Compile = Annotated[bool, typer.Option("--compile/--no-compile", help="Wrap the model in torch.compile.")]
 NumWorkers = Annotated[int, typer.Option(min=0, help="DataLoader worker processes (0: load in the main one).")]
 DataDir = Annotated[Path, typer.Option(help="Where data sets are downloaded and cached.")]
@@ -89,7 +90,7 @@ Patience = Annotated[int | None, typer.Option(min=1, help="Stop after N evaluati
 
 # What config.json records beside the options: where and how the run ran, and settings a recipe derives
 RECORD_KEYS = {"run_dir", "resume", "config_file", "recipe", "torch_version", "device_used", "world_size", "tf32",
-               "checkpoint_format"}
+               "checkpoint_format", "precision_reason"}
 
 
 def replay(ctx: typer.Context, path: Path | None) -> Path | None:

@@ -68,7 +68,10 @@ class RunLog:
             on_exit(self.writer.close)  # an error that ends the run still flushes what was logged
         self.started = self.window_start = time.perf_counter()
         resumed = f" | resumed at step {step}" if step else ""
-        self.print(f"run_dir {self.run.path.resolve()} | device {device} | {world_size} process(es){resumed}")
+        precision = f" | precision {config['precision']} ({config['precision_reason']})" if "precision_reason" in \
+            config else ""
+        self.print(f"run_dir {self.run.path.resolve()} | device {device}{precision} | {world_size} process(es)"
+                   f"{resumed}")
 
     def print(self, message: str) -> None:
         if self.write:

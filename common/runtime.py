@@ -66,6 +66,38 @@ def autocast(device: torch.device, precision: str) -> torch.autocast:
     return torch.autocast(device.type, dtype=PRECISION_DTYPES[precision], enabled=precision != "fp32")
 
 
+def native_bf16(device: torch.device) -> str | None:
+    """Why ``device`` multiplies bf16 natively, or None: CUDA from compute capability 8.0 (Ampere) on; a CPU with
+    AVX-512 BF16 or AMX (its flags in /proc/cpuinfo: found, not guessed from the model's name)."""
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        return f"CUDA compute capability {major}.{minor} >= 8.0" if major >= 8 else None
+    if device.type == "cpu":
+        found = sorted(cpu_flags() & {"avx512_bf16", "amx_bf16"})
+        return f"the CPU has {' and '.join(found)}" if found else None
+    return None  # MPS: fp32 by itself
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags (Linux's /proc/cpuinfo); none known elsewhere."""
+    try:
+        return set(re.findall(r"^flags\s*:(.*)$", Path("/proc/cpuinfo").read_text(), flags=re.M)[0].split())
+    except (OSError, IndexError):
+        return set()
+
+
+def resolve_precision(precision: str, device: torch.device, checkpoint: dict | None = None) -> tuple[str, str]:
+    """``--precision``, with ``auto`` resolved: bf16 where the device runs bf16 matmuls natively, else fp32 (never
+    fp16, which needs loss scaling to be safe); a resumed run keeps the precision it started with. Returns the
+    precision and why, for the header and config.json."""
+    if precision != "auto":
+        return precision, "as given"
+    if checkpoint is not None and checkpoint.get("config", {}).get("precision") in PRECISION_DTYPES:
+        return checkpoint["config"]["precision"], "auto: as the run started"
+    why = native_bf16(device)
+    return ("bf16", f"auto: {why}") if why else ("fp32", f"auto: no native bf16 matmul on this {device.type}")
+
+
 def from_rank_0(work: Callable[[], T]) -> T:
     """``work()`` on rank 0 alone, and its result, or its error, on every rank: what one process decides for all
     (a run directory's name, whether a checkpoint was written), with no rank left waiting in vain. Without a

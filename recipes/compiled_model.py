@@ -45,7 +45,7 @@ from common.data import make_loader, synthetic_classification
 from common.loop import batches_left, epochs_left, evaluate, train_step
 from common.rundir import already_finished, open_run_dir, write_json
 from common.runlog import RunLog, log_interval
-from common.runtime import resolve_device, seed_everything, synchronize
+from common.runtime import resolve_device, resolve_precision, seed_everything, synchronize
 from common.stop import StopRequest
 
 RECIPE = "compiled_model"
@@ -106,6 +106,8 @@ def train(epochs: int, max_steps: int | None, batch_size: int, lr: float, sample
         return {}
     seed_everything(seed)
     device = resolve_device(device)
+    precision, why = resolve_precision(precision, device, checkpoint)  # --precision auto: bf16 where native
+    config |= {"precision": precision, "precision_reason": why}
     train_set = synthetic_classification(samples, N_FEATURES, N_CLASSES, seed=seed)
     val_set = synthetic_classification(16384, N_FEATURES, N_CLASSES, seed=seed + 1_000_000)
     # drop_last (make_loader's default for training) matters twice here: a smaller last batch would be

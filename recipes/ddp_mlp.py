@@ -45,7 +45,7 @@ from common.data import load_mnist, make_loader
 from common.loop import batches_left, epochs_left, to_device, train_step
 from common.rundir import already_finished, open_run_dir
 from common.runlog import RunLog, log_interval
-from common.runtime import from_rank_0, resolve_device, seed_everything
+from common.runtime import from_rank_0, resolve_device, resolve_precision, seed_everything
 from common.stop import StopRequest
 
 RECIPE = "ddp_mlp"
@@ -170,6 +170,8 @@ def main(
         if dist.is_initialized():
             leave_process_group()
         return
+    precision, why = resolve_precision(precision, device, checkpoint)  # --precision auto: bf16 where native
+    config |= {"precision": precision, "precision_reason": why}
     # The same seed on every rank: every rank draws the same random numbers (each shards its data with the
     # sampler instead), so the random streams that rank 0 saves are every rank's to restore.
     seed_everything(seed)

@@ -38,7 +38,7 @@ from common.data import make_loader, synthetic_classification
 from common.loop import StepStats, batches_left, epochs_left, evaluate, to_device
 from common.rundir import already_finished, open_run_dir, write_json
 from common.runlog import RunLog, log_interval
-from common.runtime import PRECISION_DTYPES, resolve_device, seed_everything, synchronize
+from common.runtime import PRECISION_DTYPES, resolve_device, resolve_precision, seed_everything, synchronize
 from common.stop import StopRequest
 
 RECIPE = "mixed_precision"
@@ -98,6 +98,8 @@ def train(epochs: int, max_steps: int | None, batch_size: int, lr: float, sample
         return {}
     seed_everything(seed)
     device = resolve_device(device)
+    precision, why = resolve_precision(precision, device, checkpoint)  # --precision auto: bf16 where native
+    config |= {"precision": precision, "precision_reason": why}
     train_set = synthetic_classification(samples, 784, 10, seed=seed)
     val_set = synthetic_classification(4096, 784, 10, seed=seed + 1_000_000)  # same task, new inputs
     train_loader = make_loader(train_set, batch_size, train=True, seed=seed,

@@ -38,7 +38,7 @@ from common.ema import EMA
 from common.loop import batches_left, epochs_left, evaluate, train_step
 from common.rundir import already_finished, open_run_dir
 from common.runlog import RunLog, log_interval
-from common.runtime import resolve_device, seed_everything
+from common.runtime import resolve_device, resolve_precision, seed_everything
 from common.stop import StopRequest
 
 RECIPE = "mnist_onecycle"
@@ -288,6 +288,8 @@ def main(
         return
     seed_everything(seed)
     device = resolve_device(device)
+    precision, why = resolve_precision(precision, device, checkpoint)  # --precision auto: bf16 where native
+    config |= {"precision": precision, "precision_reason": why}
 
     train_set, val_set, test_set = mnist_datasets(data_dir, val_size, seed)
     # In-memory tensors: worker processes would only add inter-process copies (hence 0 by default).

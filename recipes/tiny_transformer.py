@@ -72,6 +72,7 @@ from common.runtime import (
     device_peak_flops,
     from_rank_0,
     resolve_device,
+    resolve_precision,
     seed_everything,
     unwrap,
 )
@@ -509,7 +510,7 @@ def main(
     peak_flops: Annotated[float | None, typer.Option(min=1.0, help="Peak FLOP/s for MFU [default: measured].")] = None,
     seed: cli.Seed = 0,
     device: cli.Device = "auto",
-    precision: cli.Precision = "fp32",
+    precision: cli.Precision = "auto",
     compile: cli.Compile = False,
     num_workers: cli.NumWorkers = 0,
     run_dir: cli.RunDir = None,
@@ -592,6 +593,8 @@ def main(
         if dist.is_initialized():
             leave_process_group()
         return
+    precision, why = resolve_precision(precision, device, checkpoint)  # --precision auto: bf16 where native
+    config |= {"precision": precision, "precision_reason": why}
     # The same seed on every rank: every rank builds the same initial weights (FSDP shards them as they are,
     # DDP checks they agree), and draws the same validation batches.
     seed_everything(seed)

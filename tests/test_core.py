@@ -574,3 +574,39 @@ def test_a_log_file_gets_a_line_every_few_steps_in_the_format_of_the_evaluation_
     assert lines[1].startswith("epoch 1/2  step 20/40  loss 0.0500  ")
     assert lines[2].startswith("epoch 1/2  step 20/40  train_loss ") and "val_loss 0.5000" in lines[2]
     assert len(lines) == 3
+
+
+@pytest.mark.parametrize(("device", "flags", "capability", "expected"), [
+    ("cpu", {"avx512f", "avx512_bf16"}, None, ("bf16", "auto: the CPU has avx512_bf16")),
+    ("cpu", {"avx512f", "amx_bf16", "avx512_bf16"}, None, ("bf16", "auto: the CPU has amx_bf16 and avx512_bf16")),
+    ("cpu", {"avx512f", "avx2"}, None, ("fp32", "auto: no native bf16 matmul on this cpu")),  # AVX-512F, no BF16
+    ("cuda", set(), (8, 0), ("bf16", "auto: CUDA compute capability 8.0 >= 8.0")),  # A100
+    ("cuda", set(), (9, 0), ("bf16", "auto: CUDA compute capability 9.0 >= 8.0")),  # H100, H200
+    ("cuda", set(), (7, 5), ("fp32", "auto: no native bf16 matmul on this cuda")),  # T4: fp16 units, never by itself
+    ("mps", set(), None, ("fp32", "auto: no native bf16 matmul on this mps")),
+])
+def test_auto_precision_is_bf16_where_the_device_multiplies_it_natively(monkeypatch, device, flags, capability,
+                                                                         expected):
+    import common.runtime as runtime
+
+    monkeypatch.setattr(runtime, "cpu_flags", lambda: flags)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    assert runtime.resolve_precision("auto", torch.device(device)) == expected
+    assert runtime.resolve_precision("fp16", torch.device(device)) == ("fp16", "as given")
+
+
+def test_auto_precision_keeps_what_a_resumed_run_started_with(monkeypatch):
+    import common.runtime as runtime
+
+    monkeypatch.setattr(runtime, "cpu_flags", lambda: {"avx512_bf16"})
+    started_in_fp32 = {"config": {"precision": "fp32"}}
+    assert runtime.resolve_precision("auto", CPU, started_in_fp32) == ("fp32", "auto: as the run started")
+    assert runtime.resolve_precision("bf16", CPU, started_in_fp32) == ("bf16", "as given")  # unless told otherwise
+
+
+def test_this_machines_cpu_flags_are_read():
+    from common.runtime import cpu_flags
+
+    if not Path("/proc/cpuinfo").is_file():
+        pytest.skip("no /proc/cpuinfo")
+    assert "fpu" in cpu_flags() or "sse2" in cpu_flags() or "asimd" in cpu_flags()

@@ -1,6 +1,7 @@
 """recipes/tiny_transformer.py: attention, the data stream, checkpoints and the CLI."""
 
 import itertools
+import json
 import math
 
 import pytest
@@ -300,3 +301,25 @@ def test_heads_must_divide_the_width(run_inprocess, tmp_path):
     result = run_inprocess(RECIPE, "--n-embd", 30, "--n-head", 4)
     assert result.code == 2
     assert "--n-embd" in result.stderr and "not divisible by --n-head 4" in result.stderr
+
+
+def test_auto_precision_is_recorded_and_a_resume_keeps_the_precision_it_started_with(run_inprocess, text_file,
+                                                                                     tmp_path):
+    from common.runtime import resolve_precision
+
+    expected, why = resolve_precision("auto", torch.device("cpu"))  # bf16 here only if this CPU has native bf16
+    args = ["--text", text_file, *SMALL, "--steps", 4, "--eval-every", 2, "--peak-flops", 1e11, "--run-dir",
+            tmp_path / "run", "--resume", "auto"]
+    first = run_inprocess(RECIPE, *args, "--max-steps", 2)  # the default: --precision auto
+    assert first.code == 0, first.stderr
+    config = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert (config["precision"], config["precision_reason"]) == (expected, why)
+    assert f"| precision {expected} ({why}) |" in first.stdout
+
+    fp32 = ["--text", text_file, *SMALL, "--steps", 4, "--eval-every", 2, "--peak-flops", 1e11, "--run-dir",
+            tmp_path / "fp32", "--resume", "auto"]
+    assert run_inprocess(RECIPE, *fp32, "--max-steps", 2, "--precision", "fp32").code == 0
+    resumed = run_inprocess(RECIPE, *fp32)  # auto again: the run started in fp32 and goes on in fp32
+    assert resumed.code == 0, resumed.stderr
+    assert json.loads((tmp_path / "fp32" / "config.json").read_text())["precision"] == "fp32"
+    assert "| precision fp32 (auto: as the run started) |" in resumed.stdout
