@@ -43,6 +43,7 @@ from common.best import BestScore
 from common.checkpoint import Checkpointer, resume_checkpoint
 from common.data import make_loader, synthetic_classification
 from common.loop import batches_left, epochs_left, evaluate, train_step
+from common.profile import StepProfiler
 from common.rundir import already_finished, open_run_dir, write_json
 from common.runlog import RunLog, log_interval
 from common.runtime import resolve_device, resolve_precision, seed_everything, synchronize
@@ -97,7 +98,7 @@ class GatedMLP(nn.Module):
 def train(epochs: int, max_steps: int | None, batch_size: int, lr: float, samples: int, width: int, depth: int,
           compile: bool, mode: str, dynamic: bool | None, fullgraph: bool, backend: str, seed: int, device: str,
           precision: str, num_workers: int, run_dir: Path | None, resume: str | None, config_file: Path | None,
-          checkpoint_every: int | None, log_every: int | None) -> dict:
+          checkpoint_every: int | None, log_every: int | None, profile: int | None) -> dict:
     """One training run, eager or compiled, every step timed: the first steps carry the compilation."""
     config = cli.as_config(locals())  # every option: config.json, and what a resume must match
     run = open_run_dir(RECIPE, run_dir, resume)  # never over another run's checkpoints; one run at a time in it
@@ -139,6 +140,7 @@ def train(epochs: int, max_steps: int | None, batch_size: int, lr: float, sample
     step = checkpoints.restore(checkpoint) if checkpoint else 0
     log.start(step, config, device)
     stop = StopRequest()  # Ctrl-C and SIGTERM: save and exit at the end of the step
+    profiler = StepProfiler(run.path, profile, device)  # --profile N
 
     step_seconds = []
     for epoch in epochs_left(step, steps_per_epoch, total_steps):
@@ -152,6 +154,7 @@ def train(epochs: int, max_steps: int | None, batch_size: int, lr: float, sample
             step_seconds.append(time.perf_counter() - started)
             step += 1
             log.train(step, stats, lr=current_lr, items=len(batch[-1]))
+            profiler.step()
             # mid-epoch checkpoints (an epoch's last step is saved after its evaluation)
             if step % steps_per_epoch and (stop.requested or checkpoint_every and step % checkpoint_every == 0):
                 checkpoints.save(step)
@@ -354,6 +357,7 @@ def main(
     config_file: cli.ConfigFile = None,
     checkpoint_every: cli.CheckpointEvery = None,
     log_every: cli.LogEvery = None,
+    profile: cli.Profile = None,
 ):
     """Train a fusion-bound gated MLP eager or compiled, compare the two, or count compile traps."""
     if backend not in torch.compiler.list_backends(exclude_tags=()):

@@ -43,6 +43,7 @@ from common.best import BestScore
 from common.checkpoint import Checkpointer, load_checkpoint, load_model_state, resume_checkpoint
 from common.data import load_mnist, make_loader
 from common.loop import batches_left, epochs_left, to_device, train_step
+from common.profile import StepProfiler
 from common.rundir import already_finished, open_run_dir
 from common.runlog import RunLog, log_interval
 from common.runtime import from_rank_0, resolve_device, resolve_precision, seed_everything
@@ -158,6 +159,7 @@ def main(
     config_file: cli.ConfigFile = None,
     checkpoint_every: cli.CheckpointEvery = None,
     log_every: cli.LogEvery = None,
+    profile: cli.Profile = None,
 ):
     """Train an MLP on MNIST with DistributedDataParallel (launch with torchrun), or in one process."""
     config = cli.as_config(locals())  # every option: config.json, and what a resume must match
@@ -220,6 +222,7 @@ def main(
               f"batch {batch_size * world_size} ({world_size} x {batch_size}) | model "
               f"{type(getattr(model, '_orig_mod', model)).__name__}")
     stop = StopRequest()  # Ctrl-C and SIGTERM: save and exit at the end of the step
+    profiler = StepProfiler(run.path, profile, device, write=rank == 0)  # --profile N
 
     for epoch in epochs_left(step, steps_per_epoch, total_steps):
         # set_epoch reseeds the shuffle: without it every epoch would repeat the first one's order
@@ -230,6 +233,7 @@ def main(
                                scaler=scaler, scheduler=scheduler)
             step += 1
             log.train(step, stats, lr=current_lr, items=batch_size * world_size)
+            profiler.step()
             # mid-epoch checkpoints (an epoch's last step is saved after its evaluation), rank 0 writing them
             stopping = step % every == 0 and stop_agreed(stop, device)
             if step % steps_per_epoch and (stopping or checkpoint_every and step % checkpoint_every == 0):

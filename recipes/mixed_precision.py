@@ -36,6 +36,7 @@ from common.best import BestScore
 from common.checkpoint import Checkpointer, resume_checkpoint
 from common.data import make_loader, synthetic_classification
 from common.loop import StepStats, batches_left, epochs_left, evaluate, to_device
+from common.profile import StepProfiler
 from common.rundir import already_finished, open_run_dir, write_json
 from common.runlog import RunLog, log_interval
 from common.runtime import PRECISION_DTYPES, resolve_device, resolve_precision, seed_everything, synchronize
@@ -89,7 +90,7 @@ def amp_step(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.a
 def train(epochs: int, max_steps: int | None, batch_size: int, lr: float, samples: int, width: int, depth: int,
           max_slowdown: float, seed: int, device: str, precision: str, compile: bool, num_workers: int,
           run_dir: Path | None, resume: str | None, config_file: Path | None, checkpoint_every: int | None,
-          log_every: int | None) -> dict:
+          log_every: int | None, profile: int | None) -> dict:
     """One training run in ``precision``; returns its metrics and the loss of every step."""
     config = cli.as_config(locals())  # every option: config.json, and what a resume must match
     run = open_run_dir(RECIPE, run_dir, resume)  # never over another run's checkpoints; one run at a time in it
@@ -126,6 +127,7 @@ def train(epochs: int, max_steps: int | None, batch_size: int, lr: float, sample
     step = checkpoints.restore(checkpoint) if checkpoint else 0
     log.start(step, config, device)
     stop = StopRequest()  # Ctrl-C and SIGTERM: save and exit at the end of the step
+    profiler = StepProfiler(run.path, profile, device)  # --profile N
 
     losses = []  # one device tensor per step; read back once at the end
     for epoch in epochs_left(step, steps_per_epoch, total_steps):
@@ -137,6 +139,7 @@ def train(epochs: int, max_steps: int | None, batch_size: int, lr: float, sample
             losses.append(stats.loss)
             step += 1
             log.train(step, stats, lr=current_lr, items=len(batch[-1]))
+            profiler.step()
             # mid-epoch checkpoints (an epoch's last step is saved after its evaluation)
             if step % steps_per_epoch and (stop.requested or checkpoint_every and step % checkpoint_every == 0):
                 checkpoints.save(step)
@@ -253,6 +256,7 @@ def main(
     config_file: cli.ConfigFile = None,
     checkpoint_every: cli.CheckpointEvery = None,
     log_every: cli.LogEvery = None,
+    profile: cli.Profile = None,
 ):
     """Train a matmul-bound MLP with autocast (fp32, bf16, fp16), or compare all three."""
     options = {name: value for name, value in locals().items() if name != "compare_precisions"}

@@ -36,6 +36,7 @@ from common.checkpoint import Checkpointer, load_checkpoint, load_model_state, r
 from common.data import MNIST_MEAN, MNIST_STD, load_mnist, make_loader
 from common.ema import EMA
 from common.loop import batches_left, epochs_left, evaluate, train_step
+from common.profile import StepProfiler
 from common.rundir import already_finished, open_run_dir
 from common.runlog import RunLog, log_interval
 from common.runtime import resolve_device, resolve_precision, seed_everything
@@ -275,6 +276,7 @@ def main(
     config_file: cli.ConfigFile = None,
     checkpoint_every: cli.CheckpointEvery = None,
     log_every: cli.LogEvery = None,
+    profile: cli.Profile = None,
     ema_decay: cli.EMADecay = None,
 ):
     """Train a small CNN on MNIST with the one-cycle learning-rate schedule, or predict digits in images."""
@@ -337,6 +339,7 @@ def main(
     if finetune:
         log.print(f"fine-tuning from {finetune}: backbone peak lr {backbone_lr:g}, head peak lr {max_lr:g}")
     stop = StopRequest()  # Ctrl-C and SIGTERM: save and exit at the end of the step
+    profiler = StepProfiler(run.path, profile, device)  # --profile N
 
     for epoch in epochs_left(step, steps_per_epoch, total_steps):
         train_loader.sampler.set_epoch(epoch)  # a new shuffle every epoch
@@ -350,6 +353,7 @@ def main(
                 ema.update()
             step += 1
             log.train(step, stats, lr=current_lr, items=len(labels))
+            profiler.step()
             # mid-epoch checkpoints (an epoch's last step is saved after its evaluation)
             if step % steps_per_epoch and (stop.requested or checkpoint_every and step % checkpoint_every == 0):
                 checkpoints.save(step)

@@ -63,6 +63,7 @@ from common.best import BestScore
 from common.checkpoint import Checkpointer, load_model_state, resume_checkpoint
 from common.data import make_loader
 from common.loop import StepStats, evaluate
+from common.profile import StepProfiler
 from common.resources import format_account, memory_account, reset_peak_memory, with_peaks
 from common.rundir import already_finished, last_file, open_run_dir
 from common.runlog import RunLog, log_interval
@@ -518,6 +519,7 @@ def main(
     config_file: cli.ConfigFile = None,
     checkpoint_every: cli.CheckpointEvery = None,
     log_every: cli.LogEvery = None,
+    profile: cli.Profile = None,
     parallel: Annotated[Literal["auto", "none", "ddp", "fsdp"], typer.Option(
         help="Under torchrun: ddp replicates the model, fsdp shards it (FSDP2, sharded DCP checkpoints); auto "
         "is ddp there and none in one process. Without torchrun every choice trains one process.")] = "auto",
@@ -686,6 +688,7 @@ def main(
               f"({peak_source}) | parallel {parallel}: {type(ddp).__name__} | global batch {global_batch} "
               f"({world_size} x {batch_size} x {grad_accum})")
     stop = StopRequest()  # Ctrl-C and SIGTERM: save and exit at the end of the step
+    profiler = StepProfiler(run.path, profile, device, write=rank == 0)  # --profile N
     reset_peak_memory(device)  # the peak of training, not of setting up
     memory = {}
     unit = "byte" if vocab is None else "char" if isinstance(vocab, str) else "token"
@@ -725,6 +728,7 @@ def main(
         skipped = ~torch.isfinite(grad_norm) if scaler.is_enabled() else None
         step += 1
         log.train(step, StepStats(step_loss, grad_norm, skipped), lr=current_lr, items=global_batch * block_size)
+        profiler.step()
         if not memory:  # after the first step: weights, gradients and AdamW's moments all exist now
             memory = memory_account(model, optimizer, device)
             log.print(format_account(memory, type(optimizer).__name__))

@@ -8,7 +8,7 @@ import pytest
 from conftest import RECIPES, ROOT, read_metrics, smoke_args
 
 COMMON = ["--max-steps", "--batch-size", "--lr", "--seed", "--device", "--precision", "--compile", "--num-workers",
-          "--run-dir", "--resume", "--config", "--checkpoint-every", "--log-every"]
+          "--run-dir", "--resume", "--config", "--checkpoint-every", "--log-every", "--profile"]
 READS_A_DATA_SET = {"mnist_onecycle", "ddp_mlp", "tabular_mlp"}  # the others make their data or take a file
 
 

@@ -1,0 +1,89 @@
+"""``--profile N``: where a training step's time goes, measured on N steps of the real run.
+
+    profiler = StepProfiler(run.path, profile, device)   # does nothing without --profile
+    ...
+    profiler.step()                                      # after every training step
+
+After a warm-up (caches filled, a compiled model compiled), N steps run under ``torch.profiler``; they train as
+any other step does. Then the trace goes into the run directory (``*.pt.trace.json``: TensorBoard's profiler
+plugin reads it there, Perfetto and chrome://tracing open it), and a table is printed: per step, milliseconds
+waiting for data, in the forward pass, in the backward pass (with gradient clipping and unscaling), in the
+optimizer, and the rest (Python, logging, host syncs), then the operators that took the most time themselves.
+"""
+
+import os
+import statistics
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, schedule, tensorboard_trace_handler
+
+from common.cli import on_exit
+
+PHASES = ["data", "forward", "backward", "optimizer", "rest"]
+
+
+class StepProfiler:
+    def __init__(self, run_dir: Path, steps: int | None, device: torch.device, warmup: int = 3, write: bool = True):
+        self.run_dir, self.steps, self.write, self.profiler = run_dir, steps, write, None
+        self.table: dict[str, list[float]] = {}
+        if steps:
+            # libkineto (the profiler's C++ side) logs its start, stop and a failed GPU probe on stderr otherwise
+            os.environ.setdefault("KINETO_LOG_LEVEL", "6")
+            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+            self.profiler = torch.profiler.profile(activities=activities, on_trace_ready=self.report,
+                                                   schedule=schedule(wait=0, warmup=warmup, active=steps, repeat=1))
+            self.profiler.start()
+            on_exit(self.stop)
+
+    def step(self) -> None:
+        if self.profiler is not None:
+            self.profiler.step()
+
+    def stop(self) -> None:
+        if self.profiler is not None:
+            self.profiler.stop()
+            self.profiler = None
+            if not self.table and self.write:
+                print(f"profile: the run ended before {self.steps} steps could be profiled after the warm-up")
+
+    def report(self, profiler: torch.profiler.profile) -> None:
+        """The steps are done: the trace, and the table of phases and operators."""
+        steps = [e for e in profiler.events() if e.name.startswith("ProfilerStep") and e.cpu_parent is None]
+        self.table = {phase: [] for phase in PHASES}
+        for step in steps:
+            for phase, ms in phases(step).items():
+                self.table[phase].append(ms)
+        if not self.write:
+            return
+        tensorboard_trace_handler(str(self.run_dir))(profiler)
+        total = sum(statistics.median(v) for v in self.table.values())
+        lines = [f"profile of {len(steps)} steps (trace in {self.run_dir}): milliseconds per step, median",
+                 "  " + "  ".join(f"{phase:>9}" for phase in PHASES) + f"  {'total':>9}",
+                 "  " + "  ".join(f"{statistics.median(v):9.2f}" for v in self.table.values()) + f"  {total:9.2f}",
+                 "top operators by self time:"]
+        top = sorted(profiler.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)[:8]
+        lines += [f"  {e.key[:60]:60} {e.self_cpu_time_total / 1000 / len(steps):8.2f} ms per step  x{e.count}"
+                  for e in top]
+        print("\n".join(lines), flush=True)
+
+
+def phases(step) -> dict[str, float]:
+    """One profiled step's milliseconds by phase, from the events directly inside it: the DataLoader's and the
+    optimizer's own (named by torch), autograd's backward functions and what follows them until the optimizer
+    (clipping, unscaling), the operators before the backward (the forward pass, the loss), and the rest."""
+    ms = dict.fromkeys(PHASES, 0.0)
+    in_backward = False
+    for event in step.cpu_children:
+        length = (event.time_range.end - event.time_range.start) / 1000
+        if event.name.startswith("enumerate(DataLoader)"):
+            phase = "data"
+        elif event.name.startswith("Optimizer."):
+            phase, in_backward = "optimizer", False
+        elif event.name.startswith("autograd::engine"):
+            phase, in_backward = "backward", True
+        else:
+            phase = "backward" if in_backward else "forward"
+        ms[phase] += length
+    ms["rest"] = max(0.0, (step.time_range.end - step.time_range.start) / 1000 - sum(ms.values()))
+    return ms

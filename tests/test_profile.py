@@ -1,0 +1,39 @@
+"""--profile N: a trace in the run directory, a table of where a step's time goes, and training left as it is."""
+
+import json
+import re
+
+from conftest import assert_same_weights, load_weights
+
+ARGS = ["--epochs", 1, "--samples", 1024, "--batch-size", 64, "--width", 32, "--depth", 2, "--num-workers", 0]
+
+
+def test_profiled_steps_give_a_trace_and_a_table_and_train_as_always(run_inprocess, tmp_path):
+    plain = run_inprocess("mixed_precision", *ARGS, "--run-dir", tmp_path / "plain")
+    profiled = run_inprocess("mixed_precision", *ARGS, "--profile", 4, "--run-dir", tmp_path / "profiled")
+    assert plain.code == 0 and profiled.code == 0, profiled.stderr
+    assert "USDT" not in profiled.stderr and "gpuGetDeviceCount" not in profiled.stderr  # libkineto kept quiet
+
+    lines = profiled.stdout.splitlines()
+    start = lines.index(f"profile of 4 steps (trace in {tmp_path / 'profiled'}): milliseconds per step, median")
+    assert lines[start + 1].split() == ["data", "forward", "backward", "optimizer", "rest", "total"]
+    data, forward, backward, optimizer, rest, total = map(float, lines[start + 2].split())
+    assert min(data, forward, backward, optimizer) > 0 and rest >= 0  # each phase found in the events
+    assert abs(total - (data + forward + backward + optimizer + rest)) < 0.03  # (each rounded to 0.01)
+    assert lines[start + 3] == "top operators by self time:"
+    operators = [re.match(r"\s+(\S+)", line)[1] for line in lines[start + 4 : start + 12]]
+    assert {"aten::mm", "aten::addmm"} & set(operators)  # an MLP's time is in its matrix products
+
+    traces = list((tmp_path / "profiled").glob("*.pt.trace.json"))
+    assert len(traces) == 1  # where TensorBoard's profiler plugin looks; Perfetto opens it too
+    events = json.loads(traces[0].read_text())["traceEvents"]
+    assert sum(e.get("name", "").startswith("ProfilerStep#") for e in events) == 4
+
+    assert_same_weights(load_weights(tmp_path / "plain" / "checkpoints" / "last.pt"),
+                        load_weights(tmp_path / "profiled" / "checkpoints" / "last.pt"))
+
+
+def test_a_run_too_short_to_profile_says_so(run_inprocess, tmp_path):
+    result = run_inprocess("mixed_precision", *ARGS, "--max-steps", 2, "--profile", 4, "--run-dir", tmp_path)
+    assert result.code == 0, result.stderr
+    assert "profile: the run ended before 4 steps could be profiled after the warm-up" in result.stdout
