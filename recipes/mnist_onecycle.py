@@ -267,7 +267,7 @@ def main(
     ] = None,
     seed: cli.Seed = 0,
     device: cli.Device = "auto",
-    precision: cli.Precision = "fp32",
+    precision: cli.Precision = "auto",
     compile: cli.Compile = False,
     num_workers: cli.NumWorkers = 0,
     data_dir: cli.DataDir = Path("data"),

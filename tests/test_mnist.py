@@ -41,7 +41,10 @@ def test_smoke_writes_the_run_directory_of_the_conventions(run_inprocess, mnist_
     # the hyper-parameters, with their own types, in the HParams tab alone (no single-point hparam/* charts),
     # beside the figures already logged; one event file for the launch
     hparams, tags = read_hparams(run_dir)
-    assert hparams["batch_size"] == 32 and hparams["augment"] is True and hparams["precision"] == "fp32"
+    from common.runtime import resolve_precision
+
+    assert hparams["batch_size"] == 32 and hparams["augment"] is True
+    assert hparams["precision"] == resolve_precision("auto", torch.device("cpu"))[0]  # as --precision auto chose
     assert {"val/loss", "val/acc", "test/acc"} <= set(tags) and not [t for t in scalars if t.startswith("hparam")]
     assert len(list(run_dir.glob("events.out.tfevents.*"))) == 1
     events = EventAccumulator(str(run_dir), size_guidance={"images": 0})
@@ -227,8 +230,8 @@ def test_the_test_set_is_scored_with_the_weights_best_pt_holds(run_inprocess, mn
     from common.loop import evaluate
 
     run_dir = tmp_path / "run"
-    result = run_inprocess(RECIPE, "--epochs", 2, "--batch-size", 32, "--width", 4, "--ema", 0.9,
-                           "--data-dir", mnist_dir, "--run-dir", run_dir)
+    result = run_inprocess(RECIPE, "--epochs", 2, "--batch-size", 32, "--width", 4, "--ema", 0.9, "--precision",
+                           "fp32", "--data-dir", mnist_dir, "--run-dir", run_dir)
     assert result.code == 0, result.stderr
     best, last = (load_weights(run_dir / "checkpoints" / name) for name in ("best.pt", "last.pt"))
     assert not all(torch.equal(best[k], last[k]) for k in best)  # two different models
