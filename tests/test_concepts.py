@@ -1,11 +1,11 @@
-"""The README's "Concepts → where to read them" table names files and definitions that exist."""
+"""docs/guide.md's "Concepts → where to read them" table names files and definitions that exist."""
 
 import ast
 import re
 
 from conftest import ROOT
 
-README = (ROOT / "README.md").read_text()
+README = (ROOT / "docs" / "guide.md").read_text()
 SECTION = README.split("## Concepts → where to read them", 1)[1].split("\n## ", 1)[0]
 REFERENCES = re.findall(r"`([\w/]+\.py)::([\w.]+)`", SECTION)
 CONCEPTS = ["tensors and dtypes", "device moves", "memory accounting", "autograd and gradient accumulation",

@@ -74,8 +74,8 @@ def test_two_processes_equal_one_process_with_twice_the_batch(run_inprocess, mni
 
 
 def test_the_readme_two_node_commands_train_together(mnist_dir, tmp_path):
-    """The README's commands for two hosts, run as two launches on this machine (HOST0 = 127.0.0.1)."""
-    readme = (ROOT / "README.md").read_text()
+    """docs/scaling.md's commands for two hosts, run as two launches on this machine (HOST0 = 127.0.0.1)."""
+    readme = (ROOT / "docs" / "scaling.md").read_text()
     commands = [line.strip() for line in readme.splitlines() if line.startswith("torchrun --nnodes=2")]
     assert [re.search(r"--node-rank=(\d)", c)[1] for c in commands] == ["0", "1"]
     assert all("--rdzv-backend=c10d" in c for c in commands)

@@ -282,12 +282,12 @@ def test_usage_errors_exit_2(args, text, capsys):
 
 
 def test_the_readme_deploy_section_runs_as_written(checkpoints, tmp_path):
-    """Every command and Python block of the README's Deploy section, in order, in a folder of its own; the
+    """Every command and Python block of docs/deploy.md's Deploy section, in order, in a folder of its own; the
     placeholders get real files: the checkpoint, a folder of digit images and a photo. The Python blocks run
     with -I from that folder: only torch (or onnxruntime) is needed."""
     from torchvision.io import write_jpeg, write_png
 
-    section = (ROOT / "README.md").read_text().split("## Deploy\n", 1)[1].split("\n## ", 1)[0]
+    section = (ROOT / "docs" / "deploy.md").read_text().split("## Deploy\n", 1)[1].split("\n## ", 1)[0]
     blocks = re.findall(r"```(bash|python)\n(.*?)```", section, flags=re.S)
     assert [kind for kind, _ in blocks] == ["bash", "python", "python", "bash"]
     digit = torch.zeros(1, 28, 28, dtype=torch.uint8)

@@ -1,4 +1,4 @@
-"""The README only says true things: its commands run, and the files it names exist."""
+"""The README and the docs/ pages say only true things: their commands run, and the files they name exist."""
 
 import json
 import re
@@ -7,10 +7,12 @@ import shutil
 import sys
 
 import pytest
+import torch
 from conftest import ROOT, run_subprocess, run_torchrun, smoke_args, write_tiny_gpt2
 
 README = (ROOT / "README.md").read_text()
-CODE_BLOCKS = re.findall(r"```bash\n(.*?)```", README, flags=re.S)
+PAGES = {path.name: path.read_text() for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]}
+CODE_BLOCKS = [block for text in PAGES.values() for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S)]
 BLOCK_COMMANDS = [line.strip() for block in CODE_BLOCKS for line in block.splitlines() if line.strip()]
 TABLE_COMMANDS = re.findall(r"\| `((?:python|torchrun) [^`]*recipes/[^`]+)` \|", README)
 # Every command that trains a recipe on one machine; the two-machine commands are run by tests/test_ddp.py,
@@ -22,10 +24,20 @@ RECIPE_COMMANDS = sorted({c for c in BLOCK_COMMANDS + TABLE_COMMANDS
 
 
 def test_readme_shows_the_two_newcomer_commands():
-    assert "pip install -r requirements.txt" in BLOCK_COMMANDS
-    assert "python recipes/mnist_onecycle.py --epochs 3" in BLOCK_COMMANDS
-    assert "python -m pytest -q" in BLOCK_COMMANDS
+    commands = [line.strip() for block in re.findall(r"```bash\n(.*?)```", README, flags=re.S)
+                for line in block.splitlines()]
+    assert "pip install -r requirements.txt" in commands
+    assert "python recipes/mnist_onecycle.py --epochs 3" in commands
+    assert any(c.startswith("python -m pytest -q") for c in commands)
     assert "tensorboard --logdir runs" in BLOCK_COMMANDS
+
+
+def test_the_readme_is_read_in_five_minutes_and_links_the_rest():
+    words = len(re.sub(r"```.*?```", "", README, flags=re.S).split())  # prose, not the commands
+    assert words <= 1600, f"README: {words} words"
+    for page in ("docs/guide.md", "docs/reliability.md", "docs/scaling.md", "docs/deploy.md", "docs/benchmarks.md",
+                 "docs/conventions.md"):
+        assert f"({page})" in README, page
 
 
 def test_every_recipe_has_a_row_with_a_command():
@@ -67,9 +79,11 @@ def strip_options(args: list[str], names: set[str]) -> list[str]:
     return kept
 
 
-def test_readme_tools_and_files_exist():
+@pytest.mark.parametrize("page", sorted(PAGES))
+def test_readme_tools_and_files_exist(page):
     assert shutil.which("tensorboard") or (ROOT / ".venv" / "bin" / "tensorboard").exists()
-    for path in re.findall(r"`((?:recipes|common|scripts|benchmarks|data|tests)/[\w./-]+\.(?:py|md|sh))`", README):
+    for path in re.findall(r"`((?:recipes|common|scripts|benchmarks|data|tests|docs)/[\w./-]+\.(?:py|md|sh))`",
+                           PAGES[page]):
         assert (ROOT / path).exists(), path
 
 
@@ -85,7 +99,7 @@ def indented_commands(section: str) -> list[str]:
     return commands
 
 
-SCALING = README.split("## Scaling the transformer\n", 1)[1].split("\n## ", 1)[0]
+SCALING = PAGES["scaling.md"].split("## Scaling the transformer\n", 1)[1].split("\n## ", 1)[0]
 SCALING_COMMANDS = [c for c in indented_commands(SCALING) if "--nnodes" not in c]  # two nodes: test_scaling.py
 
 
@@ -119,7 +133,8 @@ def test_readme_scaling_command_trains_as_it_says(command, request, tmp_path):
 
 
 def section(title: str) -> str:
-    return README.split(f"## {title}\n", 1)[1].split("\n## ", 1)[0]
+    text = next(text for text in PAGES.values() if f"## {title}\n" in text)
+    return text.split(f"## {title}\n", 1)[1].split("\n## ", 1)[0]
 
 
 def test_the_gpt2_sections_run_as_written_with_a_tiny_stand_in_for_gpt2(tmp_path):
@@ -153,3 +168,18 @@ def test_the_gpt2_sections_run_as_written_with_a_tiny_stand_in_for_gpt2(tmp_path
     result = run_subprocess([sys.executable, "-I", "-c", use[0][1]], cwd=tmp_path)
     assert result.code == 0, result.stderr[-3000:]
     assert result.stdout.startswith("Once upon a time") and len(result.stdout) > len("Once upon a time")
+
+
+def test_the_own_images_snippet_reads_an_image_folder(tmp_path):
+    """docs/guide.md's "Your own images" block, run as written in a folder holding my_images/ of two classes."""
+    from torchvision.io import write_png
+
+    code = re.findall(r"```python\n(.*?)```", section("Your own images"), flags=re.S)[0]
+    for name, n in (("cat", 3), ("dog", 2)):
+        (tmp_path / "my_images" / name).mkdir(parents=True)
+        for i in range(n):
+            write_png(torch.randint(0, 255, (3, 40, 30), dtype=torch.uint8), str(tmp_path / "my_images" / name /
+                                                                                 f"{i}.png"))
+    result = run_subprocess([sys.executable, "-c", code], cwd=tmp_path)
+    assert result.code == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == "torch.Size([5, 1, 28, 28]) [3, 2] ['cat', 'dog']"
