@@ -21,7 +21,7 @@ recomputes each block in the backward pass.
 ``--init-from DIR`` fine-tunes GPT-2: a folder in Hugging Face's format (``hf download gpt2 --local-dir gpt2``, or
 one scripts/export.py --format hf wrote) gives the model's shape, weights and tokenizer; the model is the same
 GPT, with GPT-2's biases and its GELU (``GPTConfig.bias``, ``activation``) where the folder has them.
-common/hf_gpt2.py converts names, layouts and tokenizers, both ways.
+common/hf_gpt2.py converts names and layouts, common/hf_tokens.py tokenizers, both ways.
 
     python recipes/tiny_transformer.py                       # corpus: this Python's standard library
     python recipes/tiny_transformer.py --text input.txt --vocab chars
@@ -58,7 +58,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import checkpoint
 from torch.utils.data import IterableDataset, get_worker_info
 
-from common import cli, hf_gpt2
+from common import cli, hf_gpt2, hf_tokens
 from common.best import BestScore
 from common.checkpoint import Checkpointer, load_model_state, resume_checkpoint
 from common.data import make_loader
@@ -470,7 +470,7 @@ def main(
         "--vocab", help="Tokens: bytes (256) or the characters seen [default: bytes; --init-from: the folder's].")
     ] = None,
     init_from: Annotated[Path | None, typer.Option(
-        help="Start from a GPT-2 folder in Hugging Face's format (hf download gpt2 --local-dir gpt2, or an export): "
+        help="Start from a GPT-2 folder in Hugging Face's format (gpt2 as `hf download` saves it, or an export): "
              "its shape, weights and tokenizer.")] = None,
     steps: cli.Steps = 1200,
     max_steps: cli.MaxSteps = None,
@@ -560,8 +560,8 @@ def main(
             load_sharded(Path(resume), model)
         else:
             load_model_state(model, checkpoint["model"], Path(resume))
-        print(sample_text(model, hf_gpt2.checkpoint_vocab(checkpoint), prompt, sample_tokens, temperature, top_k, seed,
-                          next(model.parameters()).device))
+        vocab, on = hf_tokens.checkpoint_vocab(checkpoint), next(model.parameters()).device
+        print(sample_text(model, vocab, prompt, sample_tokens, temperature, top_k, seed, on))
         return
     rank, world_size, device = init_distributed(resolve_device(device))
     if parallel == "auto":
@@ -613,7 +613,7 @@ def main(
     # Data: the last 10% of the corpus is the validation split
     corpus = read_text(text) if text else stdlib_corpus()
     if checkpoint:  # the tokens the run started with
-        vocab = hf_gpt2.checkpoint_vocab(checkpoint)
+        vocab = hf_tokens.checkpoint_vocab(checkpoint)
     elif folder:
         vocab = folder.vocab
     else:
@@ -669,7 +669,7 @@ def main(
                  write=rank == 0)
     best = BestScore("val_loss", higher_is_better=False)
     state = dict(model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, parts={"log": log, "best": best},
-                 data={**hf_gpt2.vocab_state(vocab), "model_config": asdict(model_config)})
+                 data={**hf_tokens.vocab_state(vocab), "model_config": asdict(model_config)})
     checkpoints = ShardedCheckpointer(run, RECIPE, config, best=best, **state) if sharded else \
         Checkpointer(run, RECIPE, config, **state)
     step = checkpoints.restore(checkpoint) if checkpoint else 0

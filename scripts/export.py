@@ -56,7 +56,7 @@ import torch
 from torch import nn
 from torch.export import Dim
 
-from common import hf_gpt2
+from common import hf_gpt2, hf_tokens
 from common.checkpoint import load_model_state
 from common.cli import RecipeError
 from common.data import MNIST_MEAN, MNIST_STD
@@ -340,7 +340,7 @@ def export_hf(exportable: Exportable, state: dict, out: Path) -> dict[str, float
     import transformers
 
     model = (exportable.reference or exportable.model).eval()
-    hf_gpt2.save_folder(out, model.state_dict(), state["model_config"], hf_gpt2.checkpoint_vocab(state))
+    hf_gpt2.save_folder(out, model.state_dict(), state["model_config"], hf_tokens.checkpoint_vocab(state))
     verbosity, bars = transformers.logging.get_verbosity(), transformers.logging.is_progress_bar_enabled()
     transformers.logging.set_verbosity_error()  # its notes and progress bars; what matters is in `loading`
     transformers.logging.disable_progress_bar()
