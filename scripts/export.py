@@ -136,9 +136,8 @@ def ddp_mlp(state: dict, path: Path) -> Exportable:
 
 def tabular_mlp(state: dict, path: Path) -> Exportable:
     recipe = load_recipe("tabular_mlp")
-    spec, config = state["features"], state["config"]
-    model = recipe.build_model(spec, config["hidden"], config["depth"], config["dropout"])
-    load_model_state(model, state["model"], path)
+    spec = state["features"]
+    model = recipe.model_from_checkpoint(state, path)  # the numeric embedding's bins are buffers: they travel
     cardinalities = torch.tensor([len(vocabulary) for vocabulary in spec["categorical"].values()], dtype=torch.long)
     g = torch.Generator().manual_seed(0)
 

@@ -1,0 +1,166 @@
+"""recipes/tabular_mlp.py: numeric embeddings (piecewise-linear, periodic) and K-fold cross-validation."""
+
+import csv
+import json
+import math
+import shutil
+
+import numpy as np
+import onnxruntime
+import pyarrow as pa
+import pytest
+import torch
+from conftest import assert_same_weights, load_recipe, load_weights, read_metrics, write_table
+
+from scripts import export
+
+RECIPE = "tabular_mlp"
+tabular = load_recipe(RECIPE)
+COMMON = ["--target", "label", "--batch-size", 32]
+
+
+def test_piecewise_linear_encoding_of_known_bins():
+    encode = tabular.PiecewiseLinear([[0.0, 1.0, 3.0], [-1.0, 1.0]])  # 2 bins; 1 bin (and a padding bin)
+    x = torch.tensor([[-2.0, -3.0], [0.5, 0.0], [2.0, 1.0], [5.0, 5.0]])
+    expected = [[[-2.0, 0.0], [-1.0, 0.0]],  # below the first edge: the first bin is open below
+                [[0.5, 0.0], [0.5, 0.0]],
+                [[1.0, 0.5], [1.0, 0.0]],
+                [[1.0, 2.0], [3.0, 0.0]]]  # above the last edge: the last real bin is open above; padding is 0
+    torch.testing.assert_close(encode(x), torch.tensor(expected))
+
+
+def test_bins_are_distinct_quantiles_of_the_rows_they_are_fitted_on():
+    header = ["x", "y"]
+    rows = [[str(v), "ab"[i % 2]] for i, v in enumerate(range(101))]  # x = 0..100: mean 50, std 29.15
+    spec = tabular.fit_features(pa.table({h: [r[i] for r in rows] for i, h in enumerate(header)}), "y", "auto",
+                                bins=4)
+    mean, std = spec["numeric"]["x"]
+    assert mean == 50.0
+    assert spec["bins"]["x"] == pytest.approx([(q - mean) / std for q in (0, 25, 50, 75, 100)])  # the rows' own
+    few = tabular.fit_features(pa.table({"flag": ["0", "1"] * 10, "y": ["a", "b"] * 10}), "y", "auto", bins=8)
+    assert len(few["bins"]["flag"]) == 2  # two distinct values: one bin, not eight empty ones
+
+
+def test_a_column_missing_in_every_training_row_trains_and_predicts(run_inprocess, tmp_path):
+    rng = np.random.default_rng(0)
+    lines = ["x,empty,y"] + [f"{v:.3f},,{'ab'[int(v > 0)]}" for v in rng.normal(size=120)]
+    (tmp_path / "t.csv").write_text("\n".join(lines) + "\n")
+    run_dir = tmp_path / "run"
+    result = run_inprocess(RECIPE, "--csv", tmp_path / "t.csv", "--target", "y", "--epochs", 2, "--run-dir", run_dir)
+    assert result.code == 0, result.stderr
+    spec = torch.load(run_dir / "checkpoints" / "best.pt", weights_only=True)["features"]
+    assert spec["categorical"]["empty"] == ["<unseen>", "<missing>"]
+    (tmp_path / "new.csv").write_text("x,empty\n0.5,\n-0.5,hello\n")
+    result = run_inprocess(RECIPE, "--predict", tmp_path / "new.csv", "--resume", run_dir / "checkpoints" / "best.pt")
+    assert result.code == 0, result.stderr
+
+
+@pytest.mark.parametrize("embedding", ["ple", "periodic"])
+def test_an_embedded_run_carries_its_bins_resumes_exactly_and_exports(run_inprocess, table_csv, tmp_path, embedding):
+    args = ["--csv", table_csv, *COMMON, "--epochs", 3, "--num-embedding", embedding]
+    assert run_inprocess(RECIPE, *args, "--run-dir", tmp_path / "full").code == 0
+    assert run_inprocess(RECIPE, *args, "--max-steps", 10, "--run-dir", tmp_path / "cut").code == 0
+    assert run_inprocess(RECIPE, *args, "--resume", "auto", "--run-dir", tmp_path / "cut").code == 0
+    best = tmp_path / "full" / "checkpoints" / "best.pt"
+    assert_same_weights(load_weights(tmp_path / "full" / "checkpoints" / "last.pt"),
+                        load_weights(tmp_path / "cut" / "checkpoints" / "last.pt"))
+    state = torch.load(best, weights_only=True)
+    assert state["config"]["num_embedding"] == embedding
+    if embedding == "ple":  # the bins travel twice: as statistics (features) and as the encoding's buffers
+        spec = state["features"]
+        assert set(spec["bins"]) == set(spec["numeric"]) == {"age", "income"}
+        order = torch.randperm(240 + 60, generator=torch.Generator().manual_seed(0)).numpy()  # the recipe's split
+        ages = np.array(tabular.read_table(table_csv)["age"].to_pylist(), dtype=float)[order[60:]]  # training rows
+        standardised = (ages - ages.mean()) / ages.std()
+        expected = np.unique(np.quantile(standardised, np.linspace(0, 1, tabular.PLE_BINS + 1), method="nearest"))
+        assert spec["bins"]["age"] == pytest.approx(expected.tolist())
+        assert state["model"]["numeric.0.left"][0, : len(spec["bins"]["age"]) - 1].tolist() == pytest.approx(
+            spec["bins"]["age"][:-1])
+    else:
+        assert state["model"]["numeric.0.frequencies"].shape == (2, tabular.PERIODIC_FREQUENCIES)
+
+    # --predict and the exported ONNX model give the checkpoint's own predictions
+    new = write_table(tmp_path / "new.csv", n=40, seed=5, target=False)
+    assert run_inprocess(RECIPE, "--predict", new, "--resume", best).code == 0
+    with open(tmp_path / "new.predictions.csv", newline="") as f:
+        predicted = [row["prediction"] for row in csv.DictReader(f)]
+    assert export.main([str(best), str(tmp_path / "exported")]) == 0
+    numeric, categorical, _ = tabular.encode(state["features"], tabular.read_table(new), with_target=False)
+    session = onnxruntime.InferenceSession(str(tmp_path / "exported" / "model.onnx"))
+    onnx_logits = session.run(None, {"numeric": numeric, "categorical": categorical.astype(np.int64)})[0]
+    model = tabular.model_from_checkpoint(state, best).eval()
+    with torch.no_grad():
+        eager = model(torch.from_numpy(numeric), torch.from_numpy(categorical)).numpy()
+    np.testing.assert_allclose(onnx_logits, eager, atol=1e-4)
+    assert [state["features"]["classes"][i] for i in eager.argmax(1)] == predicted
+
+
+def fold_spec(run_dir, k: int) -> dict:
+    return torch.load(run_dir / f"fold-{k}" / "checkpoints" / "best.pt", weights_only=True)["features"]
+
+
+def test_cross_validation_folds_are_stratified_and_fitted_on_their_own_training_rows(run_inprocess, table_csv,
+                                                                                     tmp_path):
+    run_dir = tmp_path / "cv"
+    result = run_inprocess(RECIPE, "--csv", table_csv, *COMMON, "--epochs", 2, "--cv", 3, "--run-dir", run_dir)
+    assert result.code == 0, result.stderr
+    metrics = read_metrics(run_dir)
+    assert metrics["cv"] == 3 and metrics["metric"] == "val_acc" and len(metrics["folds"]) == 3
+    assert metrics["mean_val_acc"] == pytest.approx(np.mean(metrics["folds"]))
+    assert metrics["std_val_acc"] == pytest.approx(np.std(metrics["folds"], ddof=1))
+    assert [read_metrics(run_dir / f"fold-{k}")["val_acc"] for k in range(3)] == metrics["folds"]
+    assert result.done_line.startswith(f"done: val_acc={metrics['mean_val_acc']:.4f}±")
+
+    table = tabular.read_table(table_csv)
+    folds = tabular.fold_of_each_row(table, "label", "classification", 3, seed=0)
+    labels = np.array(table["label"].to_pylist())
+    for k in range(3):  # each class split evenly over the folds (stratified), and each fold's own statistics
+        for label in ("yes", "no"):
+            assert abs((labels[folds == k] == label).sum() - (labels == label).sum() / 3) <= 1
+        ages = np.array(table["age"].to_pylist(), dtype=float)[folds != k]
+        assert fold_spec(run_dir, k)["numeric"]["age"][0] == pytest.approx(ages.mean())
+    assert len({fold_spec(run_dir, k)["numeric"]["age"][0] for k in range(3)}) == 3
+
+
+def test_a_resumed_cross_validation_skips_the_finished_folds(run_inprocess, table_csv, tmp_path):
+    args = ["--csv", table_csv, *COMMON, "--epochs", 2, "--cv", 3]
+    assert run_inprocess(RECIPE, *args, "--run-dir", tmp_path / "whole").code == 0
+    # every fold cut short at step 5 (--max-steps), then fold 2 as if it had never started
+    assert run_inprocess(RECIPE, *args, "--run-dir", tmp_path / "cut", "--max-steps", 5).code == 0
+    assert read_metrics(tmp_path / "cut" / "fold-1")["steps"] == 5
+    shutil.rmtree(tmp_path / "cut" / "fold-2")
+    whole = read_metrics(tmp_path / "whole")
+    result = run_inprocess(RECIPE, *args, "--run-dir", tmp_path / "cut", "--resume", "auto")
+    assert result.code == 0, result.stderr
+    assert read_metrics(tmp_path / "cut")["folds"] == whole["folds"]
+    for k in range(3):
+        assert_same_weights(load_weights(tmp_path / "whole" / f"fold-{k}" / "checkpoints" / "last.pt"),
+                            load_weights(tmp_path / "cut" / f"fold-{k}" / "checkpoints" / "last.pt"))
+    again = run_inprocess(RECIPE, *args, "--run-dir", tmp_path / "cut", "--resume", "auto")
+    assert again.code == 0 and again.stdout.count("already finished") == 3
+    assert read_metrics(tmp_path / "cut")["folds"] == whole["folds"]
+
+
+@pytest.mark.parametrize(("extra", "code", "message"), [
+    (["--cv", "1"], 2, "--cv"),
+    (["--cv", "0"], 2, "--cv"),
+    (["--cv", "2", "--resume", "x.pt"], 2, "--cv resumes every fold with --resume auto"),
+    (["--cv", "200"], 1, "too few for 200 folds"),
+])
+def test_a_bad_number_of_folds_is_refused(run_inprocess, table_csv, tmp_path, extra, code, message):
+    result = run_inprocess(RECIPE, "--csv", table_csv, *COMMON, "--epochs", 1, *extra, "--run-dir", tmp_path / "r")
+    assert result.code == code and message in result.stderr, result.stderr
+    assert not (tmp_path / "r").exists()  # nothing left behind
+
+
+def test_regression_cross_validation_reports_rmse_in_the_target_units(run_inprocess, tmp_path):
+    rng = np.random.default_rng(0)
+    x = rng.uniform(0, 10, size=150)
+    lines = ["x,y"] + [f"{a:.3f},{100 + 30 * math.sin(a):.3f}" for a in x]
+    (tmp_path / "r.csv").write_text("\n".join(lines) + "\n")
+    result = run_inprocess(RECIPE, "--csv", tmp_path / "r.csv", "--target", "y", "--epochs", 30, "--cv", 3,
+                           "--num-embedding", "periodic", "--run-dir", tmp_path / "cv")
+    assert result.code == 0, result.stderr
+    metrics = json.loads((tmp_path / "cv" / "metrics.json").read_text())
+    assert metrics["metric"] == "val_rmse" and len(metrics["folds"]) == 3
+    assert metrics["mean_val_rmse"] < 0.5 * 30 / math.sqrt(2)  # well below predicting the mean (std of y: 21)
