@@ -8,7 +8,8 @@ After a warm-up (caches filled, a compiled model compiled), N steps run under ``
 any other step does. Then the trace goes into the run directory (``*.pt.trace.json``: TensorBoard's profiler
 plugin reads it there, Perfetto and chrome://tracing open it), and a table is printed: per step, milliseconds
 waiting for data, in the forward pass, in the backward pass (with gradient clipping and unscaling), in the
-optimizer, and the rest (Python, logging, host syncs), then the operators that took the most time themselves.
+optimizer, and the rest (Python, logging, host syncs), then the operators that took the most time themselves;
+the same figures go into profile.json beside the trace.
 """
 
 import os
@@ -19,6 +20,7 @@ import torch
 from torch.profiler import ProfilerActivity, schedule, tensorboard_trace_handler
 
 from common.cli import on_exit
+from common.rundir import write_json
 
 PHASES = ["data", "forward", "backward", "optimizer", "rest"]
 
@@ -57,15 +59,17 @@ class StepProfiler:
         if not self.write:
             return
         tensorboard_trace_handler(str(self.run_dir))(profiler)
-        total = sum(statistics.median(v) for v in self.table.values())
+        medians = {phase: statistics.median(v) for phase, v in self.table.items()}
+        total = sum(medians.values())
         lines = [f"profile of {len(steps)} steps (trace in {self.run_dir}): milliseconds per step, median",
                  "  " + "  ".join(f"{phase:>9}" for phase in PHASES) + f"  {'total':>9}",
                  "  " + "  ".join(f"{statistics.median(v):9.2f}" for v in self.table.values()) + f"  {total:9.2f}",
                  "top operators by self time:"]
         top = sorted(profiler.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)[:8]
-        lines += [f"  {e.key[:60]:60} {e.self_cpu_time_total / 1000 / len(steps):8.2f} ms per step  x{e.count}"
-                  for e in top]
+        operators = {e.key: e.self_cpu_time_total / 1000 / len(steps) for e in top}
+        lines += [f"  {name[:60]:60} {ms:8.2f} ms per step" for name, ms in operators.items()]
         print("\n".join(lines), flush=True)
+        write_json(self.run_dir / "profile.json", {"steps": len(steps), "ms_per_step": medians, "operators": operators})
 
 
 def phases(step) -> dict[str, float]:

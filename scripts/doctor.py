@@ -1,0 +1,347 @@
+"""What would make a recipe's run faster here: its alternatives measured side by side, and the rules of
+PyTorch's Performance Tuning Guide checked against the live run.
+
+    python scripts/doctor.py mnist_onecycle                      # any recipe, with the options you train with
+    python scripts/doctor.py tabular_mlp --csv my.csv --target price --rounds 3
+
+1. The live run: the recipe runs as given, in this process, for a few dozen steps with ``--profile``, while
+   global hooks watch it (every module call, every optimizer step): where a step's time goes (waiting for data,
+   forward, backward, optimizer), and the guide's rules: evaluation without gradients, autograd's anomaly mode
+   off, gradients freed between steps (``zero_grad(set_to_none=True)``), no bias on a convolution that a batch
+   norm follows, channels_last convolutions, matrix sizes that are multiples of 8 under autocast, and on CUDA
+   host-device syncs per step (``torch.cuda.set_sync_debug_mode``), ``cudnn.benchmark`` and TF32.
+2. The alternatives that apply on this device (bf16 where the device multiplies it natively, ``--compile``
+   where a C++ compiler is found, DataLoader workers, a larger batch), each a run of its own in a subprocess,
+   interleaved with the run as given (A B C A B C ...) for ``--rounds`` rounds: the speed-up is the median of
+   the rounds' ratios of training throughput (first window left out: start-up and compiling), with its range.
+3. The alternatives that were faster in every round and leave the training as it is (not a larger batch) are
+   measured together, the same way, and recommended as one command line.
+
+One table (rule or alternative, what was measured, verdict) and the command; ``--json FILE`` writes the same
+figures. Nothing is written where your runs are: every run is in a temporary folder, removed afterwards.
+Exit status 0; 1 with one line ``error: ...`` when the recipe fails as given; 2 on a usage error.
+"""
+
+import argparse
+import contextlib
+import io
+import json
+import os
+import shlex
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from scripts.find_lr import FinderError as DoctorError  # noqa: E402 - the same one-line error
+from scripts.find_lr import load_recipe, recipe_options  # noqa: E402
+
+ALTERNATIVES = ["bf16", "compile", "workers", "batch"]
+OWN_OPTIONS = ("--run-dir", "--resume", "--max-steps", "--log-every", "--profile", "--compare", "--predict")
+
+
+@dataclass
+class Observed:
+    """What the hooks saw of the live run."""
+
+    steps: int = 0
+    anomaly_mode: bool = False
+    grads_reused: int = 0  # steps whose gradients were the previous step's tensors, zeroed in place
+    eval_with_grad: set[str] = field(default_factory=set)  # eval-mode modules called with autograd recording
+    conv_bias_before_norm: set[str] = field(default_factory=set)
+    convs_not_channels_last: set[str] = field(default_factory=set)
+    matrices: dict[str, tuple[int, int]] = field(default_factory=dict)  # weight shapes of layers that multiply
+    syncs: int = 0  # CUDA: host-device synchronisations during the training steps
+    cudnn_benchmark: bool | None = None
+    matmul_precision: str = "highest"
+
+
+def watch(observed: Observed):
+    """The global hooks: every optimizer step, every module call. Returns a function that removes them."""
+    import torch
+    from torch import nn
+    from torch.nn.modules.module import register_module_forward_pre_hook
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    previous: list[nn.Module | None] = [None]
+
+    def before_step(optimizer, args, kwargs) -> None:
+        observed.steps += 1
+        observed.anomaly_mode |= torch.is_anomaly_enabled()
+        observed.cudnn_benchmark = torch.backends.cudnn.benchmark
+        observed.matmul_precision = torch.get_float32_matmul_precision()
+        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        # a gradient tensor met at an earlier step was zeroed in place, not freed (set_to_none=False)
+        observed.grads_reused += any(getattr(g, "doctor_seen", False) for g in grads)
+        for g in grads:
+            g.doctor_seen = True
+
+    def before_forward(module: nn.Module, inputs) -> None:
+        kind = type(module).__name__
+        if not module.training and torch.is_grad_enabled() and any(p.requires_grad for p in module.parameters()):
+            observed.eval_with_grad.add(kind)
+        weight = getattr(module, "weight", None)
+        if isinstance(weight, torch.Tensor) and weight.ndim >= 2 and not isinstance(module, nn.Embedding):
+            observed.matrices.setdefault(kind + str(len(observed.matrices)), tuple(weight.shape[:2]))
+        conv = previous[0] if isinstance(previous[0], nn.modules.conv._ConvNd) else None
+        if isinstance(module, nn.modules.batchnorm._BatchNorm) and conv is not None and conv.bias is not None:
+            observed.conv_bias_before_norm.add(type(conv).__name__)
+        image = inputs[0] if inputs and isinstance(inputs[0], torch.Tensor) and inputs[0].ndim == 4 else None
+        if isinstance(module, nn.Conv2d) and image is not None and not image.is_contiguous(
+                memory_format=torch.channels_last):
+            observed.convs_not_channels_last.add(kind)
+        if not list(module.children()):
+            previous[0] = module
+
+    handles = [register_optimizer_step_pre_hook(before_step), register_module_forward_pre_hook(before_forward)]
+    return lambda: [handle.remove() for handle in handles]
+
+
+def live_run(recipe, options: list[str], steps: int, work: Path) -> tuple[Observed, dict, dict, str]:
+    """The recipe as given, in this process, with the hooks and --profile: (what was seen, its config.json, its
+    profile.json, what its throughput counts: samples or tokens)."""
+    import torch
+
+    from common.cli import run_recipe
+
+    observed, run_dir = Observed(), work / "live"
+    remove = watch(observed)
+    errors = io.StringIO()
+    profiled = max(5, steps // 2)
+    args = [*options, "--max-steps", str(steps), "--profile", str(profiled), "--log-every", str(steps),
+            "--run-dir", str(run_dir)]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        sync_debug = torch.cuda.is_available()
+        if sync_debug:  # every synchronising CUDA call warns; counted below
+            torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(errors):
+                run_recipe(recipe.main, args)
+            code = 0
+        except SystemExit as exit_:
+            code = exit_.code if isinstance(exit_.code, int) else 1
+        finally:
+            remove()
+            if sync_debug:
+                torch.cuda.set_sync_debug_mode("default")
+    observed.syncs = sum("synchronizing" in str(w.message) for w in caught)
+    if code:
+        line = (errors.getvalue().strip().splitlines() or [f"exit status {code}"])[-1]
+        raise DoctorError(f"the recipe fails as given: {line.removeprefix('error: ')}")
+    read = lambda name: json.loads((run_dir / name).read_text()) if (run_dir / name).is_file() else {}  # noqa: E731
+    unit = next((k.removesuffix("_per_s") for k in read("metrics.json") if k.endswith("_per_s")), "samples")
+    return observed, read("config.json"), read("profile.json"), unit
+
+
+def throughput(recipe_path: Path, options: list[str], steps: int, window: int, run_dir: Path) -> float:
+    """Training items (samples or tokens) per second of one run in a subprocess, without its first window."""
+    args = [sys.executable, str(recipe_path), *options, "--max-steps", str(steps), "--log-every", str(window),
+            "--run-dir", str(run_dir)]
+    proc = subprocess.run(args, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError((proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}"])[-1])
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    shutil.rmtree(run_dir, ignore_errors=True)
+    return next(v for k, v in metrics.items() if k.endswith("_per_s"))
+
+
+def side_by_side(recipe_path: Path, variants: dict[str, list[str]], rounds: int, steps: int, window: int,
+                 work: Path) -> dict[str, list[float] | str]:
+    """Each variant's speed-up over the first ("as given") in every round, interleaved; or why it failed."""
+    speeds: dict[str, list[float] | str] = {name: [] for name in variants}
+    for r in range(rounds):
+        for i, (name, options) in enumerate(variants.items()):
+            if isinstance(speeds[name], str):
+                continue
+            try:
+                speeds[name].append(throughput(recipe_path, options, steps, window, work / f"r{r}-{i}"))
+            except RuntimeError as err:
+                speeds[name] = f"cannot run here: {err}"
+    base = speeds.pop(next(iter(variants)))
+    return {name: s if isinstance(s, str) else [a / b for a, b in zip(s, base, strict=True)]
+            for name, s in speeds.items()} | {"as given": base}
+
+
+def spread(ratios: list[float]) -> str:
+    return f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f})"
+
+
+def option_value(options: list[str], name: str) -> str | None:
+    value = None
+    for i, arg in enumerate(options):
+        if arg == name and i + 1 < len(options):
+            value = options[i + 1]
+        elif arg.startswith(name + "="):
+            value = arg.split("=", 1)[1]
+    return value
+
+
+def alternatives(known: set[str], options: list[str], config: dict, wanted: list[str]) -> tuple[dict, list]:
+    """The alternatives to measure ({name: (options, changes_training)}), and rows for those that cannot run."""
+    import torch
+
+    from common.runtime import native_bf16
+
+    device = torch.device(config.get("device_used", "cpu"))
+    found, rows = {}, []
+    if "bf16" in wanted and "--precision" in known and config.get("precision") == "fp32":
+        why = native_bf16(device)
+        if why:
+            found["--precision bf16"] = (["--precision", "bf16"], False)
+        else:
+            rows.append(("--precision bf16", "not measured", f"no native bf16 matmul on this {device.type}: "
+                         "emulated, it would be slower"))
+    if "compile" in wanted and "--compile" in known and "--compile" not in options:
+        if device.type == "cpu" and not (shutil.which(os.environ.get("CXX", "g++")) or shutil.which("c++")):
+            rows.append(("--compile", "not measured", "torch.compile on a CPU needs a C++ compiler (g++): none found"))
+        else:
+            found["--compile"] = (["--compile"], False)
+    if "workers" in wanted and "--num-workers" in known and int(option_value(options, "--num-workers") or 0) == 0:
+        workers = min(4, max(1, (os.cpu_count() or 2) - 1))
+        found[f"--num-workers {workers}"] = (["--num-workers", str(workers)], False)
+    batch = option_value(options, "--batch-size") or str(config.get("batch_size") or "")
+    if "batch" in wanted and "--batch-size" in known and batch.isdigit():
+        found[f"--batch-size {2 * int(batch)}"] = (["--batch-size", str(2 * int(batch))], True)
+    return found, rows
+
+
+def rule_rows(observed: Observed, config: dict, profile: dict, options: list[str]) -> list[tuple[str, str, str]]:
+    """The tuning guide's rules against the live run: (rule, what was seen, verdict)."""
+    rows = []
+    ms = profile.get("ms_per_step", {})
+    if ms:
+        total = sum(ms.values())
+        share = ms["data"] / total if total else 0.0
+        rows.append(("data loading", f"{100 * share:.0f}% of a {total:.1f} ms step waits for data",
+                     "ok" if share < 0.1 else "the loop waits for its data: more --num-workers, or batches built "
+                                              "in one indexing (__getitems__)"))
+    on_cuda = config.get("device_used", "cpu").startswith("cuda")
+    if on_cuda:
+        per_step = observed.syncs / max(1, observed.steps)
+        rows.append(("host-device syncs", f"{per_step:.1f} per step (torch.cuda.set_sync_debug_mode)",
+                     "ok" if per_step <= 1 else "each stalls the GPU: keep losses on the device, read them back "
+                                                "every few steps"))
+        rows.append(("cudnn.benchmark", str(observed.cudnn_benchmark),
+                     "ok" if observed.cudnn_benchmark or not observed.convs_not_channels_last else
+                     "fixed-size convolutions run faster with torch.backends.cudnn.benchmark = True"))
+        if config.get("precision") == "fp32":
+            rows.append(("TF32 matmuls", f"float32 matmul precision {observed.matmul_precision!r}",
+                         "fp32 as asked; --precision bf16 (or TF32) is several times faster on tensor cores"))
+    else:
+        rows.append(("host-device syncs", "not measured: a CPU has no asynchronous queue to stall",
+                     "n/a on cpu"))
+    rows.append(("evaluation without autograd", ", ".join(sorted(observed.eval_with_grad)) or "no eval-mode call "
+                 "recorded a graph", "ok" if not observed.eval_with_grad else "wrap evaluation in torch.no_grad()"))
+    rows.append(("debug APIs off", f"anomaly detection {'on' if observed.anomaly_mode else 'off'}; "
+                 f"CUDA_LAUNCH_BLOCKING={os.environ.get('CUDA_LAUNCH_BLOCKING', 'unset')}",
+                 "ok" if not observed.anomaly_mode and os.environ.get("CUDA_LAUNCH_BLOCKING") != "1" else
+                 "turn off: they slow every step"))
+    rows.append(("zero_grad(set_to_none=True)", f"{observed.grads_reused} of {observed.steps} steps reused the "
+                 "last step's gradient tensors", "ok" if not observed.grads_reused else
+                 "free the gradients (set_to_none=True) instead of zeroing them"))
+    if observed.conv_bias_before_norm or any(k.startswith("Conv") for k in observed.matrices):
+        rows.append(("no conv bias before batch norm", ", ".join(sorted(observed.conv_bias_before_norm)) or "none",
+                     "ok" if not observed.conv_bias_before_norm else "bias=False: the norm subtracts it again"))
+        rows.append(("channels_last convolutions", ", ".join(sorted(observed.convs_not_channels_last)) or
+                     "every Conv2d input is channels_last", "ok" if not observed.convs_not_channels_last else
+                     "model.to(memory_format=torch.channels_last) and the inputs too"))
+    if config.get("precision") in ("bf16", "fp16"):
+        odd = sorted({d for shape in observed.matrices.values() for d in shape if d % 8})
+        rows.append(("sizes multiples of 8 under autocast", f"dims not a multiple of 8: {odd}" if odd else
+                     "every matrix dim is", "ok" if not odd else "tensor cores work in tiles of 8: pad where you "
+                     "can (a vocabulary, a hidden size); input and class counts are what they are"))
+    accumulating = int(option_value(options, "--grad-accum") or 1) > 1
+    rows.append(("no_sync while accumulating", "one process: no gradients to all-reduce" if config.get(
+        "world_size", 1) == 1 else "under DDP", "n/a here" if not accumulating or config.get("world_size", 1) == 1
+        else "ok (common/loop.py::train_step)"))
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False,
+                                     usage="%(prog)s RECIPE [options] [recipe options]",
+                                     epilog="Any other option is the recipe's own.")
+    parser.add_argument("recipe", metavar="RECIPE", help="a recipe's name (mnist_onecycle) or a path to one")
+    parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds of every variant [default: 2]")
+    parser.add_argument("--window", type=int, help="steps per measured window [default: from the live run's "
+                        "step time, about half a second]")
+    parser.add_argument("--try", dest="wanted", default=",".join(ALTERNATIVES),
+                        help=f"the alternatives to try, of {','.join(ALTERNATIVES)} [default: all that apply]")
+    parser.add_argument("--json", type=Path, metavar="FILE", help="also write the figures here")
+    args, options = parser.parse_known_args(argv)
+    wanted = [w for w in args.wanted.split(",") if w]
+    if not set(wanted) <= set(ALTERNATIVES):
+        parser.error(f"argument --try: {args.wanted!r}: each of {', '.join(ALTERNATIVES)}")
+    if args.rounds < 1 or (args.window is not None and args.window < 1):
+        parser.error("arguments --rounds and --window: must be at least 1")
+    taken = [o for o in OWN_OPTIONS if any(a == o or a.startswith(o + "=") for a in options)]
+    if taken:
+        parser.error(f"{taken[0]}: the doctor runs the recipe in run directories of its own, for its own steps")
+    try:
+        recipe = load_recipe(args.recipe)
+        recipe_path = Path(recipe.__file__).resolve()
+        known = recipe_options(recipe)
+        with tempfile.TemporaryDirectory(prefix="doctor.") as folder:
+            work = Path(folder)
+            observed, config, profile, unit = live_run(recipe, options, 30, work)
+            step_ms = sum(profile.get("ms_per_step", {}).values()) or 50.0
+            window = args.window or max(3, min(200, round(500 / step_ms)))
+            steps = 3 * window  # the first window (start-up, compiling) is left out of the throughput
+            found, rows = alternatives(known, options, config, wanted)
+            variants = {"as given": options} | {name: [*options, *extra] for name, (extra, _) in found.items()}
+            measured = side_by_side(recipe_path, variants, args.rounds, steps, window, work)
+            faster = [n for n, (_, changes) in found.items() if not changes and not isinstance(measured[n], str)
+                      and min(measured[n]) > 1.0 and statistics.median(measured[n]) >= 1.1]
+            recommended = [*options, *(a for n in faster for a in found[n][0])]
+            if len(faster) > 1:
+                both = side_by_side(recipe_path, {"as given": options, "recommended": recommended}, args.rounds,
+                                    steps, window, work)
+                measured["recommended"] = both["recommended"]
+            elif faster:
+                measured["recommended"] = measured[faster[0]]
+    except DoctorError as err:
+        print(f"error: {' '.join(str(err).split())}", file=sys.stderr)
+        return 1
+    table = [("as given", f"{statistics.median(measured['as given']):,.0f} {unit}/s", "the baseline")]
+    for name, (_, changes) in found.items():
+        result = measured[name]
+        if isinstance(result, str):
+            table.append((name, "not measured", result))
+            continue
+        median = statistics.median(result)
+        verdict = ("faster in every round" if name in faster else "no clear gain here" if median >= 0.95 else
+                   "slower here")
+        if changes and median >= 1.1:
+            verdict = "faster per sample, but it changes the training: retune --lr"
+        table.append((name, spread(result), verdict))
+    table += rows + rule_rows(observed, config, profile, options)
+    print(f"doctor: {recipe_path.stem} on {config.get('device_used')} ({config.get('precision')}), {args.rounds} "
+          f"interleaved round(s) of {steps} steps per variant, throughput without the first {window}")
+    print("| rule or alternative | measured | verdict |\n|---|---|---|")
+    for row in table:
+        print("| " + " | ".join(row) + " |")
+    name = f"recipes/{recipe_path.name}" if recipe_path.parent == ROOT / "recipes" else str(recipe_path)
+    if faster:
+        print(f"recommended ({spread(measured['recommended'])} the throughput as given):\n  "
+              f"{shlex.join(['python', name, *recommended])}")
+    else:
+        print("recommended: as given; no alternative was faster in every round\n  "
+              f"{shlex.join(['python', name, *options])}")
+    if args.json:
+        args.json.write_text(json.dumps({"recipe": recipe_path.stem, "options": options, "rows": table,
+                                         "window": window,
+                                         "speedups": measured, "recommended": recommended if faster else options,
+                                         "recommended_options": faster}, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

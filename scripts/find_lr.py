@@ -1,0 +1,235 @@
+"""Find a learning rate: the range test (Smith, "Cyclical Learning Rates for Training Neural Networks", 2017).
+
+    python scripts/find_lr.py mnist_onecycle                     # any recipe, with any of its options
+    python scripts/find_lr.py tabular_mlp --csv my.csv --target price --plot price_lr.png
+
+The recipe trains as it would, with its own model, data, optimizer and step, for ``--ramp-steps`` optimizer
+steps (100) in a temporary run directory; before every step the learning rate of every parameter group is set
+to the next rate of an exponential ramp from ``--from`` to ``--to``, whatever the recipe's schedule says (a
+global optimizer pre-hook: no recipe knows it is being measured). Each step's training loss, which the recipe
+logs to TensorBoard anyway, is smoothed by an exponential moving average (beta 0.98, bias-corrected: the
+first steps are not pulled towards 0); the test ends where the smoothed loss passes 4x its lowest (or the run
+diverges). The suggestion is the rate where the smoothed loss falls fastest (its steepest descent against
+log rate): high enough to learn fast, well below where the loss turns up. A recipe with a one-cycle schedule is
+given it as ``--max-lr``, the others as ``--lr``.
+
+Writes a PNG of loss against rate (``--plot``, default lr_find.png) and prints the suggested option and the
+command line to train with it. Your run directories are untouched: the test's own is removed afterwards.
+Exit status 0; 1 with one line ``error: ...`` when the recipe fails or the loss never falls; 2 on a usage error.
+"""
+
+import argparse
+import contextlib
+import importlib.util
+import io
+import math
+import shlex
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # the recipes import common/ from the clone
+
+
+class FinderError(Exception):
+    """A problem a user can fix: shown as one line, exit 1."""
+
+
+def load_recipe(name: str):
+    """A recipe by name (recipes/NAME.py) or by path."""
+    path = Path(name) if name.endswith(".py") else ROOT / "recipes" / f"{name}.py"
+    if not path.is_file():
+        known = ", ".join(sorted(p.stem for p in (ROOT / "recipes").glob("*.py")))
+        raise FinderError(f"no recipe {name!r} (recipes: {known}; or give a path to a .py file)")
+    spec = importlib.util.spec_from_file_location(f"recipe_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def ramp(start: float, end: float, steps: int) -> list[float]:
+    """``steps`` rates from ``start`` to ``end``, equally spaced in log scale."""
+    return [start * (end / start) ** (i / max(1, steps - 1)) for i in range(steps)]
+
+
+def smoothed(losses: list[float], beta: float = 0.98) -> list[float]:
+    """The bias-corrected exponential moving average of ``losses`` (as Adam corrects its moments)."""
+    average, out = 0.0, []
+    for i, loss in enumerate(losses):
+        average = beta * average + (1 - beta) * loss
+        out.append(average / (1 - beta ** (i + 1)))
+    return out
+
+
+def until_divergence(smooth: list[float], factor: float = 4.0) -> int:
+    """How many points to keep: up to where the smoothed loss passes ``factor`` times its lowest so far."""
+    lowest = math.inf
+    for i, loss in enumerate(smooth):
+        if not math.isfinite(loss) or loss > factor * lowest:
+            return i
+        lowest = min(lowest, loss)
+    return len(smooth)
+
+
+def steepest(smooth: list[float], skip_start: int = 10) -> int | None:
+    """The index where the smoothed loss falls fastest per step of log rate (the rates are log-spaced, so per
+    index), leaving out the first ``skip_start`` points (the average is still settling) and the last one."""
+    if len(smooth) < skip_start + 3:
+        return None
+    slopes = [(smooth[i + 1] - smooth[i - 1]) / 2 for i in range(skip_start, len(smooth) - 1)]
+    best = min(range(len(slopes)), key=slopes.__getitem__)
+    return skip_start + best if slopes[best] < 0 else None
+
+
+def training_losses(run_dir: Path) -> dict[int, float]:
+    """train/loss by step from the run's TensorBoard events."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
+    events.Reload()
+    return {e.step: e.value for e in events.Scalars("train/loss")} if "train/loss" in events.Tags()["scalars"] else {}
+
+
+def range_test(recipe, options: list[str], rates: list[float], work: Path) -> tuple[list[float], list[float], str]:
+    """Run the recipe with ``options`` for len(rates) steps at those rates; (rates, losses) up to where it ended,
+    and how it ended."""
+    import torch
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    from common.cli import run_recipe
+
+    taken = [0]
+
+    def set_rate(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+        for group in optimizer.param_groups:
+            group["lr"] = rates[min(taken[0], len(rates) - 1)]
+        taken[0] += 1
+
+    length = ["--steps", str(len(rates))] if "--steps" in recipe_options(recipe) else ["--epochs", "1000000"]
+    run_dir = work / "run"
+    run_dir.mkdir()  # ours: the recipe does not remove a folder it did not make, so a diverged run's events stay
+    args = [*options, *length, "--max-steps", str(len(rates)), "--log-every", "1", "--run-dir", str(run_dir)]
+    handle = register_optimizer_step_pre_hook(set_rate)
+    errors = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(errors):
+            run_recipe(recipe.main, args)
+        code = 0
+    except SystemExit as exit_:
+        code = exit_.code if isinstance(exit_.code, int) else 1
+    finally:
+        handle.remove()
+    message = errors.getvalue().strip().splitlines()[-1:] or [""]
+    if code == 2:
+        raise FinderError(f"the recipe refused its options: {message[0]}")
+    if code and "diverged" not in message[0]:
+        raise FinderError(message[0].removeprefix("error: ") or f"the recipe exited with status {code}")
+    losses = training_losses(run_dir)
+    steps = sorted(s for s in losses if s <= len(rates))
+    ending = "diverged" if code else "ran every step"
+    return [rates[s - 1] for s in steps], [losses[s] for s in steps], ending
+
+
+def recipe_options(recipe) -> set[str]:
+    """The recipe's option names, as its command line spells them."""
+    import typer
+
+    app = typer.Typer()
+    app.command()(recipe.main)
+    return {opt for param in typer.main.get_command(app).params for opt in param.opts}
+
+
+def without(options: list[str], name: str) -> list[str]:
+    """``options`` less ``name`` and its value (``--lr 0.1`` or ``--lr=0.1``)."""
+    kept, skip = [], False
+    for arg in options:
+        if skip:
+            skip = False
+        elif arg == name:
+            skip = True
+        elif not arg.startswith(name + "="):
+            kept.append(arg)
+    return kept
+
+
+def plot(rates: list[float], losses: list[float], smooth: list[float], suggestion: float | None, option: str,
+         out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5.0, 3.4), dpi=80)
+    ax.plot(rates, losses, color="0.75", linewidth=1, label="loss per step")
+    ax.plot(rates, smooth, color="C0", linewidth=1.6, label="smoothed")
+    if suggestion is not None:
+        ax.axvline(suggestion, color="C3", linestyle="--", linewidth=1, label=f"{option} {suggestion:.1e}")
+    ax.set_xscale("log")
+    ax.set_xlabel("learning rate", fontsize=9)
+    ax.set_ylabel("training loss", fontsize=9)
+    top = max(smooth[: max(1, len(smooth) // 5)]) * 1.3  # the ragged end above the start is of no interest
+    ax.set_ylim(min(min(losses), min(smooth)) * 0.9, top)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, format="png")
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False,
+                                     usage="%(prog)s RECIPE [options] [recipe options]",
+                                     epilog="Any other option is the recipe's own.")
+    parser.add_argument("recipe", metavar="RECIPE", help="a recipe's name (mnist_onecycle) or a path to one")
+    parser.add_argument("--ramp-steps", type=int, default=100, help="optimizer steps of the ramp [default: 100]")
+    parser.add_argument("--from", dest="start", type=float, default=1e-7, help="the first rate [default: 1e-7]")
+    parser.add_argument("--to", dest="end", type=float, default=10.0, help="the last rate [default: 10]")
+    parser.add_argument("--plot", type=Path, default=Path("lr_find.png"), metavar="FILE.png",
+                        help="where to draw loss against rate [default: lr_find.png]")
+    args, options = parser.parse_known_args(argv)
+    if args.ramp_steps < 20:
+        parser.error(f"argument --ramp-steps: must be at least 20, got {args.ramp_steps}")
+    if not 0 < args.start < args.end < math.inf:
+        parser.error(f"arguments --from and --to: need 0 < --from < --to, got {args.start} and {args.end}")
+    if args.plot.suffix.lower() != ".png":
+        parser.error(f"argument --plot: {args.plot} must end in .png")
+    taken = [o for o in ("--run-dir", "--resume", "--max-steps", "--log-every", "--compare", "--predict")
+             if any(a == o or a.startswith(o + "=") for a in options)]
+    if taken:
+        parser.error(f"{taken[0]}: the range test runs the recipe in a run directory of its own, for its own steps")
+    try:
+        recipe = load_recipe(args.recipe)
+        known = recipe_options(recipe)
+        option = "--max-lr" if "--max-lr" in known else "--lr"
+        with tempfile.TemporaryDirectory(prefix="find_lr.") as work:
+            rates, losses, ending = range_test(recipe, options, ramp(args.start, args.end, args.ramp_steps),
+                                               Path(work))
+        smooth = smoothed(losses)
+        kept = until_divergence(smooth)
+        rates, losses, smooth = rates[:kept], losses[:kept], smooth[:kept]
+        best = steepest(smooth)
+        if best is None:
+            raise FinderError(f"the loss did not fall over {len(losses)} steps from {args.start:g} to "
+                              f"{rates[-1] if rates else args.end:g}: try a wider range (--from, --to) or more "
+                              "--ramp-steps")
+        suggestion = float(f"{rates[best]:.1e}")
+        plot(rates, losses, smooth, suggestion, option, args.plot)
+    except FinderError as err:
+        print(f"error: {' '.join(str(err).split())}", file=sys.stderr)
+        return 1
+    except OSError as err:
+        print(f"error: cannot write {args.plot}: {err.strerror or err}", file=sys.stderr)
+        return 1
+    lowest = smooth.index(min(smooth))
+    print(f"range test: {len(losses)} steps from {rates[0]:.1e} to {rates[-1]:.1e} ({ending}; smoothed loss "
+          f"{smooth[0]:.4f} -> lowest {smooth[lowest]:.4f} at {rates[lowest]:.1e}); plot in {args.plot}")
+    print(f"suggested: {option} {suggestion:g} (steepest descent of the smoothed loss)")
+    name = args.recipe if args.recipe.endswith(".py") else f"recipes/{args.recipe}.py"
+    print(f"  {shlex.join(['python', name, *without(options, option), option, f'{suggestion:g}'])}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

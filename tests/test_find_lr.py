@@ -1,0 +1,87 @@
+"""scripts/find_lr.py: the learning-rate range test."""
+
+import math
+import re
+import textwrap
+
+import pytest
+
+from scripts import find_lr
+
+# Full-batch gradient descent on mean((Xw - y)^2), X (256, 10) standard normal: the Hessian 2 X^T X / 256 has
+# eigenvalues 1.37 to 2.84 at this seed, so any rate below 2 / 2.84 = 0.70 converges and 2 / (1.37 + 2.84) = 0.47
+# converges fastest; far below 0.05 it barely moves in a few steps.
+LEAST_SQUARES = '''
+from pathlib import Path
+
+import torch
+from torch.utils.tensorboard import SummaryWriter
+
+
+def main(lr: float = 0.1, epochs: int = 1, max_steps: int = 100, log_every: int = 10, run_dir: Path = Path("r")):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(256, 10, generator=g)
+    y = x @ torch.randn(10, 1, generator=g)
+    w = torch.zeros(10, 1, requires_grad=True)
+    optimizer = torch.optim.SGD([w], lr=lr)
+    writer = SummaryWriter(str(run_dir))
+    for step in range(1, min(epochs, max_steps) + 1):
+        loss = ((x @ w - y) ** 2).mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        writer.add_scalar("train/loss", loss.item(), step)
+    writer.close()
+'''
+
+
+def test_the_suggestion_on_a_problem_whose_good_rates_are_known(tmp_path, capsys, monkeypatch):
+    (tmp_path / "least_squares.py").write_text(textwrap.dedent(LEAST_SQUARES))
+    monkeypatch.chdir(tmp_path)
+    assert find_lr.main([str(tmp_path / "least_squares.py"), "--plot", str(tmp_path / "lr.png")]) == 0
+    out = capsys.readouterr().out
+    rate = float(re.search(r"suggested: --lr ([\d.e-]+)", out)[1])
+    assert 0.05 <= rate <= 0.70, out  # converges, and well within the stable range
+    assert (tmp_path / "lr.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert f"--lr {rate:g}" in out.splitlines()[-1]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["least_squares.py", "lr.png"]  # no run left behind
+
+
+def test_the_pieces_of_the_range_test():
+    rates = find_lr.ramp(1e-4, 1.0, 5)
+    assert rates == pytest.approx([1e-4, 1e-3, 1e-2, 1e-1, 1.0])
+    assert find_lr.smoothed([2.0, 2.0, 2.0]) == pytest.approx([2.0, 2.0, 2.0])  # bias-corrected: no pull to 0
+    assert find_lr.until_divergence([4.0, 3.0, 2.0, 7.9, 8.1, 1.0]) == 4  # 8.1 > 4 x 2.0
+    assert find_lr.until_divergence([1.0, math.nan]) == 1
+    falling = [10.0] * 10 + [10.0, 9.0, 7.0, 4.0, 3.5, 3.4, 3.4]
+    assert find_lr.steepest(falling) == 12  # (4 - 9) / 2 around index 12 is the steepest fall
+    assert find_lr.steepest([1.0] * 20) is None  # flat: nothing to suggest
+
+
+def test_a_real_recipe_gets_its_own_option_and_the_user_runs_are_untouched(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    args = ["mixed_precision", "--samples", "1024", "--width", "32", "--batch-size", "64", "--device", "cpu",
+            "--ramp-steps", "40", "--plot", str(tmp_path / "mp.png")]
+    assert find_lr.main(args) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"suggested: --lr [\d.e-]+", out)
+    assert "--ramp-steps" not in out.splitlines()[-1] and "--samples 1024" in out.splitlines()[-1]
+    assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize(("args", "code", "message"), [
+    (["mixed_precision", "--run-dir", "x"], 2, "--run-dir: the range test runs the recipe in a run directory"),
+    (["mixed_precision", "--ramp-steps", "5"], 2, "must be at least 20"),
+    (["mixed_precision", "--from", "1", "--to", "0.1"], 2, "need 0 < --from < --to"),
+    (["no_such_recipe"], 1, "error: no recipe 'no_such_recipe'"),
+    (["mixed_precision", "--width", "0"], 1, "error: the recipe refused its options"),
+])
+def test_mistakes_are_one_line(args, code, message, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    try:
+        result = find_lr.main(args)
+    except SystemExit as exit_:
+        result = exit_.code
+    err = capsys.readouterr().err
+    assert result == code and message in err, err
+    assert "Traceback" not in err
