@@ -90,9 +90,10 @@ KeepBest = Annotated[int, typer.Option(min=1, help="Keep the K best checkpoints 
 Patience = Annotated[int | None, typer.Option(min=1, help="Stop after N evaluations without a better score.")]
 
 
-# What config.json records beside the options: where and how the run ran, and settings a recipe derives
+# What config.json records beside the options: where and how the run ran, and settings a recipe derives (the
+# fold of a cross-validation, MFU's denominator)
 RECORD_KEYS = {"run_dir", "resume", "config_file", "recipe", "torch_version", "device_used", "world_size", "tf32",
-               "checkpoint_format", "precision_reason"}
+               "checkpoint_format", "precision_reason", "fold", "peak_flops_used", "peak_source"}
 
 
 def replay(ctx: typer.Context, path: Path | None) -> Path | None:

@@ -48,7 +48,7 @@ def open_run_dir(recipe: str, run_dir: Path | None, resume: str | None,
     if resume is None and last is not None:
         raise RecipeError(f"{run_dir} already holds checkpoints; continue it with --resume auto, or choose another "
                           "--run-dir")
-    created = not run_dir.exists()
+    created = [d for d in [run_dir, *run_dir.parents] if not d.exists()]  # runs/ and runs/RECIPE/ too, if new
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
         tempfile.TemporaryFile(dir=run_dir).close()  # a folder that exists may still be read-only
@@ -84,10 +84,15 @@ def hold(run_dir: Path) -> int | None:
                       "--run-dir")
 
 
-def release(run_dir: Path, lock: int | None, created: bool) -> None:
+def release(run_dir: Path, lock: int | None, created: list[Path]) -> None:
     # a checkpoint anywhere below counts (--compare keeps its runs in sub-folders)
     if created and not any(run_dir.rglob("*.pt")):
         shutil.rmtree(run_dir, ignore_errors=True)  # a mistake, or a crash before the first save: no empty folders
+        for parent in created[1:]:  # and the folders made to hold it, while nothing else is in them
+            try:
+                parent.rmdir()
+            except OSError:
+                break
     if lock is not None:
         os.close(lock)
 

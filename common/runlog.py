@@ -44,14 +44,17 @@ def log_interval(steps_per_epoch: int, every: int | None) -> int:
 
 class RunLog:
     def __init__(self, run: RunFolder, recipe: str, *, total_steps: int, every: int, steps_per_epoch: int | None = None,
-                 unit: str = "samples", last_checkpoint: Callable[[Path], Path | None] = last_file,
-                 write: bool = True):
+                 eval_every: int | None = None, unit: str = "samples",
+                 last_checkpoint: Callable[[Path], Path | None] = last_file, write: bool = True):
         self.run, self.recipe, self.total_steps, self.every, self.steps_per_epoch = run, recipe, total_steps, every, \
             steps_per_epoch
+        # the training loss shown is the mean over the evaluation period (an epoch, or eval_every steps) so far: the
+        # same whether the run was cut short (--max-steps, which evaluates where it stops) and resumed, or not
+        self.period = eval_every or steps_per_epoch or total_steps
         self.unit, self.last_checkpoint, self.write = unit, last_checkpoint, write
         self.writer: SummaryWriter | None = None
         self.pending: list[Pending] = []
-        self.loss_sum, self.loss_steps, self.train_loss = 0.0, 0, math.nan  # since the last evaluation
+        self.loss_sum, self.loss_steps, self.train_loss = 0.0, 0, math.nan  # over the evaluation period so far
         self.skipped_steps = self.skipped_in_a_row = 0  # fp16 steps the GradScaler skipped for overflowing
         self.evals: dict[str, dict[str, float]] = {}  # the last evaluation: {"val": {"loss": ..., "acc": ...}}
         self.items, self.seconds, self.first_window = 0, 0.0, None  # throughput leaves the first window out
@@ -105,6 +108,8 @@ class RunLog:
         self.items, self.seconds = self.items + items, self.seconds + seconds
         self.first_window = self.first_window or (items, seconds)  # start-up and compilation live here
         for p, (loss, grad_norm, skip) in zip(pending, rows, strict=True):
+            if (p.step - 1) % self.period == 0:  # a period's first step: its mean starts afresh
+                self.loss_sum, self.loss_steps = 0.0, 0
             skipped = skip == 1  # fp16: the scaler skipped the step, whose loss counts for nothing
             self.skipped_in_a_row = self.skipped_in_a_row + 1 if skipped else 0
             self.skipped_steps += skipped
@@ -148,8 +153,8 @@ class RunLog:
         With several processes the figures must be the whole group's, so that every rank decides alike."""
         self.flush()
         self.window_start = None  # evaluating, and what follows it (saving, sampling), is not training time
-        if self.loss_steps:  # the training loss shown: the mean since the last evaluation
-            self.train_loss, self.loss_sum, self.loss_steps = self.loss_sum / self.loss_steps, 0.0, 0
+        if self.loss_steps:  # the training loss shown: the mean over the evaluation period so far
+            self.train_loss = self.loss_sum / self.loss_steps
         self.evals = results
         for prefix, metrics in results.items():
             for name, value in metrics.items():

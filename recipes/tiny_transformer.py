@@ -662,11 +662,12 @@ def main(
     # MFU's yardstick: the device's peak for this precision (a datasheet figure for known GPUs, else measured)
     peak_flops, peak_source = (peak_flops, "--peak-flops") if peak_flops else \
         device_peak_flops(device, PRECISION_DTYPES[precision])
+    config |= {"peak_flops_used": peak_flops, "peak_source": peak_source}  # MFU's denominator, on the record
 
     total_steps = min(steps, max_steps or steps)
     every = log_interval(eval_every, log_every)  # also how often the ranks agree on a stop
-    log = RunLog(run, RECIPE, total_steps=total_steps, every=every, unit="tokens", last_checkpoint=last_checkpoint,
-                 write=rank == 0)
+    log = RunLog(run, RECIPE, total_steps=total_steps, every=every, eval_every=eval_every, unit="tokens",
+                 last_checkpoint=last_checkpoint, write=rank == 0)
     best = BestScore("val_loss", higher_is_better=False)
     state = dict(model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, parts={"log": log, "best": best},
                  data={**hf_tokens.vocab_state(vocab), "model_config": asdict(model_config)})
@@ -683,10 +684,11 @@ def main(
     train_stream = RandomWindows(train_tokens, block_size, global_batch, seed, start=step, rows=rows)
     batches = iter(make_loader(train_stream, None, train=True, seed=seed, num_workers=num_workers, device=device))
     log.start(step, config, device, world_size)
-    log.print(f"{len(train_tokens):,} train / {len(val_tokens):,} val tokens | vocab {model_config.vocab_size} | "
-              f"{sum(p.numel() for p in model.parameters()):,} parameters | peak {peak_flops / 1e9:,.0f} GFLOP/s "
-              f"({peak_source}) | parallel {parallel}: {type(ddp).__name__} | global batch {global_batch} "
-              f"({world_size} x {batch_size} x {grad_accum})")
+    source = text.resolve() if text else "the Python standard library"
+    log.print(f"{len(train_tokens):,} train / {len(val_tokens):,} val tokens of {source} | vocab "
+              f"{model_config.vocab_size} | {sum(p.numel() for p in model.parameters()):,} parameters | peak "
+              f"{peak_flops / 1e9:,.0f} GFLOP/s ({peak_source}) | parallel {parallel}: {type(ddp).__name__} | "
+              f"global batch {global_batch} ({world_size} x {batch_size} x {grad_accum})")
     stop = StopRequest()  # Ctrl-C and SIGTERM: save and exit at the end of the step
     profiler = StepProfiler(run.path, profile, device, write=rank == 0)  # --profile N
     reset_peak_memory(device)  # the peak of training, not of setting up

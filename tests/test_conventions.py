@@ -32,6 +32,10 @@ def test_config_and_metrics_hold_what_the_conventions_promise(recipe, run_inproc
     metrics = read_metrics(tmp_path)
     assert {"recipe", "steps", "train_loss", "val_loss", "wall_s"} <= metrics.keys()
     assert "samples_per_s" in metrics or "tokens_per_s" in metrics
+    # the best score is named for what it is: an accuracy (higher is better), or a loss (lower is better)
+    best = "best_val_acc" if recipe in ("mnist_onecycle", "ddp_mlp", "tabular_mlp") else "best_val_loss"
+    assert best in metrics and not {"best_score", "best_val_acc", "best_val_loss"} - {best} & metrics.keys()
+    assert metrics[best] == (max if best == "best_val_acc" else min)(metrics[best], metrics[best[5:]])
     assert result.stdout.strip().splitlines()[-1].startswith("done: ")
     assert (tmp_path / "checkpoints" / "last.pt").is_file()
     assert (tmp_path / "checkpoints" / "best.pt").is_file()  # every recipe has a validation metric

@@ -610,3 +610,26 @@ def test_this_machines_cpu_flags_are_read():
     if not Path("/proc/cpuinfo").is_file():
         pytest.skip("no /proc/cpuinfo")
     assert "fpu" in cpu_flags() or "sse2" in cpu_flags() or "asimd" in cpu_flags()
+
+
+def test_accumulation_skips_the_all_reduce_of_a_compiled_ddp_model_too(tmp_path, monkeypatch):
+    """Under --compile the DDP module is inside torch.compile's wrapper: train_step still finds it, so only the
+    last micro-batch's backward all-reduces (no_sync around the others)."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    entered = []
+    no_sync = DistributedDataParallel.no_sync
+    monkeypatch.setattr(DistributedDataParallel, "no_sync", lambda self: entered.append(1) or no_sync(self))
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        for compiled in (False, True):
+            entered.clear()
+            model = DistributedDataParallel(nn.Linear(4, 2))
+            model = torch.compile(model, backend="eager") if compiled else model
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+            batches = [(torch.randn(3, 4), torch.randint(2, (3,))) for _ in range(4)]
+            train_step(model, optimizer, nn.CrossEntropyLoss(), batches, device=torch.device("cpu"))
+            assert len(entered) == 3, compiled  # 4 micro-batches: the first three accumulate without syncing
+    finally:
+        dist.destroy_process_group()

@@ -16,6 +16,7 @@ from conftest import (
     ROOT,
     TORCHRUN,
     assert_same_weights,
+    load_recipe,
     load_weights,
     read_metrics,
     run_subprocess,
@@ -220,3 +221,27 @@ def test_a_save_that_fails_on_rank_0_alone_ends_every_rank_with_its_one_line(mni
     assert errors == [f"error: could not write checkpoint {run_dir / 'checkpoints' / 'best.pt'}: No space left on "
                       "device; no earlier checkpoint"], result.stderr[-2000:]
     assert "Connection closed" not in result.stdout + result.stderr and 'ddp_mlp.py", line' not in result.stderr
+
+
+def test_the_test_set_is_scored_with_the_weights_best_pt_holds(run_inprocess, mnist_dir, tmp_path, monkeypatch):
+    """The reported test figures are the deployed model's (best.pt), not the last step's."""
+    from common.data import load_mnist, make_loader
+
+    recipe = load_recipe("ddp_mlp")
+    real, scripted = recipe.evaluate, [0.9, 0.5, 0.4]  # validation accuracy of the 3 epochs: the first is the best
+    monkeypatch.setattr(recipe, "evaluate", lambda *a: {"loss": 1.0, "acc": scripted.pop(0)} if scripted else real(*a))
+    run_dir = tmp_path / "run"
+    result = run_inprocess("ddp_mlp", "--epochs", 3, "--batch-size", 64, "--data-dir", mnist_dir, "--precision", "fp32",
+                           "--run-dir", run_dir)
+    assert result.code == 0, result.stderr
+    metrics = read_metrics(run_dir)
+    assert metrics["best_step"] == metrics["steps"] // 3
+    test_loader = make_loader(torch.utils.data.TensorDataset(*load_mnist(mnist_dir, train=False)), 1000, train=False)
+    scores = {}
+    for name in ("best.pt", "last.pt"):
+        model = recipe.MLP(torch.load(run_dir / "checkpoints" / name, weights_only=True)["config"]["hidden"])
+        model.load_state_dict(load_weights(run_dir / "checkpoints" / name))
+        scores[name] = real(model, test_loader, torch.device("cpu"))
+    assert (metrics["test_acc"], metrics["test_loss"]) == pytest.approx((scores["best.pt"]["acc"],
+                                                                         scores["best.pt"]["loss"]))
+    assert metrics["test_loss"] != pytest.approx(scores["last.pt"]["loss"])

@@ -79,6 +79,7 @@ def test_sigkill_at_random_moments_then_resume_auto_gives_the_same_weights(recip
     # resumed after the last kill, or (when the third launch was not killed in time) nothing left to do
     assert "resumed at step" in final.stdout or f"already finished: step {steps} of {steps}" in final.stdout
     assert read_metrics(run_dir)["steps"] == steps
+    assert read_metrics(run_dir)["train_loss"] == read_metrics(tmp_path / "reference")["train_loss"]
     assert_same_weights(load_weights(tmp_path / "reference" / "checkpoints" / "last.pt"), load_weights(checkpoint))
 
 

@@ -73,6 +73,16 @@ def test_a_fresh_run_that_fails_before_its_first_checkpoint_leaves_no_folder(run
     assert result.code == 1 and sorted(p.name for p in existing.iterdir()) == ["notes.txt"]
 
 
+def test_a_failed_run_in_the_default_run_directory_leaves_no_empty_runs_folder(run_inprocess, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    result = run_inprocess("tabular_mlp", "--csv", tmp_path / "missing.csv", "--target", "y")
+    assert result.code == 1 and "no such file" in result.stderr
+    assert not (tmp_path / "runs").exists()  # runs/tabular_mlp/TIME, then runs/tabular_mlp, then runs/
+    (tmp_path / "runs" / "mnist_onecycle" / "earlier").mkdir(parents=True)  # a folder of runs that was there
+    assert run_inprocess("tabular_mlp", "--csv", tmp_path / "missing.csv", "--target", "y").code == 1
+    assert [p.name for p in (tmp_path / "runs").iterdir()] == ["mnist_onecycle"]
+
+
 def test_a_finished_run_says_so_before_it_loads_any_data(run_inprocess, tmp_path):
     table = write_table(tmp_path / "t.csv")
     args = ["--csv", table, "--target", "label", "--epochs", 1, "--batch-size", 32, "--run-dir", tmp_path / "run",

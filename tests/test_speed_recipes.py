@@ -195,3 +195,18 @@ def test_a_compiled_run_on_a_cpu_prints_no_cuda_warning(tmp_path):
                              "--run-dir", tmp_path])
     assert result.code == 0, result.stderr
     assert "CUDA" not in result.stdout + result.stderr
+
+
+def test_compiled_compare_warns_when_the_blocks_disagree(run_inprocess, tmp_path, monkeypatch):
+    """The timings are fixed here: what is tested is what --compare does with them, not this CPU's speed."""
+    recipe = load_recipe("compiled_model")
+    fixed = {"seconds": {"eager": [0.010, 0.010, 0.011, 0.010, 0.010], "compiled": [0.005, 0.009, 0.005, 0.005, 0.005]},
+             "compile_s": 2.0, "loss_diff": 0.0}
+    monkeypatch.setattr(recipe, "measure_speed", lambda *args, **kwargs: fixed)
+    result = run_inprocess("compiled_model", "--compare", *CM_SMALL, "--epochs", 1, "--run-dir", tmp_path / "cmp")
+    assert result.code == 0, result.stderr
+    table = parse_table(result.stdout)
+    assert table["compiled"][2] == "2.00 (1.11-2.20)x"  # median (min-max) of the blocks' eager / compiled
+    assert table["compiled"][3] == "2.0 s"
+    assert "warning: compiled varied by over 25% between blocks: the machine is busy" in result.stdout
+    assert "eager varied" not in result.stdout  # 10 to 11 ms: within 25%
