@@ -123,6 +123,8 @@ def test_stopped_and_resumed_run_ends_with_the_same_weights(run_inprocess, mnist
     assert resumed.code == 0, resumed.stderr
     assert "resumed at step 11" in resumed.stdout
     assert read_metrics(tmp_path / "cut")["steps"] == 28
+    # the training loss reported is the last epoch's mean, though the cut evaluated in the middle of the first
+    assert read_metrics(tmp_path / "cut")["train_loss"] == read_metrics(tmp_path / "full")["train_loss"]
     # TensorBoard shows one curve: every step once, none lost at the checkpoint's step
     scalars = read_scalars(tmp_path / "cut")
     assert [step for step, _ in scalars["train/loss"]] == list(range(1, 29))
@@ -261,3 +263,14 @@ def test_a_launch_from_another_folder_says_which_folders_it_uses(mnist_dir, tmp_
     run_dir = next((elsewhere / "runs" / RECIPE).iterdir())
     assert f"run_dir {run_dir.resolve()} | device cpu" in result.stdout
     assert f"test digits from {(elsewhere / 'digits').resolve()}" in result.stdout
+    # the other recipes that read data name it the same way
+    (elsewhere / "t.csv").write_text("x,y\n" + "".join(
+        f"{i},{'ab'[i % 2]}\n" for i in range(40)))
+    result = run_subprocess([ROOT / "recipes" / "tabular_mlp.py", "--csv", "t.csv", "--target", "y", "--max-steps", 2,
+                             "--run-dir", "r"], cwd=elsewhere)
+    assert result.code == 0 and f"val rows of {(elsewhere / 't.csv').resolve()} | " in result.stdout, result.stderr
+    (elsewhere / "t.txt").write_text("hello world, " * 200)
+    result = run_subprocess([ROOT / "recipes" / "tiny_transformer.py", "--text", "t.txt", "--steps", 2, "--n-layer", 1,
+                             "--n-embd", 16, "--n-head", 2, "--block-size", 8, "--batch-size", 2, "--eval-batches", 1,
+                             "--sample-tokens", 2, "--peak-flops", 1e11, "--run-dir", "r2"], cwd=elsewhere)
+    assert result.code == 0 and f"val tokens of {(elsewhere / 't.txt').resolve()} | " in result.stdout, result.stderr

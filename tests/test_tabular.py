@@ -7,6 +7,7 @@ import math
 import urllib.error
 import urllib.request
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
@@ -19,6 +20,9 @@ from common.data import built_batch, make_loader
 
 RECIPE = "tabular_mlp"
 tabular = load_recipe(RECIPE)
+# Numbers as they are: these tests train a few steps, and the toy label's sharp threshold (age > 45) is learnt in
+# fewer steps from the raw number than from the default periodic embedding (which gets there in its default length)
+RAW = ["--num-embedding", "none"]
 
 
 def test_linear_matches_nn_linear_given_the_same_weights():
@@ -111,7 +115,7 @@ def test_parameter_groups_exempt_biases_norms_and_embeddings():
 
 def test_smoke_and_run_directory(run_inprocess, table_csv, tmp_path):
     run_dir = tmp_path / "run"
-    result = run_inprocess(RECIPE, "--csv", table_csv, "--target", "label", "--epochs", 3, "--batch-size", 32,
+    result = run_inprocess(RECIPE, "--csv", table_csv, "--target", "label", *RAW, "--epochs", 3, "--batch-size", 32,
                            "--run-dir", run_dir)
     assert result.code == 0, result.stderr
     assert result.done_line.startswith("done: ") and "val_acc=" in result.done_line
@@ -173,11 +177,12 @@ def test_resumed_run_ends_with_the_same_weights(run_inprocess, table_csv, tmp_pa
     assert run_inprocess(RECIPE, *common, "--resume", "auto", "--run-dir", tmp_path / "cut").code == 0
     assert_same_weights(load_weights(tmp_path / "full" / "checkpoints" / "last.pt"),
                         load_weights(tmp_path / "cut" / "checkpoints" / "last.pt"))
+    assert read_metrics(tmp_path / "cut")["train_loss"] == read_metrics(tmp_path / "full")["train_loss"]
 
 
 def test_predict_writes_one_prediction_per_row_with_unseen_categories(run_inprocess, table_csv, tmp_path):
     run_dir = tmp_path / "run"
-    assert run_inprocess(RECIPE, "--csv", table_csv, "--target", "label", "--epochs", 2, "--run-dir", run_dir,
+    assert run_inprocess(RECIPE, "--csv", table_csv, "--target", "label", *RAW, "--epochs", 2, "--run-dir", run_dir,
                          "--batch-size", 32).code == 0
     new = write_table(tmp_path / "new.csv", n=25, seed=9, target=False)
     new.write_text(new.read_text().replace("red", "purple"))  # a colour never seen in training
@@ -246,6 +251,10 @@ def test_adult_offline_suggests_csv(run_inprocess, tmp_path, monkeypatch):
         ("bad.parquet", "a,label\n1,x\n", "is not a readable table file"),
         ("bad.xlsx", "a,label\n1,x\n", "not a table file by its name; give a .csv, .tsv"),
         ("a-folder.csv", "dir", "a-folder.csv is a directory, not a table file"),
+        ("tabs.csv", "a\tb\tlabel\n1\t2\tx\n", "(columns: a b label): is it tab-separated? name a "
+                                                "tab-separated file .tsv"),
+        ("semicolons.csv", "a;b;label\n1;2;x\n", "is it semicolon-separated? only .tsv files are read with another "
+                                                  "delimiter than ','"),
     ],
 )
 def test_bad_csv_is_a_one_line_error(run_inprocess, tmp_path, name, content, message):
@@ -312,7 +321,7 @@ def write_as(csv_path, path):
 def test_every_file_type_trains_and_predicts_alike(run_inprocess, table_csv, tmp_path, name):
     path = write_as(table_csv, tmp_path / name)
     run_dir = tmp_path / "run"
-    result = run_inprocess(RECIPE, "--csv", path, "--target", "label", "--epochs", 2, "--batch-size", 32,
+    result = run_inprocess(RECIPE, "--csv", path, "--target", "label", *RAW, "--epochs", 2, "--batch-size", 32,
                            "--run-dir", run_dir)
     assert result.code == 0, result.stderr
     features = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)["features"]
@@ -350,7 +359,7 @@ def test_a_pandas_csv_with_nan_and_inf_cells_trains_and_predicts_finite_values(r
         writer.writeheader()
         writer.writerows(rows)
     run_dir = tmp_path / "run"
-    result = run_inprocess(RECIPE, "--csv", path, "--target", "label", "--epochs", 3, "--batch-size", 32,
+    result = run_inprocess(RECIPE, "--csv", path, "--target", "label", *RAW, "--epochs", 3, "--batch-size", 32,
                            "--run-dir", run_dir)
     assert result.code == 0, result.stderr
     assert read_metrics(run_dir)["val_acc"] > 0.7
@@ -382,3 +391,47 @@ def test_lbfgs_line_search_sees_one_objective_despite_dropout():
     assert losses[0] == losses[1] == losses[2]
     model.eval()
     assert nn.CrossEntropyLoss()(model(*batch[:2]), batch[2]).item() != losses[0]  # dropout was on in training
+
+
+def fake_adult(folder, rows: int, seed: int) -> list[str]:
+    """Lines in adult.data's form: ", " between fields, the label depending on age and hours."""
+    rng = np.random.default_rng(seed)
+    lines = []
+    for _ in range(rows):
+        age, hours = int(rng.integers(18, 80)), int(rng.integers(10, 70))
+        label = ">50K" if age + hours > 90 else "<=50K"
+        lines.append(f"{age}, Private, {int(rng.integers(10**4, 10**6))}, Bachelors, 13, Married-civ-spouse, "
+                     f"Sales, Husband, White, {['Male', 'Female'][int(rng.integers(2))]}, 0, 0, {hours}, "
+                     f"United-States, {label}")
+    return lines
+
+
+def test_adults_test_file_is_scored_with_the_weights_best_pt_holds(run_inprocess, tmp_path, monkeypatch):
+    """The figure a run reports for the test set is the deployed model's (best.pt), not the last step's."""
+    (tmp_path / "adult").mkdir()
+    (tmp_path / "adult" / "adult.data").write_text("\n".join(fake_adult(tmp_path, 200, 0)) + "\n")
+    (tmp_path / "adult" / "adult.test").write_text("|1x3 Cross validator\n" + "\n".join(
+        line + "." for line in fake_adult(tmp_path, 100, 1)) + "\n")
+    monkeypatch.setattr(tabular, "ADULT_FILES", {name: (hashlib.md5((tmp_path / "adult" / name).read_bytes())
+                                                        .hexdigest(), rows)
+                                                 for name, rows in [("adult.data", 200), ("adult.test", 100)]})
+    real, scripted = tabular.evaluate, [0.9, 0.5, 0.4]  # validation accuracy of the 3 epochs: the first is the best
+    monkeypatch.setattr(tabular, "evaluate", lambda *a, **k: {"loss": 1.0, "acc": scripted.pop(0)} if scripted else
+                        real(*a, **k))  # then the real one, for the test set
+    run_dir = tmp_path / "run"
+    result = run_inprocess(RECIPE, "--data-dir", tmp_path, "--epochs", 3, "--batch-size", 16, "--run-dir", run_dir)
+    assert result.code == 0, result.stderr
+    metrics = read_metrics(run_dir)
+    assert metrics["best_step"] == 10 and metrics["steps"] == 30  # 160 training rows at batch 16
+    _, test_table = tabular.load_adult(tmp_path)
+    scores = {}
+    for name in ("best.pt", "last.pt"):
+        state = torch.load(run_dir / "checkpoints" / name, weights_only=True)
+        model = tabular.model_from_checkpoint(state, run_dir / "checkpoints" / name).eval()
+        numeric, categorical, target = tabular.encode(state["features"], test_table)
+        with torch.no_grad():
+            logits = model(torch.from_numpy(numeric), torch.from_numpy(categorical))
+        scores[name] = (logits.argmax(1).numpy() == target).mean()
+    assert metrics["test_acc"] == pytest.approx(scores["best.pt"]) and scores["best.pt"] != scores["last.pt"]
+    assert not torch.equal(load_weights(run_dir / "checkpoints" / "best.pt")["head.weight"],
+                           load_weights(run_dir / "checkpoints" / "last.pt")["head.weight"])

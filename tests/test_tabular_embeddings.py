@@ -164,3 +164,18 @@ def test_regression_cross_validation_reports_rmse_in_the_target_units(run_inproc
     metrics = json.loads((tmp_path / "cv" / "metrics.json").read_text())
     assert metrics["metric"] == "val_rmse" and len(metrics["folds"]) == 3
     assert metrics["mean_val_rmse"] < 0.5 * 30 / math.sqrt(2)  # well below predicting the mean (std of y: 21)
+
+
+def test_the_default_length_and_batch_follow_the_size_of_the_table(run_inprocess, table_csv, tmp_path):
+    assert (tabular.default_batch_size(24_000), tabular.default_epochs(24_000 // 256)) == (256, 10)  # Adult's
+    assert (tabular.default_batch_size(142), tabular.default_epochs(142 // 16)) == (16, 100)  # wine's: 800 steps
+    result = run_inprocess(RECIPE, "--csv", table_csv, "--target", "label", "--run-dir", tmp_path / "run")
+    assert result.code == 0, result.stderr
+    metrics = read_metrics(tmp_path / "run")
+    assert metrics["steps"] == 54 * 15  # 240 rows: batch 16, 15 steps an epoch, 54 epochs for 800 steps
+    assert metrics["val_acc"] > 0.9  # periodic embeddings (the default) learn the toy label in that length
+    config = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert config["epochs"] is None and config["num_embedding"] == "periodic"  # as given: resolved from the table
+    again = run_inprocess(RECIPE, "--csv", table_csv, "--target", "label", "--run-dir", tmp_path / "run",
+                          "--resume", "auto")
+    assert again.code == 0 and again.stdout.startswith(f"already finished: step {54 * 15} of {54 * 15}")
