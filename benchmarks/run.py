@@ -120,7 +120,11 @@ def main() -> None:
                  9: item("kv_cache", "kv_cache", args.quick),
                  10: item("tabular_scale", "tabular_scale", args.quick, work),
                  11: item("transformer_parallel", "transformer_parallel", args.quick, work),
-                 12: item("lm_quality", "lm_quality", args.quick, work)}
+                 12: item("lm_quality", "lm_quality", args.quick, work),
+                 13: item("tabular_vs_boosting", "tabular_vs_boosting", args.quick, adult_csv, work),
+                 14: item("defaults_vs_peer", "defaults_vs_peer", args.quick, work),
+                 15: item("doctor_check", "doctor_check", args.quick, mnist_dir, adult_csv, work),
+                 16: item("lr_finder", "lr_finder", args.quick, mnist_dir, adult_csv, work)}
         chosen = [int(i) for i in args.only.split(",") if i.isdigit()] if args.only else list(items)
         unknown = sorted(set(args.only.split(",")) - {str(i) for i in items}) if args.only else []
         if unknown:

@@ -16,7 +16,7 @@ def test_quick_benchmark_writes_every_item(tmp_path):
     assert result.code == 0, result.stderr[-3000:]
     data = json.loads(out.read_text())
     assert data["quick"] is True and "torch" in data["machine"]
-    assert sorted(data["items"], key=int) == [str(i) for i in range(1, 13)]
+    assert sorted(data["items"], key=int) == [str(i) for i in range(1, 17)]
     for number, item in data["items"].items():
         assert {"item", "result", "target", "met", "seconds"} <= item.keys(), number
         assert item["met"] in (True, False, None)
@@ -35,6 +35,14 @@ def test_quick_benchmark_writes_every_item(tmp_path):
     assert data["items"]["12"]["val_loss"]["ours"]["median"] > 0 and data["items"]["12"]["val_loss"]["nanogpt"]
     assert f"Measured on: {data['hardware']['cpu_model']} (" in result.stdout  # the table says which CPU made it
     assert data["items"]["9"]["same_tokens"] is True and data["items"]["9"]["kv_cache_speedup"]["median"] > 0
+    boosting = data["items"]["13"]  # Adult absent: wine and diabetes only, and no verdict on the whole target
+    assert boosting["met"] is None and set(boosting) >= {"wine", "diabetes"} and "adult" not in boosting
+    assert len(boosting["wine"]["ours"]) == len(boosting["wine"]["boosting"]) == 2  # the same 2 folds for both
+    assert 0 < boosting["wine"]["ours"][0] <= 1 and boosting["diabetes"]["boosting"][0] > 1  # accuracy; RMSE
+    peer = data["items"]["14"]
+    assert len(peer["seconds"]["nanogpt"]) == len(peer["seconds"]["auto"]) == 1 and peer["val_loss"]["fp32"][0] > 0
+    assert set(data["items"]["15"]) >= {"mixed_precision"}
+    assert data["items"]["16"]["met"] is None and data["items"]["16"]["result"].startswith("skipped")
     sizes = data["items"]["10"]["sizes"]
     assert sorted(sizes, key=int) == ["2000", "20000"] and all(f["first_step_s"] > 0 for f in sizes.values())
 
