@@ -323,3 +323,18 @@ def test_auto_precision_is_recorded_and_a_resume_keeps_the_precision_it_started_
     assert resumed.code == 0, resumed.stderr
     assert json.loads((tmp_path / "fp32" / "config.json").read_text())["precision"] == "fp32"
     assert "| precision fp32 (auto: as the run started) |" in resumed.stdout
+
+
+def test_auto_attention_is_einsum_only_under_16_bit_autocast_on_a_cpu(run_inprocess, corpus_txt, tmp_path):
+    resolve = tt.resolve_attention
+    assert [resolve("auto", torch.device("cpu"), p) for p in ("fp32", "bf16", "fp16")] == ["sdpa", "einsum", "einsum"]
+    assert resolve("auto", torch.device("cuda"), "bf16") == "sdpa" and resolve("sdpa", torch.device("cpu"), "bf16") \
+        == "sdpa"
+    args = ["--text", corpus_txt, "--steps", 2, "--n-layer", 1, "--n-head", 2, "--n-embd", 16, "--block-size", 16,
+            "--batch-size", 4, "--eval-batches", 1, "--sample-tokens", 2, "--peak-flops", 1e11]
+    for precision, expected in (("bf16", "einsum"), ("fp32", "sdpa")):
+        result = run_inprocess("tiny_transformer", *args, "--precision", precision, "--run-dir", tmp_path / precision)
+        assert result.code == 0, result.stderr
+        assert f"parameters, {expected} attention | " in result.stdout
+        state = torch.load(tmp_path / precision / "checkpoints" / "last.pt", weights_only=True)
+        assert state["model_config"]["attention"] == expected and state["config"]["attention"] == "auto"
