@@ -3,7 +3,8 @@
 import json
 import re
 
-from conftest import assert_same_weights, load_weights
+import pytest
+from conftest import RECIPES, assert_same_weights, load_weights, smoke_args
 
 ARGS = ["--epochs", 1, "--samples", 1024, "--batch-size", 64, "--width", 32, "--depth", 2, "--num-workers", 0]
 
@@ -37,3 +38,15 @@ def test_a_run_too_short_to_profile_says_so(run_inprocess, tmp_path):
     result = run_inprocess("mixed_precision", *ARGS, "--max-steps", 2, "--profile", 4, "--run-dir", tmp_path)
     assert result.code == 0, result.stderr
     assert "profile: the run ended before 4 steps could be profiled after the warm-up" in result.stdout
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_every_recipe_profiles_its_steps(recipe, run_inprocess, request, tmp_path):
+    more = [] if recipe in ("tabular_mlp", "tiny_transformer") else ["--max-steps", 6]  # 3 warm-up steps, then 2
+    more += ["--steps", 6] if recipe == "tiny_transformer" else []
+    result = run_inprocess(recipe, *smoke_args(recipe, request), *more, "--profile", 2, "--run-dir", tmp_path)
+    assert result.code == 0, result.stderr
+    profile = json.loads((tmp_path / "profile.json").read_text())  # what scripts/doctor.py reads
+    assert profile["steps"] == 2 and set(profile["ms_per_step"]) == {"data", "forward", "backward", "optimizer", "rest"}
+    assert profile["ms_per_step"]["forward"] > 0 and profile["operators"]
+    assert len(list(tmp_path.glob("*.pt.trace.json"))) == 1
