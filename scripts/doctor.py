@@ -272,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("recipe", metavar="RECIPE", help="a recipe's name (mnist_onecycle) or a path to one")
     parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds of every variant [default: 2]")
     parser.add_argument("--window", type=int, help="steps per measured window [default: from the live run's "
-                        "step time, about half a second]")
+                        "step time, about a second]")
     parser.add_argument("--try", dest="wanted", default=",".join(ALTERNATIVES),
                         help=f"the alternatives to try, of {','.join(ALTERNATIVES)} [default: all that apply]")
     parser.add_argument("--json", type=Path, metavar="FILE", help="also write the figures here")
@@ -293,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
             work = Path(folder)
             observed, config, profile, unit = live_run(recipe, options, 30, work)
             step_ms = sum(profile.get("ms_per_step", {}).values()) or 50.0
-            window = args.window or max(3, min(200, round(500 / step_ms)))
+            window = args.window or max(3, min(200, round(1000 / step_ms)))
             steps = 3 * window  # the first window (start-up, compiling) is left out of the throughput
             found, rows = alternatives(known, options, config, wanted)
             variants = {"as given": options} | {name: [*options, *extra] for name, (extra, _) in found.items()}

@@ -87,6 +87,15 @@ def test_readme_tools_and_files_exist(page):
         assert (ROOT / path).exists(), path
 
 
+@pytest.mark.parametrize("page", sorted(PAGES))
+def test_every_link_to_a_file_of_the_project_resolves_from_its_page(page):
+    """[text](path) and ![figure](path) are relative to the page's own folder (README.md's or docs/)."""
+    folder = ROOT if page == "README.md" else ROOT / "docs"
+    for target in re.findall(r"\]\(([^)#]+)\)", PAGES[page]):
+        if not target.startswith(("http://", "https://")):
+            assert (folder / target).exists(), f"{page}: {target}"
+
+
 def indented_commands(section: str) -> list[str]:
     """The shell commands of a section's indented blocks, continuation lines (ending in \\) joined."""
     commands, current = [], []
