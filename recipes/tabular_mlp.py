@@ -43,7 +43,7 @@ from common.loop import StepStats, batches_left, epochs_left, evaluate, to_devic
 from common.profile import StepProfiler
 from common.rundir import already_finished, open_run_dir, write_json
 from common.runlog import RunLog, log_interval
-from common.runtime import resolve_device, seed_everything
+from common.runtime import resolve_device, resolve_precision, seed_everything
 from common.stop import StopRequest
 
 RECIPE = "tabular_mlp"
@@ -582,9 +582,10 @@ def main(
         print(f"done: predictions={n} output={output}")
         return
     if optimizer_name == "lbfgs":
-        if precision != "fp32":
+        if precision in ("bf16", "fp16"):
             raise typer.BadParameter("lbfgs needs fp32: its line search compares losses too closely for autocast",
                                      param_hint="--precision")
+        precision = "fp32"  # what auto gives it
         if batch_size is not None:
             raise typer.BadParameter("lbfgs trains on the whole table at once; leave --batch-size out",
                                      param_hint="--batch-size")
@@ -626,6 +627,8 @@ def train(csv_path: Path | None, target: str, task: str, val_frac: float, cv: in
         return json.loads((run.path / "metrics.json").read_text())
     seed_everything(seed)
     device = resolve_device(device)
+    precision, why = resolve_precision(precision, device, checkpoint)  # --precision auto: bf16 where native
+    config |= {"precision": precision, "precision_reason": why}
 
     # Data: a table -> preprocessing fitted on the training split -> tensors
     table, test_table = load_tables(csv_path, target, data_dir)

@@ -104,3 +104,12 @@ def test_a_config_of_another_recipe_or_no_config_is_a_usage_error(run_inprocess,
     for path, text in [(tmp_path / "bad.json", "is not a JSON file"), (tmp_path / "none.json", "cannot read")]:
         result = run_inprocess("mixed_precision", "--config", path)
         assert result.code == 2 and "'--config'" in result.stderr and text in result.stderr
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_every_recipe_takes_auto_precision_and_says_what_it_chose(recipe, run_inprocess, request, tmp_path):
+    result = run_inprocess(recipe, *smoke_args(recipe, request), "--precision", "auto", "--run-dir", tmp_path)
+    assert result.code == 0, result.stderr
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["precision"] in ("fp32", "bf16") and config["precision_reason"].startswith("auto: ")
+    assert f"precision {config['precision']} ({config['precision_reason']})" in result.stdout
