@@ -55,6 +55,24 @@ def test_a_column_missing_in_every_training_row_trains_and_predicts(run_inproces
     assert result.code == 0, result.stderr
 
 
+def test_an_all_missing_parquet_column_trains_and_predicts(run_inprocess, tmp_path):
+    import pyarrow.parquet as pq
+
+    x = np.random.default_rng(1).normal(size=100)
+    table = pa.table({"x": x, "nothing": pa.array([None] * 100, pa.float64()), "y": ["ab"[int(v > 0)] for v in x]})
+    pq.write_table(table, tmp_path / "t.parquet")
+    run_dir = tmp_path / "run"
+    result = run_inprocess(RECIPE, "--csv", tmp_path / "t.parquet", "--target", "y", "--epochs", 2,
+                           "--run-dir", run_dir)
+    assert result.code == 0, result.stderr
+    assert torch.load(run_dir / "checkpoints" / "best.pt", weights_only=True)["features"]["categorical"]["nothing"] \
+        == ["<unseen>", "<missing>"]
+    pq.write_table(table.drop(["y"]).slice(0, 5), tmp_path / "new.parquet")
+    result = run_inprocess(RECIPE, "--predict", tmp_path / "new.parquet", "--resume",
+                           run_dir / "checkpoints" / "best.pt")
+    assert result.code == 0, result.stderr
+
+
 @pytest.mark.parametrize("embedding", ["ple", "periodic"])
 def test_an_embedded_run_carries_its_bins_resumes_exactly_and_exports(run_inprocess, table_csv, tmp_path, embedding):
     args = ["--csv", table_csv, *COMMON, "--epochs", 3, "--num-embedding", embedding]
