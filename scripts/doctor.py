@@ -23,8 +23,6 @@ Exit status 0; 1 with one line ``error: ...`` when the recipe fails as given; 2 
 """
 
 import argparse
-import contextlib
-import io
 import json
 import os
 import shlex
@@ -41,7 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from scripts.find_lr import FinderError as DoctorError  # noqa: E402 - the same one-line error
-from scripts.find_lr import load_recipe, recipe_options  # noqa: E402
+from scripts.find_lr import load_recipe, recipe_options, run_quietly  # noqa: E402
 
 ALTERNATIVES = ["bf16", "compile", "workers", "batch"]
 OWN_OPTIONS = ("--run-dir", "--resume", "--max-steps", "--log-every", "--profile", "--compare", "--predict")
@@ -109,11 +107,8 @@ def live_run(recipe, options: list[str], steps: int, work: Path) -> tuple[Observ
     profile.json, what its throughput counts: samples or tokens)."""
     import torch
 
-    from common.cli import run_recipe
-
     observed, run_dir = Observed(), work / "live"
     remove = watch(observed)
-    errors = io.StringIO()
     profiled = max(5, steps // 2)
     args = [*options, "--max-steps", str(steps), "--profile", str(profiled), "--log-every", str(steps),
             "--run-dir", str(run_dir)]
@@ -123,19 +118,14 @@ def live_run(recipe, options: list[str], steps: int, work: Path) -> tuple[Observ
         if sync_debug:  # every synchronising CUDA call warns; counted below
             torch.cuda.set_sync_debug_mode("warn")
         try:
-            with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(errors):
-                run_recipe(recipe.main, args)
-            code = 0
-        except SystemExit as exit_:
-            code = exit_.code if isinstance(exit_.code, int) else 1
+            code, line = run_quietly(recipe, args)
         finally:
             remove()
             if sync_debug:
                 torch.cuda.set_sync_debug_mode("default")
     observed.syncs = sum("synchronizing" in str(w.message) for w in caught)
     if code:
-        line = (errors.getvalue().strip().splitlines() or [f"exit status {code}"])[-1]
-        raise DoctorError(f"the recipe fails as given: {line.removeprefix('error: ')}")
+        raise DoctorError(f"the recipe fails as given: {line.removeprefix('error: ') or f'exit status {code}'}")
     read = lambda name: json.loads((run_dir / name).read_text()) if (run_dir / name).is_file() else {}  # noqa: E731
     unit = next((k.removesuffix("_per_s") for k in read("metrics.json") if k.endswith("_per_s")), "samples")
     return observed, read("config.json"), read("profile.json"), unit

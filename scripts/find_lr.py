@@ -91,13 +91,25 @@ def training_losses(run_dir: Path) -> dict[int, float]:
     return {e.step: e.value for e in events.Scalars("train/loss")} if "train/loss" in events.Tags()["scalars"] else {}
 
 
+def run_quietly(recipe, args: list[str]) -> tuple[int, str]:
+    """The recipe's command in this process, its output swallowed: (exit status, its last line on stderr)."""
+    from common.cli import run_recipe
+
+    errors = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(errors):
+            run_recipe(recipe.main, args)
+        code = 0
+    except SystemExit as exit_:
+        code = exit_.code if isinstance(exit_.code, int) else 1
+    return code, (errors.getvalue().strip().splitlines() or [""])[-1]
+
+
 def range_test(recipe, options: list[str], rates: list[float], work: Path) -> tuple[list[float], list[float], str]:
     """Run the recipe with ``options`` for len(rates) steps at those rates; (rates, losses) up to where it ended,
     and how it ended."""
     import torch
     from torch.optim.optimizer import register_optimizer_step_pre_hook
-
-    from common.cli import run_recipe
 
     taken = [0]
 
@@ -111,20 +123,14 @@ def range_test(recipe, options: list[str], rates: list[float], work: Path) -> tu
     run_dir.mkdir()  # ours: the recipe does not remove a folder it did not make, so a diverged run's events stay
     args = [*options, *length, "--max-steps", str(len(rates)), "--log-every", "1", "--run-dir", str(run_dir)]
     handle = register_optimizer_step_pre_hook(set_rate)
-    errors = io.StringIO()
     try:
-        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(errors):
-            run_recipe(recipe.main, args)
-        code = 0
-    except SystemExit as exit_:
-        code = exit_.code if isinstance(exit_.code, int) else 1
+        code, message = run_quietly(recipe, args)
     finally:
         handle.remove()
-    message = errors.getvalue().strip().splitlines()[-1:] or [""]
     if code == 2:
-        raise FinderError(f"the recipe refused its options: {message[0]}")
-    if code and "diverged" not in message[0]:
-        raise FinderError(message[0].removeprefix("error: ") or f"the recipe exited with status {code}")
+        raise FinderError(f"the recipe refused its options: {message}")
+    if code and "diverged" not in message:
+        raise FinderError(message.removeprefix("error: ") or f"the recipe exited with status {code}")
     losses = training_losses(run_dir)
     steps = sorted(s for s in losses if s <= len(rates))
     ending = "diverged" if code else "ran every step"
