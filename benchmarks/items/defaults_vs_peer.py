@@ -56,5 +56,5 @@ def defaults_vs_peer(quick: bool, work: Path) -> dict:
                       f"{statistics.mean(losses['auto']):.4f} vs fp32 {statistics.mean(losses['fp32']):.4f} "
                       f"(difference {gap:.4f})",
             "target": f">= {goal}x ({'native' if native else 'no native'} bf16 here), loss within 0.01 of fp32",
-            "met": speedup["median"] >= goal and gap <= 0.01, "seconds": seconds, "val_loss": losses,
+            "met": speedup["median"] >= goal and gap <= 0.01, "run_seconds": seconds, "val_loss": losses,
             "speedup": speedup}
