@@ -110,7 +110,7 @@ def restore_rng_state(state: dict, loader_generator: torch.Generator | None = No
 # Options that only say where and how fast to run (or only cut a run short): a resume may change them.
 MAY_CHANGE = {"max_steps", "run_dir", "resume", "checkpoint_every", "log_every", "num_workers", "device", "compile",
               "data_dir", "config_file", "precision", "precision_reason", "profile", "peak_flops_used", "peak_source",
-              "attention_used"}
+              "attention_used", "num_embedding_used"}
 
 
 def check_same_run(checkpoint: dict, source: Path, config: dict, may_change: set[str] = frozenset()) -> None:

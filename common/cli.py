@@ -93,7 +93,8 @@ Patience = Annotated[int | None, typer.Option(min=1, help="Stop after N evaluati
 # What config.json records beside the options: where and how the run ran, and settings a recipe derives (the
 # fold of a cross-validation, MFU's denominator)
 RECORD_KEYS = {"run_dir", "resume", "config_file", "recipe", "torch_version", "device_used", "world_size", "tf32",
-               "checkpoint_format", "precision_reason", "fold", "peak_flops_used", "peak_source", "attention_used"}
+               "checkpoint_format", "precision_reason", "fold", "peak_flops_used", "peak_source", "attention_used",
+               "num_embedding_used"}
 
 
 def replay(ctx: typer.Context, path: Path | None) -> Path | None:

@@ -52,7 +52,7 @@ def eager_model(recipe: str, checkpoint: Path) -> torch.nn.Module:
         "mnist_onecycle": lambda: module.DigitNet(config["width"]),
         "ddp_mlp": lambda: module.MLP(config["hidden"]),
         "tabular_mlp": lambda: module.build_model(state["features"], config["hidden"], config["depth"],
-                                                  config["dropout"], config["num_embedding"]),
+                                                  config["dropout"], config["num_embedding_used"]),
         "tiny_transformer": lambda: module.GPT(module.GPTConfig(**state["model_config"])),
         "mixed_precision": lambda: module.MLP(width=config["width"], depth=config["depth"]),
         "compiled_model": lambda: module.GatedMLP(config["width"], config["depth"]),

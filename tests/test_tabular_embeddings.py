@@ -193,7 +193,35 @@ def test_the_default_length_and_batch_follow_the_size_of_the_table(run_inprocess
     assert metrics["steps"] == 54 * 15  # 240 rows: batch 16, 15 steps an epoch, 54 epochs for 800 steps
     assert metrics["val_acc"] > 0.9  # periodic embeddings (the default) learn the toy label in that length
     config = json.loads((tmp_path / "run" / "config.json").read_text())
-    assert config["epochs"] is None and config["num_embedding"] == "periodic"  # as given: resolved from the table
+    assert config["epochs"] is None and config["num_embedding"] == "auto"  # as given; resolved from the table:
+    assert config["num_embedding_used"] == "periodic"  # a classification embeds at any size
     again = run_inprocess(RECIPE, "--csv", table_csv, "--target", "label", "--run-dir", tmp_path / "run",
                           "--resume", "auto")
     assert again.code == 0 and again.stdout.startswith(f"already finished: step {54 * 15} of {54 * 15}")
+
+
+def test_auto_embedding_leaves_a_small_regression_as_numbers_and_the_model_follows_its_checkpoint(
+        run_inprocess, tmp_path):
+    assert tabular.auto_embedding("classification", 100) == tabular.auto_embedding("regression", 10_000) == "periodic"
+    assert tabular.auto_embedding("regression", 9_999) == "none"
+    rng = np.random.default_rng(0)
+    lines = ["x,z,y"] + [f"{a:.3f},{b:.3f},{2 * a - b:.3f}" for a, b in rng.normal(size=(200, 2))]
+    (tmp_path / "r.csv").write_text("\n".join(lines) + "\n")
+    run_dir = tmp_path / "run"
+    result = run_inprocess(RECIPE, "--csv", tmp_path / "r.csv", "--target", "y", "--epochs", 2, "--max-steps", 20,
+                           "--run-dir", run_dir)
+    assert result.code == 0, result.stderr
+    assert "2 numeric (none)" in result.stdout  # the header says what auto chose
+    best = torch.load(run_dir / "checkpoints" / "best.pt", weights_only=True)
+    assert best["config"]["num_embedding"] == "auto" and best["config"]["num_embedding_used"] == "none"
+    assert not any(name.startswith("numeric.") for name in best["model"])  # no embedding's weights
+    # a resume keeps the run's choice, and --predict builds the model the checkpoint holds
+    again = run_inprocess(RECIPE, "--csv", tmp_path / "r.csv", "--target", "y", "--epochs", 2, "--run-dir", run_dir,
+                          "--resume", "auto")
+    assert again.code == 0, again.stderr
+    (tmp_path / "new.csv").write_text("x,z\n1.0,0.5\n")
+    result = run_inprocess(RECIPE, "--predict", tmp_path / "new.csv", "--resume", run_dir / "checkpoints" / "best.pt",
+                           "--output", tmp_path / "p.csv")
+    assert result.code == 0, result.stderr
+    rows = list(csv.DictReader((tmp_path / "p.csv").open()))
+    assert len(rows) == 1 and math.isfinite(float(rows[0]["prediction"]))
