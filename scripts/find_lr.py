@@ -74,10 +74,12 @@ def until_divergence(smooth: list[float], factor: float = 4.0) -> int:
 
 def steepest(smooth: list[float], skip_start: int = 10) -> int | None:
     """The index where the smoothed loss falls fastest per step of log rate (the rates are log-spaced, so per
-    index), leaving out the first ``skip_start`` points (the average is still settling) and the last one."""
+    index), leaving out the first ``skip_start`` points (the average is still settling) and everything from its
+    lowest point on: past it the loss is diverging, and a dip between two spikes there is no place to train."""
     if len(smooth) < skip_start + 3:
         return None
-    slopes = [(smooth[i + 1] - smooth[i - 1]) / 2 for i in range(skip_start, len(smooth) - 1)]
+    end = min(len(smooth) - 1, smooth.index(min(smooth[skip_start:]), skip_start) + 1)
+    slopes = [(smooth[i + 1] - smooth[i - 1]) / 2 for i in range(skip_start, end)]
     best = min(range(len(slopes)), key=slopes.__getitem__)
     return skip_start + best if slopes[best] < 0 else None
 

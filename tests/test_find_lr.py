@@ -56,6 +56,8 @@ def test_the_pieces_of_the_range_test():
     falling = [10.0] * 10 + [10.0, 9.0, 7.0, 4.0, 3.5, 3.4, 3.4]
     assert find_lr.steepest(falling) == 12  # (4 - 9) / 2 around index 12 is the steepest fall
     assert find_lr.steepest([1.0] * 20) is None  # flat: nothing to suggest
+    diverging = falling + [6.0, 14.0, 14.0, 4.0, 13.0]  # past the lowest point a dip falls faster than anything
+    assert find_lr.steepest(diverging) == 12  # before it: the suggestion stays below where the loss turns up
 
 
 def test_a_real_recipe_gets_its_own_option_and_the_user_runs_are_untouched(tmp_path, capsys, monkeypatch):
