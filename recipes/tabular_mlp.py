@@ -496,9 +496,9 @@ def auto_embedding(task: str, train_rows: int) -> str:
     """--num-embedding auto: periodic, except for a regression on fewer than EMBED_REGRESSION_FROM training rows.
     Measured with benchmarks/tabular_sweep.py (tuning seeds, dropout 0.5): periodic embeddings lift classification
     at every size tried (Adult's income from 2,400 and 6,400 rows: +0.4 and +0.5 points over the numbers as they
-    are; 24,000 rows: +0.9 at dropout 0.1; wine even) but overfit a small regression (diabetes, 354 rows: RMSE 65.6 against
-    57.4; Adult's age from 2,400 rows: 10.46 against 10.09); from 6,400 rows even (9.80 and 9.81), from Adult's
-    24,000 rows they help there too (9.84 against 9.89)."""
+    are; 24,000 rows: +0.9 at dropout 0.1; wine even) but overfit a small regression (diabetes, 354 rows: RMSE
+    65.6 against 57.4; Adult's age from 2,400 rows: 10.46 against 10.09); from 6,400 rows even (9.80 and 9.81),
+    from Adult's 24,000 rows they help there too (9.84 against 9.89)."""
     return "periodic" if task == "classification" or train_rows >= EMBED_REGRESSION_FROM else "none"
 
 
