@@ -354,8 +354,8 @@ def numeric_embedding(kind: str, spec: dict, dim: int) -> nn.Module | None:
     n = len(spec["numeric"])
     if kind == "none" or n == 0:
         return None
-    encoding = {"ple": lambda: PiecewiseLinear([spec["bins"][name] for name in spec["numeric"]]),
-                "periodic": lambda: Periodic(n, PERIODIC_FREQUENCIES, PERIODIC_SIGMA)}[kind]()
+    encoding = (PiecewiseLinear([spec["bins"][name] for name in spec["numeric"]]) if kind == "ple" else
+                Periodic(n, PERIODIC_FREQUENCIES, PERIODIC_SIGMA))
     width = encoding.left.shape[1] if kind == "ple" else 2 * encoding.frequencies.shape[1]
     return nn.Sequential(encoding, PerFeatureLinear(n, width, dim), nn.ReLU(), nn.Flatten(1))
 
@@ -661,9 +661,8 @@ def train(csv_path: Path | None, target: str, task: str, val_frac: float, cv: in
     spec = checkpoint["features"] if checkpoint else fit_features(table.take(train_rows), target, task,
                                                                   bins=PLE_BINS if num_embedding == "ple" else 0)
     classification = spec["task"] == "classification"
-    if num_embedding == "auto":  # periodic, or none for a small regression; a resume keeps what its run chose
-        num_embedding = (checkpoint["config"].get("num_embedding_used") if checkpoint else None) or \
-            auto_embedding(spec["task"], len(train_rows))
+    if num_embedding == "auto":  # periodic, or none for a small regression (a resume has the same task and rows)
+        num_embedding = auto_embedding(spec["task"], len(train_rows))
     config["num_embedding_used"] = num_embedding
     arrays = encode(spec, table)  # every row at once, then split: the statistics are the training split's
     train_set = TabularDataset(*(a.take(train_rows, axis=0) for a in arrays))  # take: 4x faster than a[rows]
