@@ -41,6 +41,27 @@ def test_bins_are_distinct_quantiles_of_the_rows_they_are_fitted_on():
     assert len(few["bins"]["flag"]) == 2  # two distinct values: one bin, not eight empty ones
 
 
+def test_a_column_whose_values_repeat_starts_with_frequencies_spread_up_to_the_high_sigma():
+    rows = 40
+    table = pa.table({"years": [str(20 + i % 4) for i in range(rows)],  # 4 values: 10 rows each
+                      "weight": [f"{0.37 * i:.2f}" for i in range(rows)],  # a value per row
+                      "y": ["ab"[i % 2] for i in range(rows)]})
+    spec = tabular.fit_features(table, "y", "auto")
+    assert spec["rows_per_value"] == {"years": 10.0, "weight": 1.0}  # counted on the rows it is fitted on
+    assert tabular.fit_features(table.slice(0, 20), "y", "auto")["rows_per_value"]["years"] == 5.0
+    spreads = tabular.frequency_spreads(spec)
+    k = tabular.PERIODIC_FREQUENCIES
+    assert spreads.shape == (2, k)
+    torch.testing.assert_close(spreads[0], torch.logspace(math.log10(0.5), 2, k))  # years: 0.5 ... 100
+    assert spreads[0, -1].item() == pytest.approx(tabular.PERIODIC_SIGMA_REPEATED)
+    assert torch.equal(spreads[1], torch.full((k,), tabular.PERIODIC_SIGMA))  # weight: smooth
+    old = {k_: v for k_, v in spec.items() if k_ != "rows_per_value"}  # a checkpoint from before the rule
+    assert torch.equal(tabular.frequency_spreads(old), torch.full((2, k), tabular.PERIODIC_SIGMA))
+    torch.manual_seed(0)
+    frequencies = tabular.numeric_embedding("periodic", spec, 4)[0].frequencies
+    assert frequencies[0].abs().max() > 10 > 2 > frequencies[1].abs().max()  # drawn with those sigmas
+
+
 def test_a_column_missing_in_every_training_row_trains_and_predicts(run_inprocess, tmp_path):
     rng = np.random.default_rng(0)
     lines = ["x,empty,y"] + [f"{v:.3f},,{'ab'[int(v > 0)]}" for v in rng.normal(size=120)]
