@@ -116,8 +116,8 @@ class CausalSelfAttention(nn.Module):
         self.register_buffer("causal_mask", mask, persistent=False)  # True where position i may see j
 
     def forward(self, x: torch.Tensor, cache: dict | None = None) -> torch.Tensor:
-        """``cache``: only while generating, this layer's keys and values of the earlier positions
-        (``{"k", "v"}``, empty at first); the new ones are appended to it, so ``x`` may hold only new tokens."""
+        """``cache``: only while generating, this layer's keys and values of the earlier positions (``{"k", "v",
+        "length"}``, empty at first); the new ones are written after them, so ``x`` may hold only new tokens."""
         B, T, C = x.shape
         q, k, v = self.qkv(x).split(C, dim=2)
         # (B, T, C) -> (B, nh, T, hs): each head attends over its own slice of the channels
@@ -125,9 +125,14 @@ class CausalSelfAttention(nn.Module):
         if cache is not None:
             # A token's key and value depend only on it and the tokens before it, so those of earlier
             # positions are exactly what a full recompute would give again: keep them, compute only the new.
-            if cache:
-                k, v = torch.cat([cache["k"], k], dim=2), torch.cat([cache["v"], v], dim=2)
-            cache["k"], cache["v"] = k, v
+            # The cache is allocated for a whole block at once, so a token costs a copy of its own key and
+            # value, not (as with torch.cat) a new copy of all the earlier ones.
+            if not cache:
+                shape = (B, self.n_head, self.causal_mask.size(0), C // self.n_head)
+                cache |= {"k": k.new_empty(shape), "v": v.new_empty(shape), "length": 0}
+            start, end = cache["length"], cache["length"] + T
+            cache["k"][:, :, start:end], cache["v"][:, :, start:end], cache["length"] = k, v, end
+            k, v = cache["k"][:, :, :end], cache["v"][:, :, :end]
         S = k.size(2)  # positions attended to: T, or with a cache the earlier ones too; the queries are the last T
         if self.attention == "einsum":
             scores = torch.einsum("bhid,bhjd->bhij", q, k) / math.sqrt(q.size(-1))  # (B, nh, T, S)
@@ -137,9 +142,13 @@ class CausalSelfAttention(nn.Module):
         else:
             # The same computation in one fused kernel. is_causal=True applies exactly causal_mask's
             # pattern without materialising it, which lets GPUs use FlashAttention. is_causal aligns the
-            # mask to the top left, so queries that are only the last T of S positions need the mask's rows.
-            mask = None if S == T else self.causal_mask[S - T : S, :S]
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+            # mask to the top left, so queries that are only the last T of S positions (after a KV cache)
+            # need the mask's rows; a single new token may see every position and needs no mask at all.
+            if S == T:
+                mask, causal = None, True
+            else:
+                mask, causal = (None if T == 1 else self.causal_mask[S - T : S, :S]), False
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
                                                dropout_p=self.dropout if self.training else 0.0)
         # (B, nh, T, hs) -> (B, T, C). transpose made y non-contiguous, so .view would fail; reshape copies.
         y = y.transpose(1, 2).reshape(B, T, C)
@@ -204,7 +213,7 @@ class GPT(nn.Module):
 
         ``caches`` (generation only): one dict per block holding the keys and values of the positions before
         ``idx``, which then continues them (its first token is at position len(cache)), see ``generate``."""
-        start = caches[0]["k"].size(2) if caches and caches[0] else 0
+        start = caches[0]["length"] if caches and caches[0] else 0
         positions = torch.arange(start, start + idx.size(1), device=idx.device)
         x = self.drop(self.wte(idx) + self.wpe(positions))  # (B, T, C)
         for i, block in enumerate(self.blocks):
@@ -246,7 +255,7 @@ class GPT(nn.Module):
             return idx
         caches, fed = None, 0  # fed: tokens of idx the cache holds (a new cache starts at position 0)
         for _ in range(new_tokens):
-            if caches is None or caches[0]["k"].size(2) == self.config.block_size:  # none yet, or full: refill
+            if caches is None or caches[0]["length"] == self.config.block_size:  # none yet, or full: refill
                 keep = self.config.block_size if caches is None else self.config.block_size // 2
                 caches, fed = [{} for _ in self.blocks], max(0, idx.size(1) - keep)
             logits = self(idx[:, fed:], caches)[:, -1, :]  # all of the context at a refill, else the newest token
@@ -257,7 +266,9 @@ class GPT(nn.Module):
     @staticmethod
     def sample_next(logits: torch.Tensor, temperature: float, top_k: int | None,
                     generator: torch.Generator | None) -> torch.Tensor:
-        """(B, vocab) logits of the next token -> (B, 1) tokens drawn from them."""
+        """(B, vocab) logits of the next token -> (B, 1) tokens drawn from them; top_k=1: the most likely."""
+        if top_k == 1:  # greedy: nothing to draw (and the generator is left as it was)
+            return logits.argmax(dim=-1, keepdim=True)
         logits = logits / temperature
         if top_k is not None:
             kth_best = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]

@@ -148,12 +148,29 @@ def test_kv_cache_beyond_block_size_equals_recomputing_its_documented_context(at
         assert block // 2 <= i - start <= block
 
 
-def test_cached_attention_matches_the_full_attention_position_by_position():
-    model = tiny_gpt("einsum").eval()
+@pytest.mark.parametrize("attention", ["einsum", "sdpa"])
+def test_cached_attention_matches_the_full_attention_position_by_position(attention):
+    model = tiny_gpt(attention).eval()
     idx = torch.randint(50, (2, 12))
     caches = [{} for _ in model.blocks]
-    parts = [model(idx[:, :5], caches), *(model(idx[:, t : t + 1], caches) for t in range(5, 12))]
-    torch.testing.assert_close(torch.cat(parts, dim=1), model(idx), rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        parts = [model(idx[:, :5], caches), *(model(idx[:, t : t + 1], caches) for t in range(5, 12))]
+        torch.testing.assert_close(torch.cat(parts, dim=1), model(idx), rtol=1e-5, atol=1e-5)
+    block, heads, width = model.config.block_size, model.config.n_head, model.config.n_embd
+    assert caches[0]["length"] == 12  # filled in place: allocated once for a whole block
+    assert caches[0]["k"].shape == caches[0]["v"].shape == (2, heads, block, width // heads)
+    torch.testing.assert_close(caches[0]["k"][:, :, :12], model.blocks[0].attn.qkv(model.blocks[0].ln_1(
+        model.wte(idx) + model.wpe(torch.arange(12)))).split(width, dim=2)[1].view(2, 12, heads, -1).transpose(1, 2))
+
+
+def test_greedy_sampling_takes_the_most_likely_token_and_draws_nothing():
+    logits = torch.tensor([[0.1, 2.0, -1.0], [3.0, 0.0, 2.9]])
+    generator = torch.Generator().manual_seed(0)
+    state = generator.get_state()
+    assert tt.GPT.sample_next(logits, 0.7, 1, generator).tolist() == [[1], [0]]
+    assert torch.equal(generator.get_state(), state)
+    assert tt.GPT.sample_next(logits, 1.0, 2, generator).shape == (2, 1)  # top-k 2 draws
+    assert not torch.equal(generator.get_state(), state)
 
 
 def test_random_windows_targets_are_inputs_shifted_by_one():
