@@ -73,7 +73,8 @@ class RunLog:
         resumed = f" | resumed at step {step}" if step else ""
         precision = f" | precision {config['precision']} ({config['precision_reason']})" if "precision_reason" in \
             config else ""
-        self.print(f"run_dir {self.run.path.resolve()} | device {device}{precision} | {world_size} process(es)"
+        threads = f", {torch.get_num_threads()} thread(s)" if device.type == "cpu" else ""  # each process's
+        self.print(f"run_dir {self.run.path.resolve()} | device {device}{threads}{precision} | {world_size} process(es)"
                    f"{resumed}")
 
     def print(self, message: str) -> None:

@@ -43,6 +43,7 @@ def test_plain_python_needs_no_process_group(run_inprocess, mnist_dir, tmp_path)
                            "--batch-size", 32, *SMALL)
     assert result.code == 0, result.stderr
     assert "1 process(es)" in result.stdout and "global batch 32 (1 x 32)" in result.stdout
+    assert f"device cpu, {torch.get_num_threads()} thread(s)" in result.stdout  # each process's CPU threads
     metrics = read_metrics(tmp_path / "run")
     assert metrics["world_size"] == 1 and metrics["steps"] == 3 * 14  # 470 training digits (512 less 42 held out) at 32
     assert metrics["val_acc"] > 0.5
@@ -54,6 +55,8 @@ def test_two_processes_equal_one_process_with_twice_the_batch(run_inprocess, mni
                    "--run-dir", tmp_path / "two")
     assert two.code == 0, two.stderr
     assert "global batch 32 (2 x 16)" in two.stdout
+    # torchrun gives each process OMP_NUM_THREADS threads, 1 where it is not set; the header says which
+    assert f"device cpu, {os.environ.get('OMP_NUM_THREADS', '1')} thread(s)" in two.stdout
     one = run_inprocess("ddp_mlp", *common, "--batch-size", 32, "--run-dir", tmp_path / "one")
     assert one.code == 0, one.stderr
     assert read_metrics(tmp_path / "two")["steps"] == read_metrics(tmp_path / "one")["steps"] == 28
