@@ -184,9 +184,8 @@ def target_task(column: pa.ChunkedArray, name: str, task: str) -> str:
 def fit_features(table: pa.Table, target: str, task: str, bins: int = 0) -> dict:
     """Learn the preprocessing from the training rows: which columns are numeric (every present value is
     a number) with their mean and std, how many rows share a value on average (and, with ``bins``, the quantile
-    bin edges of the standardised values),
-    the vocabulary of every other column, and the target's classes (classification) or mean and std
-    (regression). A plain dict, so it fits in a checkpoint."""
+    bin edges of the standardised values), the vocabulary of every other column, and the target's classes
+    (classification) or mean and std (regression). A plain dict, so it fits in a checkpoint."""
     task = target_task(table[target], target, task)
     spec = {"target": target, "task": task, "numeric": {}, "categorical": {}, "bins": {}, "rows_per_value": {}}
     if task == "classification":
