@@ -11,9 +11,9 @@ what makes ``torchrun --max-restarts`` fault tolerant.
     python recipes/ddp_mlp.py                                    # one process, no process group at all
     OMP_NUM_THREADS=1 torchrun --nproc_per_node=2 recipes/ddp_mlp.py   # two processes, one CPU thread each
 
-OMP_NUM_THREADS is each process's CPU threads (the header line shows them). Unset, torchrun sets it to 1 and
-prints a banner saying so, in its own process before any recipe starts: set it yourself to silence it (on a
-CPU, cores / processes uses every core).
+OMP_NUM_THREADS is each process's CPU threads (the header line shows them). Unset, torchrun with more than
+one process per node sets it to 1 and prints a banner saying so, in its own process before any recipe starts:
+set it yourself to silence it (on a CPU, cores / processes uses every core).
 
 On two machines, run this on each (node rank 0 on HOST0, 1 on the other; both see the same --run-dir,
 e.g. on a shared file system, so that every rank can resume from the same checkpoint):

@@ -200,7 +200,8 @@ def fit_features(table: pa.Table, target: str, task: str, bins: int = 0) -> dict
             present = values[~np.isnan(values)]
             mean, std = float(present.mean()), float(present.std() or 1.0)
             spec["numeric"][name] = (mean, std)
-            spec["rows_per_value"][name] = len(present) / len(np.unique(present))  # 1: every value its own
+            n_values = len(np.unique(present))  # a constant column counts as continuous: nothing to tell apart
+            spec["rows_per_value"][name] = len(present) / n_values if n_values > 1 else 1.0
             if bins:  # distinct quantiles, each a value of the column: a 0/1 flag gets one bin, not many
                 edges = np.unique(np.quantile((present - mean) / std, np.linspace(0, 1, bins + 1), method="nearest"))
                 spec["bins"][name] = edges.tolist() if len(edges) > 1 else [edges[0], edges[0] + 1]

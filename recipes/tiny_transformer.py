@@ -117,7 +117,9 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, cache: dict | None = None) -> torch.Tensor:
         """``cache``: only while generating, this layer's keys and values of the earlier positions (``{"k", "v",
-        "length"}``, empty at first); the new ones are written after them, so ``x`` may hold only new tokens."""
+        "length"}``, empty at first: buffers for a whole block, of which the first ``length`` positions hold
+        values); the new ones are written after them, in place (so no backward through it), and ``x`` may hold
+        only new tokens."""
         B, T, C = x.shape
         q, k, v = self.qkv(x).split(C, dim=2)
         # (B, T, C) -> (B, nh, T, hs): each head attends over its own slice of the channels
@@ -212,7 +214,7 @@ class GPT(nn.Module):
         """(B, T) token ids -> (B, T, vocab_size) logits for the next token at every position.
 
         ``caches`` (generation only): one dict per block holding the keys and values of the positions before
-        ``idx``, which then continues them (its first token is at position len(cache)), see ``generate``."""
+        ``idx``, which then continues them (its first token is at position cache["length"]), see ``generate``."""
         start = caches[0]["length"] if caches and caches[0] else 0
         positions = torch.arange(start, start + idx.size(1), device=idx.device)
         x = self.drop(self.wte(idx) + self.wpe(positions))  # (B, T, C)

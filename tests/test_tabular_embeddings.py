@@ -48,6 +48,8 @@ def test_a_column_whose_values_repeat_starts_with_frequencies_spread_up_to_the_h
                       "y": ["ab"[i % 2] for i in range(rows)]})
     spec = tabular.fit_features(table, "y", "auto")
     assert spec["rows_per_value"] == {"years": 10.0, "weight": 1.0}  # counted on the rows it is fitted on
+    constant = table.append_column("flag", pa.array(["1"] * rows))
+    assert tabular.fit_features(constant, "y", "auto")["rows_per_value"]["flag"] == 1.0  # nothing to tell apart
     assert tabular.fit_features(table.slice(0, 20), "y", "auto")["rows_per_value"]["years"] == 5.0
     spreads = tabular.frequency_spreads(spec)
     k = tabular.PERIODIC_FREQUENCIES
