@@ -260,7 +260,8 @@ def main(argv: list[str] | None = None) -> int:
                                      usage="%(prog)s RECIPE [options] [recipe options]",
                                      epilog="Any other option is the recipe's own.")
     parser.add_argument("recipe", metavar="RECIPE", help="a recipe's name (mnist_onecycle) or a path to one")
-    parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds of every variant [default: 2]")
+    # three: on a shared machine one run in a dozen is slowed by a neighbour, and the median of three shrugs it off
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds of every variant [default: 3]")
     parser.add_argument("--window", type=int, help="steps per measured window [default: from the live run's "
                         "step time, about a second]")
     parser.add_argument("--try", dest="wanted", default=",".join(ALTERNATIVES),
