@@ -14,8 +14,9 @@ PyTorch's Performance Tuning Guide checked against the live run.
    where a C++ compiler is found, DataLoader workers, a larger batch), each a run of its own in a subprocess,
    interleaved with the run as given (A B C A B C ...) for ``--rounds`` rounds: the speed-up is the median of
    the rounds' ratios of training throughput (first window left out: start-up and compiling), with its range.
-3. The alternatives that were faster in every round and leave the training as it is (not a larger batch) are
-   measured together, the same way, and recommended as one command line.
+3. The alternatives that were faster in every round, by 1.1x or more at the median, and leave the training as it
+   is (not a larger batch) are measured together, the same way, and recommended as one command line if together
+   they pass the same test; otherwise the best of them alone is.
 
 One table (rule or alternative, what was measured, verdict) and the command; ``--json FILE`` writes the same
 figures. Nothing is written where your runs are: every run is in a temporary folder, removed afterwards.
@@ -156,8 +157,15 @@ def side_by_side(recipe_path: Path, variants: dict[str, list[str]], rounds: int,
             except RuntimeError as err:
                 speeds[name] = f"cannot run here: {err}"
     base = speeds.pop(next(iter(variants)))
+    if isinstance(base, str):  # it ran in the live run, but not now in a process of its own
+        raise DoctorError(f"the recipe fails as given: {base.removeprefix('cannot run here: ')}")
     return {name: s if isinstance(s, str) else [a / b for a, b in zip(s, base, strict=True)]
             for name, s in speeds.items()} | {"as given": base}
+
+
+def clearly_faster(ratios: list[float] | str) -> bool:
+    """Faster than as given in every round, and by 1.1x or more at the median (a failed run is its message)."""
+    return not isinstance(ratios, str) and min(ratios) > 1.0 and statistics.median(ratios) >= 1.1
 
 
 def spread(ratios: list[float]) -> str:
@@ -289,15 +297,20 @@ def main(argv: list[str] | None = None) -> int:
             found, rows = alternatives(known, options, config, wanted)
             variants = {"as given": options} | {name: [*options, *extra] for name, (extra, _) in found.items()}
             measured = side_by_side(recipe_path, variants, args.rounds, steps, window, work)
-            faster = [n for n, (_, changes) in found.items() if not changes and not isinstance(measured[n], str)
-                      and min(measured[n]) > 1.0 and statistics.median(measured[n]) >= 1.1]
-            recommended = [*options, *(a for n in faster for a in found[n][0])]
+            faster = [n for n, (_, changes) in found.items() if not changes and clearly_faster(measured[n])]
+            chosen = faster
             if len(faster) > 1:
-                both = side_by_side(recipe_path, {"as given": options, "recommended": recommended}, args.rounds,
+                together = [*options, *(a for n in faster for a in found[n][0])]
+                both = side_by_side(recipe_path, {"as given": options, "recommended": together}, args.rounds,
                                     steps, window, work)
-                measured["recommended"] = both["recommended"]
-            elif faster:
-                measured["recommended"] = measured[faster[0]]
+                if clearly_faster(both["recommended"]):
+                    measured["recommended"] = both["recommended"]
+                else:  # together they lose what each gained alone (two ways of using the same cores, say)
+                    measured["together"] = both["recommended"]
+                    chosen = [max(faster, key=lambda n: statistics.median(measured[n]))]
+            if len(chosen) == 1:
+                measured["recommended"] = measured[chosen[0]]
+            recommended = [*options, *(a for n in chosen for a in found[n][0])]
     except DoctorError as err:
         print(f"error: {' '.join(str(err).split())}", file=sys.stderr)
         return 1
@@ -320,17 +333,20 @@ def main(argv: list[str] | None = None) -> int:
     for row in table:
         print("| " + " | ".join(row) + " |")
     name = f"recipes/{recipe_path.name}" if recipe_path.parent == ROOT / "recipes" else str(recipe_path)
-    if faster:
+    if chosen:
+        if chosen != faster:
+            print(f"together, {' and '.join(faster)} measured {spread(measured['together'])}, not clearly faster: "
+                  "the best of them alone")
         print(f"recommended ({spread(measured['recommended'])} the throughput as given):\n  "
               f"{shlex.join(['python', name, *recommended])}")
     else:
-        print("recommended: as given; no alternative was faster in every round\n  "
+        print("recommended: as given; no alternative was faster in every round by 1.1x or more\n  "
               f"{shlex.join(['python', name, *options])}")
     if args.json:
         args.json.write_text(json.dumps({"recipe": recipe_path.stem, "options": options, "rows": table,
                                          "window": window,
-                                         "speedups": measured, "recommended": recommended if faster else options,
-                                         "recommended_options": faster}, indent=2) + "\n")
+                                         "speedups": measured, "recommended": recommended if chosen else options,
+                                         "recommended_options": chosen}, indent=2) + "\n")
     return 0
 
 

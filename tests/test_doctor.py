@@ -107,3 +107,50 @@ def test_a_recipe_that_fails_as_given_is_one_line(tmp_path, capsys):
     assert doctor.main(["tabular_mlp", "--csv", str(tmp_path / "missing.csv"), "--target", "y"]) == 1
     err = capsys.readouterr().err
     assert err.startswith("error: the recipe fails as given: ") and "missing.csv" in err and err.count("\n") == 1
+
+
+def stub_measurements(monkeypatch, alone: dict[str, list[float]], together: list[float] | None = None) -> None:
+    """The doctor's live run and side-by-side runs replaced by fixed figures: --compile and --num-workers 1 apply,
+    measured ``alone`` each, and ``together`` when both are measured at once."""
+    live = (doctor.Observed(steps=30), {"device_used": "cpu", "precision": "fp32"},
+            {"ms_per_step": {"data": 1.0, "forward": 9.0}}, "samples")
+    monkeypatch.setattr(doctor, "live_run", lambda recipe, options, steps, work: live)
+    monkeypatch.setattr(doctor, "alternatives", lambda known, options, config, wanted: (
+        {"--compile": (["--compile"], False), "--num-workers 1": (["--num-workers", "1"], False)}, []))
+
+    def side_by_side(recipe_path, variants, rounds, steps, window, work):
+        figures = {"recommended": together} if "recommended" in variants else dict(alone)
+        return figures | {"as given": [100.0] * 3}
+
+    monkeypatch.setattr(doctor, "side_by_side", side_by_side)
+
+
+@pytest.mark.parametrize(("alone", "together", "recommended", "said"), [
+    # faster in every round, but by under 1.1x: nothing is recommended, and the line says why
+    ({"--compile": [1.05, 1.04, 1.06], "--num-workers 1": [0.9, 1.0, 0.95]}, None, [],
+     "recommended: as given; no alternative was faster in every round by 1.1x or more"),
+    # each faster alone, slower together: the best one alone, never the combination
+    ({"--compile": [1.3, 1.2, 1.25], "--num-workers 1": [1.2, 1.15, 1.3]}, [0.8, 0.85, 0.9], ["--compile"],
+     "together, --compile and --num-workers 1 measured 0.85x (0.80-0.90), not clearly faster"),
+    ({"--compile": [1.3, 1.2, 1.25], "--num-workers 1": [1.2, 1.15, 1.3]}, [1.4, 1.5, 1.45],
+     ["--compile", "--num-workers 1"], "recommended (1.45x (1.40-1.50) the throughput as given)"),
+])
+def test_what_the_doctor_recommends(alone, together, recommended, said, monkeypatch, tmp_path, capsys):
+    stub_measurements(monkeypatch, alone, together)
+    report = tmp_path / "doctor.json"
+    assert doctor.main(["mnist_onecycle", "--json", str(report)]) == 0
+    out = capsys.readouterr().out
+    assert said in out
+    assert json.loads(report.read_text())["recommended_options"] == recommended
+    command = out.splitlines()[-1]
+    assert ("--compile" in command) == ("--compile" in recommended)
+    assert ("--num-workers 1" in command) == ("--num-workers 1" in recommended)
+
+
+def test_a_baseline_that_fails_in_its_own_process_is_one_line(monkeypatch, tmp_path, capsys):
+    def throughput(recipe_path, options, steps, window, run_dir):
+        raise RuntimeError("error: out of memory")
+
+    monkeypatch.setattr(doctor, "throughput", throughput)
+    with pytest.raises(doctor.DoctorError, match="the recipe fails as given: error: out of memory"):
+        doctor.side_by_side(tmp_path / "recipe.py", {"as given": [], "--compile": ["--compile"]}, 2, 9, 3, tmp_path)
