@@ -76,7 +76,12 @@ class DigitNet(nn.Module):
 def load_backbone(model: DigitNet, path: Path) -> None:
     """Fine-tuning: copy a trained model's convolutional layers into ``model``; its head stays freshly
     initialised (for a new task it would have a different number of classes)."""
-    state = load_checkpoint(path, RECIPE)["model"]
+    checkpoint = load_checkpoint(path, RECIPE)
+    width = checkpoint.get("config", {}).get("width")
+    if width is not None and 8 * width != model.head.in_features:  # the head reads the last layer's 8 * width
+        raise cli.RecipeError(f"--finetune {path} was trained with --width {width}: pass --width {width} to build "
+                              "the same backbone")
+    state = checkpoint["model"]
     backbone = {key.removeprefix("features."): value for key, value in state.items() if key.startswith("features.")}
     load_model_state(model.features, backbone, path)
 

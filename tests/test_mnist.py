@@ -180,6 +180,17 @@ def test_finetune_from_another_recipe_is_refused(run_inprocess, mnist_dir, table
     assert result.code == 1 and "written by recipe 'tabular_mlp', not 'mnist_onecycle'" in result.stderr
 
 
+def test_finetune_from_another_width_names_the_width_to_pass(run_inprocess, mnist_dir, tmp_path):
+    assert run_inprocess(RECIPE, "--width", 4, "--max-steps", 1, "--batch-size", 32, "--data-dir", mnist_dir,
+                         "--run-dir", tmp_path / "narrow").code == 0
+    checkpoint = tmp_path / "narrow" / "checkpoints" / "last.pt"
+    result = run_inprocess(RECIPE, "--finetune", checkpoint, "--data-dir", mnist_dir, "--run-dir", tmp_path / "run")
+    assert result.code == 1
+    assert result.stderr == f"error: --finetune {checkpoint} was trained with --width 4: pass --width 4 to build the " \
+                            "same backbone\n"
+    assert not (tmp_path / "run").exists()  # nothing left behind by a run that never started
+
+
 def test_augmentation_warps_the_training_digits_but_keeps_their_labels(run_inprocess, mnist_dir, tmp_path,
                                                                        monkeypatch):
     """What reaches the training step, with and without --augment: the same labels in the same order, images
