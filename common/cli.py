@@ -165,9 +165,11 @@ def run_recipe(main: Callable[..., object], argv: list[str] | None = None) -> No
         with ExitStack() as cleanup:
             running = RUNNING.set(Command(options, cleanup))
             try:
-                app(args=argv, standalone_mode=False)
+                status = app(args=argv, standalone_mode=False)
             finally:
                 RUNNING.reset(running)
+        if type(status) is int and status:  # typer returns (not raises) an Exit's status, Ctrl-C's 130 among them
+            sys.exit(status)
     except RecipeError as err:
         message = " ".join(str(err).split())  # one line, however it was built
         if not quiet:

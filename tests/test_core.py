@@ -633,3 +633,19 @@ def test_accumulation_skips_the_all_reduce_of_a_compiled_ddp_model_too(tmp_path,
             assert len(entered) == 3, compiled  # 4 micro-batches: the first three accumulate without syncing
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize(("raised", "code"), [(KeyboardInterrupt, 130), (lambda: __import__("typer").Exit(3), 3)])
+def test_ctrl_c_before_training_exits_130_not_0(raised, code, tmp_path):
+    """Before a StopRequest listens, Ctrl-C reaches typer, which returns 130 instead of raising it; so does any
+    typer.Exit. run_recipe exits with that status, after the command's clean-ups (here: the run directory)."""
+    from common.cli import run_recipe
+
+    def main(run_dir: Path = Path("unused")):
+        open_run_dir("test", run_dir, None)
+        raise raised()
+
+    with pytest.raises(SystemExit) as exit_:
+        run_recipe(main, ["--run-dir", str(tmp_path / "run")])
+    assert exit_.value.code == code
+    assert not (tmp_path / "run").exists()  # released and removed: it held no checkpoint
