@@ -17,15 +17,12 @@ class BestScore:
         self.name, self.higher_is_better = name, higher_is_better
         self.score, self.step = math.nan, 0
 
-    def better(self, score: float, than: float) -> bool:
-        return math.isnan(than) or (score > than if self.higher_is_better else score < than)
-
     def improved(self, score: float, step: int) -> bool:
         """Whether ``score`` is the best so far (then it is kept as such)."""
-        if not self.better(score, self.score):
-            return False
-        self.score, self.step = score, step
-        return True
+        better = math.isnan(self.score) or (score > self.score if self.higher_is_better else score < self.score)
+        if better:
+            self.score, self.step = score, step
+        return better
 
     def metrics(self) -> dict[str, float]:
         return {f"best_{self.name}": self.score, "best_step": self.step}

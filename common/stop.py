@@ -52,12 +52,10 @@ class StopRequest:
 
 def resume_command(run_dir: Path) -> str:
     """This process's own command line, made to continue from ``run_dir``'s last checkpoint."""
-    args, skip = [], False
-    for arg in sys.argv[1:]:  # --resume and --run-dir are left out, with their values
-        if skip:
-            skip = False
-        elif arg in ("--resume", "--run-dir"):
-            skip = True
+    args, given = [], iter(sys.argv[1:])
+    for arg in given:  # --resume and --run-dir are left out, with their values
+        if arg in ("--resume", "--run-dir"):
+            next(given, None)
         elif not arg.startswith(("--resume=", "--run-dir=")):
             args.append(arg)
     launcher = ["torchrun", f"--nproc_per_node={os.environ['LOCAL_WORLD_SIZE']}"] if "LOCAL_WORLD_SIZE" in os.environ \
