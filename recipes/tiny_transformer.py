@@ -403,6 +403,24 @@ def sample_text(model: GPT, vocab: str | object | None, prompt: str, tokens: int
     return decode(out[0].tolist(), vocab)
 
 
+def trained_model(checkpoint_path: Path | None, init_from: Path | None, device: torch.device) -> tuple[GPT, object]:
+    """--sample-only: the model and its vocabulary from a checkpoint (a single file, last.pt, or a sharded folder,
+    whose shards DCP reads into one whole model), or else straight from a GPT-2 folder (what does it say before
+    any training?)."""
+    if checkpoint_path is None:
+        folder = hf_gpt2.read_folder(init_from)
+        model = GPT(GPTConfig(**folder.shape)).to(device)
+        load_model_state(model, folder.weights, init_from)
+        return model, folder.vocab
+    checkpoint = load_trainer_state(checkpoint_path, RECIPE)
+    model = GPT(GPTConfig(**checkpoint["model_config"])).to(device)
+    if checkpoint.get("sharded"):
+        load_sharded(checkpoint_path, model)
+    else:
+        load_model_state(model, checkpoint["model"], checkpoint_path)
+    return model, hf_tokens.checkpoint_vocab(checkpoint)
+
+
 # ----------------------------------------------------------------------------------------------------
 # Scaling out: DDP and FSDP2 under torchrun
 
@@ -569,22 +587,9 @@ def main(
         if resume == "auto" or (resume is None) == (init_from is None):
             raise typer.BadParameter("--sample-only needs a checkpoint file, or else an --init-from folder (one of "
                                      "them)", param_hint="--resume")
-        if init_from is not None:  # straight from a GPT-2 folder: what does it say before any training?
-            folder = hf_gpt2.read_folder(init_from)
-            model = GPT(GPTConfig(**folder.shape)).to(resolve_device(device))
-            load_model_state(model, folder.weights, init_from)
-            print(sample_text(model, folder.vocab, prompt, sample_tokens, temperature, top_k, seed,
-                              next(model.parameters()).device))
-            return
-        # a single file (last.pt) or a sharded checkpoint folder: DCP reads its shards into one whole model
-        checkpoint = load_trainer_state(Path(resume), RECIPE)
-        model = GPT(GPTConfig(**checkpoint["model_config"])).to(resolve_device(device))
-        if checkpoint.get("sharded"):
-            load_sharded(Path(resume), model)
-        else:
-            load_model_state(model, checkpoint["model"], Path(resume))
-        vocab, on = hf_tokens.checkpoint_vocab(checkpoint), next(model.parameters()).device
-        print(sample_text(model, vocab, prompt, sample_tokens, temperature, top_k, seed, on))
+        model, vocab = trained_model(Path(resume) if resume else None, init_from, resolve_device(device))
+        print(sample_text(model, vocab, prompt, sample_tokens, temperature, top_k, seed,
+                          next(model.parameters()).device))
         return
     rank, world_size, device = init_distributed(resolve_device(device))
     if parallel == "auto":
