@@ -42,12 +42,14 @@ def summarise(values: list[float]) -> dict[str, float]:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
-def interleaved(repeats: int, **measure: Callable[[], float]) -> dict[str, list[float]]:
-    """Run each measurement ``repeats`` times in turn (A B A B ...), so drifting machine load hits all alike."""
+def interleaved(repeats: int, alternate: bool = False, **measure: Callable[[], float]) -> dict[str, list[float]]:
+    """Run each measurement ``repeats`` times in turn (A B A B ...), so drifting machine load hits all alike.
+    ``alternate``: every other round in reverse (A B B A ...), so that neither always runs first."""
     results = {name: [] for name in measure}
-    for _ in range(repeats):
-        for name, fn in measure.items():
-            results[name].append(fn())
+    for round_ in range(repeats):
+        names = list(measure)[::-1] if alternate and round_ % 2 else list(measure)
+        for name in names:
+            results[name].append(measure[name]())
     return results
 
 

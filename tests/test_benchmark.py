@@ -187,3 +187,16 @@ def test_run_items_keeps_going_after_a_failure(bench):
     assert [r["met"] for r in results.values()] == [True, None, False]
     assert results[2]["error"] == "RuntimeError: recipes/x.py failed: ['error: no such file']"
     assert "error" not in results[1] and "error" not in results[3]
+
+
+def test_interleaved_rounds_alternate_which_runs_first_when_asked():
+    from benchmarks.harness import interleaved
+
+    order = []
+    results = interleaved(4, alternate=True, a=lambda: order.append("a") or len(order),
+                          b=lambda: order.append("b") or len(order))
+    assert order == ["a", "b", "b", "a", "a", "b", "b", "a"]
+    assert results == {"a": [1, 4, 5, 8], "b": [2, 3, 6, 7]}  # each round's figures stay paired by round
+    order.clear()
+    interleaved(2, a=lambda: order.append("a") or 0, b=lambda: order.append("b") or 0)
+    assert order == ["a", "b", "a", "b"]

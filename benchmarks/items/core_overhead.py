@@ -18,7 +18,7 @@ from common.runlog import RunLog
 
 def core_overhead(quick: bool) -> dict:
     mnist = load_recipe("mnist_onecycle")
-    steps, repeats = (10, 2) if quick else (40, 9)  # many short pairs: the median shrugs off load spikes
+    steps, repeats = (10, 2) if quick else (40, 16)  # many short pairs: the median shrugs off load spikes
     data = synthetic_classification(64 * steps, 784, 10, seed=0)
     batches = [(x.view(-1, 1, 28, 28), y) for x, y in zip(data.tensors[0].split(64), data.tensors[1].split(64),
                                                            strict=True)]
@@ -63,7 +63,7 @@ def core_overhead(quick: bool) -> dict:
         return measure
 
     hand_written()  # warm-up: first-call allocations
-    times = interleaved(repeats, hand=timed("hand", hand_written), core=timed("core", shared))
+    times = interleaved(repeats, alternate=True, hand=timed("hand", hand_written), core=timed("core", shared))
     ratios = [c / h for c, h in zip(times["core"], times["hand"], strict=True)]
     same = all(torch.equal(a, b) for a, b in zip(models["hand"].state_dict().values(),
                                                   models["core"].state_dict().values(), strict=True))
