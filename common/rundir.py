@@ -44,10 +44,17 @@ def open_run_dir(recipe: str, run_dir: Path | None, resume: str | None,
             if not run_dir.exists():
                 break
             run_dir = base.with_name(f"{base.name}-{n}")
-    last = last_checkpoint(run_dir) if run_dir.is_dir() else None
-    if resume is None and last is not None:
+    last = held = None
+    if run_dir.is_dir():
+        last = last_checkpoint(run_dir)
+        held = last or next(run_dir.rglob("*.pt"), None)  # --cv and --compare keep their runs in sub-folders
+    if resume is None and held is not None:
         raise RecipeError(f"{run_dir} already holds checkpoints; continue it with --resume auto, or choose another "
                           "--run-dir")
+    if resume not in (None, "auto") and held is not None and (last is None or Path(resume).resolve() != last.resolve()):
+        raise RecipeError(f"{run_dir} already holds checkpoints, and --resume {resume} is not its last one: going on "
+                          f"from it there would overwrite them. Continue that run with --resume auto, or go on from "
+                          f"{resume} in another --run-dir")
     created = [d for d in [run_dir, *run_dir.parents] if not d.exists()]  # runs/ and runs/RECIPE/ too, if new
     try:
         run_dir.mkdir(parents=True, exist_ok=True)

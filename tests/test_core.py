@@ -347,6 +347,29 @@ def test_run_dir_with_checkpoints_is_not_overwritten(tmp_path):
     assert open_run_dir("t", tmp_path / "new", "auto") == RunFolder(tmp_path / "new", None)
 
 
+def test_a_checkpoint_from_elsewhere_never_overwrites_a_run_dirs_checkpoints(tmp_path):
+    run_dir, other = tmp_path / "run", tmp_path / "other.pt"
+    for path in (run_dir / "checkpoints" / "last.pt", run_dir / "checkpoints" / "best.pt", other):
+        ckpt.save_checkpoint(path, {"model": {}, "recipe": "t"})
+    for elsewhere in (other, run_dir / "checkpoints" / "best.pt"):  # another run's, or this one's older best
+        with pytest.raises(RecipeError, match=f"already holds checkpoints, and --resume {elsewhere} is not its last"):
+            open_run_dir("t", run_dir, str(elsewhere))
+    last = run_dir / "checkpoints" / "last.pt"  # its own last one, named: as --resume auto
+    assert open_run_dir("t", run_dir, str(last)) == RunFolder(run_dir, last)
+    assert open_run_dir("t", tmp_path / "new", str(other)) == RunFolder(tmp_path / "new", other)
+
+
+def test_a_run_dir_holding_sub_runs_is_not_overwritten_by_a_fresh_run(tmp_path):
+    """--cv (fold-K/) and --compare (fp32/, ...) keep their checkpoints in sub-folders, their summary on top."""
+    run_dir = tmp_path / "cv"
+    ckpt.save_checkpoint(run_dir / "fold-0" / "checkpoints" / "last.pt", {"model": {}, "recipe": "t"})
+    with pytest.raises(RecipeError, match="already holds checkpoints"):
+        open_run_dir("t", run_dir, None)
+    with pytest.raises(RecipeError, match="already holds checkpoints"):
+        open_run_dir("t", run_dir, str(run_dir / "fold-0" / "checkpoints" / "last.pt"))
+    assert open_run_dir("t", run_dir, "auto") == RunFolder(run_dir, None)  # the --cv parent, relaunched
+
+
 class Logged:
     """A RunLog and a Checkpointer over a tiny model, started for ``steps`` steps (evaluated at the end only)."""
 
