@@ -486,10 +486,13 @@ def predict(checkpoint_path: Path, table_path: Path, output: Path, device: torch
     else:
         table = table.append_column("prediction", pa.array(out.double().numpy() * spec["target_std"]
                                                            + spec["target_mean"]))
+    tmp = output.with_name(f".{output.name}.tmp")  # whole or not at all: an earlier file survives a failure
     try:
-        with open(output, "wb") as f:
+        with open(tmp, "wb") as f:
             pacsv.write_csv(table, f)
+        tmp.replace(output)
     except OSError as err:
+        tmp.unlink(missing_ok=True)
         raise cli.RecipeError(f"cannot write {output}: {err.strerror or err}") from None
     return table.num_rows
 
@@ -611,6 +614,9 @@ def main(
             raise typer.BadParameter("give the checkpoint to predict with, e.g. --resume .../best.pt",
                                      param_hint="--resume")
         output = output or predict_csv.with_suffix(".predictions.csv")
+        if output.resolve() == predict_csv.resolve():
+            raise typer.BadParameter("is the table to predict, whose rows it would replace: choose another file",
+                                     param_hint="--output")
         n = predict(Path(resume), predict_csv, output, resolve_device(device))
         print(f"done: predictions={n} output={output}")
         return

@@ -195,6 +195,18 @@ def test_predict_writes_one_prediction_per_row_with_unseen_categories(run_inproc
     assert {row["prediction"] for row in rows} <= {"yes", "no"}
     assert all(0.5 <= float(row["probability"]) <= 1 for row in rows)
     assert "purple" in {row["colour"] for row in rows}
+    # --output naming the table itself would replace the user's rows: refused, the table as it was
+    before = new.read_bytes()
+    same = run_inprocess(RECIPE, "--predict", new, "--resume", run_dir / "checkpoints" / "best.pt", "--output",
+                         tmp_path / "." / "new.csv")
+    assert same.code == 2 and "--output" in same.stderr and "is the table to predict" in same.stderr
+    assert new.read_bytes() == before
+    # a write that fails is one line, and leaves no temporary file (the output is written whole, then renamed)
+    (tmp_path / "taken").mkdir()
+    failed = run_inprocess(RECIPE, "--predict", new, "--resume", run_dir / "checkpoints" / "best.pt", "--output",
+                           tmp_path / "taken")
+    assert failed.code == 1 and failed.stderr.startswith(f"error: cannot write {tmp_path / 'taken'}: Is a directory")
+    assert not list(tmp_path.glob(".*.tmp")) and not list((tmp_path / "taken").iterdir())
 
     # on new rows whose labels we know (hidden from --predict), the predictions are the trained model's
     with open(write_table(tmp_path / "labelled.csv", n=200, seed=9), newline="") as f:
