@@ -125,6 +125,8 @@ def live_run(recipe, options: list[str], steps: int, work: Path) -> tuple[Observ
             if sync_debug:
                 torch.cuda.set_sync_debug_mode("default")
     observed.syncs = sum("synchronizing" in str(w.message) for w in caught)
+    if code == 2:
+        raise DoctorError(f"the recipe refused its options: {line}", exit_code=2)
     if code:
         raise DoctorError(f"the recipe fails as given: {line.removeprefix('error: ') or f'exit status {code}'}")
     read = lambda name: json.loads((run_dir / name).read_text()) if (run_dir / name).is_file() else {}  # noqa: E731
@@ -264,7 +266,7 @@ def rule_rows(observed: Observed, config: dict, profile: dict, options: list[str
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False,
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()), allow_abbrev=False,
                                      usage="%(prog)s RECIPE [options] [recipe options]",
                                      epilog="Any other option is the recipe's own.")
     parser.add_argument("recipe", metavar="RECIPE", help="a recipe's name (mnist_onecycle) or a path to one")
@@ -284,6 +286,9 @@ def main(argv: list[str] | None = None) -> int:
     taken = [o for o in OWN_OPTIONS if any(a == o or a.startswith(o + "=") for a in options)]
     if taken:
         parser.error(f"{taken[0]}: the doctor runs the recipe in run directories of its own, for its own steps")
+    if args.json is not None and not args.json.parent.is_dir():  # found now, not after minutes of measuring
+        print(f"error: cannot write --json {args.json}: {args.json.parent} is not a folder", file=sys.stderr)
+        return 1
     try:
         recipe = load_recipe(args.recipe)
         recipe_path = Path(recipe.__file__).resolve()
@@ -313,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
             recommended = [*options, *(a for n in chosen for a in found[n][0])]
     except DoctorError as err:
         print(f"error: {' '.join(str(err).split())}", file=sys.stderr)
-        return 1
+        return err.exit_code
     table = [("as given", f"{statistics.median(measured['as given']):,.0f} {unit}/s", "the baseline")]
     for name, (_, changes) in found.items():
         result = measured[name]
@@ -343,10 +348,14 @@ def main(argv: list[str] | None = None) -> int:
         print("recommended: as given; no alternative was faster in every round by 1.1x or more\n  "
               f"{shlex.join(['python', name, *options])}")
     if args.json:
-        args.json.write_text(json.dumps({"recipe": recipe_path.stem, "options": options, "rows": table,
-                                         "window": window,
-                                         "speedups": measured, "recommended": recommended if chosen else options,
-                                         "recommended_options": chosen}, indent=2) + "\n")
+        report = {"recipe": recipe_path.stem, "options": options, "rows": table, "window": window,
+                  "speedups": measured, "recommended": recommended if chosen else options,
+                  "recommended_options": chosen}
+        try:
+            args.json.write_text(json.dumps(report, indent=2) + "\n")
+        except OSError as err:
+            print(f"error: cannot write --json {args.json}: {err.strerror or err}", file=sys.stderr)
+            return 1
     return 0
 
 

@@ -33,7 +33,11 @@ sys.path.insert(0, str(ROOT))  # the recipes import common/ from the clone
 
 
 class FinderError(Exception):
-    """A problem a user can fix: shown as one line, exit 1."""
+    """A problem a user can fix: shown as one line, exit 1, or 2 where it is the recipe's usage error."""
+
+    def __init__(self, message: str, exit_code: int = 1):
+        super().__init__(message)
+        self.exit_code = exit_code
 
 
 def load_recipe(name: str):
@@ -130,7 +134,7 @@ def range_test(recipe, options: list[str], rates: list[float], work: Path) -> tu
     finally:
         handle.remove()
     if code == 2:
-        raise FinderError(f"the recipe refused its options: {message}")
+        raise FinderError(f"the recipe refused its options: {message}", exit_code=2)
     if code and "diverged" not in message:
         raise FinderError(message.removeprefix("error: ") or f"the recipe exited with status {code}")
     losses = training_losses(run_dir)
@@ -226,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
         plot(rates, losses, smooth, suggestion, option, args.plot)
     except FinderError as err:
         print(f"error: {' '.join(str(err).split())}", file=sys.stderr)
-        return 1
+        return err.exit_code
     except OSError as err:
         print(f"error: cannot write {args.plot}: {err.strerror or err}", file=sys.stderr)
         return 1

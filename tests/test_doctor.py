@@ -103,6 +103,20 @@ def test_usage_errors(args, message, capsys):
     assert exit_.value.code == 2 and message in capsys.readouterr().err
 
 
+def test_the_recipes_own_usage_errors_exit_2_and_an_unwritable_json_is_found_before_measuring(tmp_path, capsys):
+    assert doctor.main(["mixed_precision", "--width", "0"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: the recipe refused its options: ") and "--width" in err and err.count("\n") == 1
+    (tmp_path / "afile").write_text("")
+    assert doctor.main(["mixed_precision", "--json", str(tmp_path / "afile" / "x.json")]) == 1
+    assert capsys.readouterr().err == f"error: cannot write --json {tmp_path / 'afile' / 'x.json'}: " \
+                                      f"{tmp_path / 'afile'} is not a folder\n"
+    with pytest.raises(SystemExit):
+        doctor.main(["--help"])
+    assert "and the rules of PyTorch's Performance Tuning Guide checked against the live run." in \
+        " ".join(capsys.readouterr().out.split())
+
+
 def test_a_recipe_that_fails_as_given_is_one_line(tmp_path, capsys):
     assert doctor.main(["tabular_mlp", "--csv", str(tmp_path / "missing.csv"), "--target", "y"]) == 1
     err = capsys.readouterr().err

@@ -76,7 +76,7 @@ def test_a_real_recipe_gets_its_own_option_and_the_user_runs_are_untouched(tmp_p
     (["mixed_precision", "--ramp-steps", "5"], 2, "must be at least 20"),
     (["mixed_precision", "--from", "1", "--to", "0.1"], 2, "need 0 < --from < --to"),
     (["no_such_recipe"], 1, "error: no recipe 'no_such_recipe'"),
-    (["mixed_precision", "--width", "0"], 1, "error: the recipe refused its options"),
+    (["mixed_precision", "--width", "0"], 2, "error: the recipe refused its options"),  # its usage error: 2
 ])
 def test_mistakes_are_one_line(args, code, message, capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
