@@ -123,6 +123,7 @@ def already_finished(run: RunFolder, checkpoint: dict | None, *, max_steps: int 
     except (OSError, ValueError, KeyError, TypeError):  # no checkpoint or metrics (yet), or not ours
         return False
     if done and launched_as_rank_0():
-        print(f"already finished: step {step} of {end}; nothing trained, {run.path} left as it was (a run cut short "
-              "by --max-steps goes on with a larger one)", flush=True)
+        why = ("stopped early by --patience" if step < end else
+               "a larger --max-steps goes on with it" if end < schedule else "its schedule is done")
+        print(f"already finished: step {step} of {end}; nothing trained, {run.path} left as it was ({why})", flush=True)
     return done

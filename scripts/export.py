@@ -4,7 +4,7 @@
     python scripts/export.py runs/tiny_transformer/.../checkpoints/best.pt exported/gpt --format hf
     python scripts/export.py runs/tiny_transformer/.../checkpoints/dcp/step-000600 exported/gpt --format hf
 
-CHECKPOINT is a checkpoint file (last.pt, best.pt) or a sharded checkpoint folder (FSDP's ``dcp/step-N``, read
+CHECKPOINT is a checkpoint file (last.pt, best.pt) or a sharded checkpoint folder (FSDP's ``dcp/step-NNNNNN``, read
 into one whole model with common/sharded.py). ``--format graph`` (the default) writes into OUT_DIR:
 
 - ``model.pt2``: a ``torch.export`` program (graph and weights) with a dynamic batch dimension, which
@@ -495,7 +495,7 @@ class Parser(argparse.ArgumentParser):
 def main(argv: list[str] | None = None) -> int:
     parser = Parser(prog="scripts/export.py", description=__doc__.splitlines()[0])
     parser.add_argument("checkpoint", type=Path, help="a checkpoint of any recipe, e.g. .../checkpoints/best.pt, "
-                        "or a sharded checkpoint folder (.../checkpoints/dcp/step-N)")
+                        "or a sharded checkpoint folder (.../checkpoints/dcp/step-NNNNNN)")
     parser.add_argument("out_dir", type=Path, help="the folder to write the export into")
     parser.add_argument("--format", choices=list(FORMATS), default="graph",
                         help="graph: model.pt2 (torch.export), model.onnx and model.json (default); hf: a Hugging Face "

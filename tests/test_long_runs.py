@@ -99,6 +99,7 @@ def test_patience_stops_after_n_evaluations_without_a_better_score(run_inprocess
     assert (metrics["steps"], metrics["stopped_early"], metrics["best_step"]) == (35, True, 14)
     again = run_inprocess("tabular_mlp", *args)  # the same command once more: it has finished
     assert again.code == 0 and "already finished: step 35" in again.stdout
+    assert "(stopped early by --patience)" in again.stdout and "--max-steps" not in again.stdout
 
 
 @pytest.mark.parametrize(("recipe", "option", "value", "text"), [

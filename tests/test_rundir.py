@@ -59,6 +59,10 @@ def test_the_same_process_may_open_a_run_directory_again_once_its_command_has_en
             "--resume", "auto"]
     assert run_inprocess("mixed_precision", *args).code == 0
     assert "already finished" in run_inprocess("mixed_precision", *args).stdout  # the lock went with the command
+    cut = ["--epochs", 2, *args[2:-4], "--max-steps", 3, "--run-dir", tmp_path / "cut", "--resume", "auto"]
+    assert run_inprocess("mixed_precision", *cut).code == 0
+    again = run_inprocess("mixed_precision", *cut).stdout  # cut short by --max-steps: how to go on
+    assert again.startswith("already finished: step 3 of 3;") and "(a larger --max-steps goes on with it)" in again
 
 
 def test_a_fresh_run_that_fails_before_its_first_checkpoint_leaves_no_folder(run_inprocess, tmp_path):
