@@ -122,7 +122,7 @@ class RunLog:
                     self.writer.add_scalar("train/loss", loss, p.step)
                 if math.isfinite(grad_norm):
                     self.writer.add_scalar("train/grad_norm", grad_norm, p.step)
-        if self.writer and pending:
+        if self.writer and items:  # none: only a step of unknown start (after an evaluation), not timed
             self.writer.add_scalar(f"perf/{self.unit}_per_s", items / seconds, pending[-1].step)
         last = self.pending[-1]
         if bad is not None:
@@ -133,8 +133,9 @@ class RunLog:
                            f"up to step {last.step}; try --precision bf16", self.last_good())
         if window_ends:
             eta = (self.total_steps - last.step) * seconds / len(self.pending)
-            self.print(f"{self.position(last.step)}  loss {self.train_loss:.4f}  lr {last.lr:.2e}  "
-                       f"{items / seconds:,.0f} {self.unit}/s  eta {eta // 60:.0f}m{eta % 60:02.0f}s")
+            speed = f"{items / seconds:,.0f} {self.unit}/s  " if items else ""
+            self.print(f"{self.position(last.step)}  loss {self.train_loss:.4f}  lr {last.lr:.2e}  {speed}"
+                       f"eta {eta // 60:.0f}m{eta % 60:02.0f}s")
         self.pending.clear()
         self.window_start = time.perf_counter()
 
@@ -143,9 +144,10 @@ class RunLog:
 
     @property
     def throughput(self) -> float:
-        """Items per second of training, without the first window (start-up, compiling) when there are others."""
+        """Items per second of training, without the first window (start-up, compiling) when others timed some; 0
+        when no step was timed (each one followed an evaluation, as with one step an epoch)."""
         items, seconds = self.items, self.seconds
-        if self.first_window and seconds > self.first_window[1]:
+        if self.first_window and items > self.first_window[0]:
             items, seconds = items - self.first_window[0], seconds - self.first_window[1]
         return items / seconds if seconds else 0.0
 
@@ -162,8 +164,9 @@ class RunLog:
                 if self.writer:
                     self.writer.add_scalar(f"{prefix}/{name}", value, step)
         shown = "  ".join(f"{prefix}_{k} {v:.4f}" for prefix, m in results.items() for k, v in m.items())
-        self.print(f"{self.position(step)}  train_loss {self.train_loss:.4f}  {shown}  "
-                   f"{self.throughput:,.0f} {self.unit}/s{'  ' + note if note else ''}")
+        speed = f"  {self.throughput:,.0f} {self.unit}/s" if self.throughput else ""
+        self.print(f"{self.position(step)}  train_loss {self.train_loss:.4f}  {shown}{speed}"
+                   f"{'  ' + note if note else ''}")
         for prefix, metrics in results.items():  # finite weights can still overflow in a forward pass
             if not math.isfinite(metrics.get("loss", 0.0)):
                 what = prefix.replace("_", " ").replace("val", "validation")  # val: "validation", ema_val: "ema ..."
@@ -190,7 +193,7 @@ class RunLog:
         evals = {f"{prefix}_{name}": value for prefix, m in self.evals.items() for name, value in m.items()}
         summary = {"recipe": self.recipe, "steps": step, "train_loss": self.train_loss, **evals, **metrics,
                    "wall_s": time.perf_counter() - self.started}
-        if self.items:  # a launch that only finished (resumed at the last step) has no speed of its own
+        if self.throughput:  # none for a launch that only finished (resumed at the last step), or timed no step
             summary[f"{self.unit}_per_s"] = self.throughput
         if self.skipped_steps:
             summary["skipped_steps"] = self.skipped_steps

@@ -457,6 +457,25 @@ def test_throughput_leaves_out_the_first_window(tmp_path, monkeypatch):
     assert log.throughput == pytest.approx(steady) and log.throughput > 1.5 * log.items / log.seconds
 
 
+def test_a_window_of_no_timed_step_shows_no_speed_rather_than_zero(tmp_path, monkeypatch, capsys):
+    """The first step after an evaluation has no known start: it is not timed. A window of only that step (one step
+    an epoch, say) and a run of only such steps say nothing of their speed, rather than 0 samples/s."""
+    now = [0.0]
+    monkeypatch.setattr(time, "perf_counter", lambda: now[0])
+    log = RunLog(RunFolder(tmp_path, None), "t", total_steps=3, every=1, steps_per_epoch=1)
+    log.start(0, {}, CPU)
+    for step in range(1, 4):
+        now[0] += 1.0
+        log.train(step, stats(1.0), lr=0.01, items=8)
+        log.eval(step, val={"loss": 0.5})
+    summary = log.finish(3)
+    lines = capsys.readouterr().out.strip().splitlines()[1:]
+    assert lines[0].endswith("  8 samples/s  eta 0m02s")  # the first step: timed from start()
+    assert lines[1].endswith("  8 samples/s")  # the throughput so far
+    assert [line for line in lines[2:] if " 0 samples/s" in line] == []
+    assert lines[2] == "epoch 2/3  step 2/3  loss 1.0000  lr 1.00e-02  eta 0m00s"
+    assert summary["samples_per_s"] == pytest.approx(8.0)
+
 def test_spoiled_weights_are_never_saved(tmp_path):
     """A step can report a finite loss while its inf/nan gradients spoil the weights: no checkpoint of those."""
     run = Logged(tmp_path, steps=10)
