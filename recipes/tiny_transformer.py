@@ -505,6 +505,7 @@ def leave_process_group() -> None:
 
 
 def main(
+    ctx: typer.Context,
     text: Annotated[Path | None, typer.Option(help="Train on this UTF-8 file [default: Python's stdlib].")] = None,
     vocab_kind: Annotated[Literal["bytes", "chars"] | None, typer.Option(
         "--vocab", help="Tokens: bytes (256) or the characters seen [default: bytes; --init-from: the folder's].")
@@ -573,7 +574,7 @@ def main(
     ] = False,
 ):
     """Train a tiny GPT on text (default: the Python standard library), or sample from a trained one."""
-    options = dict(locals())  # the run's config, as given (with the batch sizes filled in below)
+    options = {k: v for k, v in locals().items() if k != "ctx"}  # the run's config, as given (batch sizes below)
     if init_from is None:  # a model of its own: the defaults of what a --init-from folder sets (None: the folder's)
         vocab_kind, n_layer, n_head, n_embd, block_size = vocab_kind or "bytes", n_layer or 4, n_head or 4, \
             n_embd or 128, block_size or 128
@@ -583,6 +584,10 @@ def main(
     if parallel == "fsdp" and precision == "fp16":
         raise typer.BadParameter("fp16 needs a GradScaler of sharded gradients: use bf16 with --parallel fsdp",
                                  param_hint="--precision")
+    if global_batch is not None and ctx.get_parameter_source("batch_size").name == "COMMANDLINE":  # not a default,
+        # nor a --config replay's (whose config.json holds both)
+        raise typer.BadParameter("--global-batch sets it for you (to the global batch / (processes x --grad-accum)): "
+                                 "give one of the two", param_hint="--batch-size")
     if sample_only:
         if resume == "auto" or (resume is None) == (init_from is None):
             raise typer.BadParameter("--sample-only needs a checkpoint file, or else an --init-from folder (one of "

@@ -233,9 +233,12 @@ def test_bad_input_to_a_sharded_run(run_inprocess, corpus_txt, tmp_path):
                            "--run-dir", run_dir, "--resume", "auto")
     assert single.code == 1 and "checkpoint format sharded (--parallel fsdp) there, single file here" in single.stderr
     # what sharded runs do not keep, and a global batch that does not split: usage errors naming the option
-    for extra, option, why in [(["--precision", "fp16"], "--precision", "use bf16 with --parallel fsdp"),
-                               (["--global-batch", 7, "--grad-accum", 2], "--global-batch", "does not split into")]:
-        refused = run_inprocess("tiny_transformer", *args, *extra, "--run-dir", tmp_path / "refused")
+    unbatched = [a for i, a in enumerate(args) if "--batch-size" not in args[i - 1: i + 1]]
+    for given, option, why in [([*args, "--precision", "fp16"], "--precision", "use bf16 with --parallel fsdp"),
+                               ([*unbatched, "--global-batch", 7, "--grad-accum", 2], "--global-batch",
+                                "does not split into"),
+                               ([*args, "--global-batch", 16], "--batch-size", "--global-batch sets it for you")]:
+        refused = run_inprocess("tiny_transformer", *given, "--run-dir", tmp_path / "refused")
         assert refused.code == 2 and option in refused.stderr and why in refused.stderr, refused.stderr
 
 
