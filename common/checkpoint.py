@@ -133,6 +133,10 @@ def resume_checkpoint(run: RunFolder, recipe: str, config: dict, may_change: set
         return None
     checkpoint = load(run.resume_from, recipe)
     check_same_run(checkpoint, run.resume_from, config, may_change)
+    if run.held is not None and run.resume_from.resolve() != run.held.resolve():
+        raise RecipeError(f"{run.path} already holds checkpoints, and --resume {run.resume_from} is not its last one: "
+                          "going on from it there would overwrite them. Continue that run with --resume auto, or go on "
+                          f"from {run.resume_from} in another --run-dir")
     return checkpoint
 
 
@@ -151,11 +155,12 @@ class Checkpointer:
     def __init__(self, run: RunFolder, recipe: str, config: dict, *, model: nn.Module, optimizer: torch.optim.Optimizer,
                  scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
                  scaler: torch.amp.GradScaler | None = None, loader_generator: torch.Generator | None = None,
-                 steps_per_epoch: int | None = None, parts: dict | None = None, data: dict | None = None):
+                 steps_per_epoch: int | None = None, parts: dict | None = None, data: dict | None = None,
+                 data_id: str | None = None):
         self.folder, self.source, self.recipe, self.config = run.path / "checkpoints", run.resume_from, recipe, config
         self.model, self.optimizer, self.scheduler, self.scaler = model, optimizer, scheduler, scaler
         self.loader_generator, self.steps_per_epoch = loader_generator, steps_per_epoch
-        self.parts, self.data = parts or {}, data or {}
+        self.parts, self.data, self.data_id = parts or {}, data or {}, data_id  # data_id: the training data's checksum
         self.last_good, self.last_step = run.resume_from, None  # what a failure leaves to resume from
 
     @property
@@ -165,6 +170,7 @@ class Checkpointer:
     def training_state(self, step: int) -> dict:
         """Everything but the model and optimizer tensors."""
         return {"recipe": self.recipe, "config": self.config, "step": step, "steps_per_epoch": self.steps_per_epoch,
+                "data_id": self.data_id,
                 "epoch": step // self.steps_per_epoch if self.steps_per_epoch else 0,
                 **{name: part.state_dict() for name, part in self.parts.items()},
                 "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
@@ -203,6 +209,10 @@ class Checkpointer:
         if checkpoint.get("steps_per_epoch") != self.steps_per_epoch:
             raise RecipeError(f"checkpoint {source} has {checkpoint.get('steps_per_epoch')} steps per epoch, this run "
                               f"{self.steps_per_epoch}: resume with the data and processes it was started with")
+        if None not in (checkpoint.get("data_id"), self.data_id) and checkpoint["data_id"] != self.data_id:
+            raise RecipeError(f"checkpoint {source} was trained on other data (its training data's checksum "
+                              f"{checkpoint['data_id']}, this run's {self.data_id}): resume with the data it was "
+                              "started with, or start afresh in another --run-dir")
         try:  # a checkpoint of an older version of the recipe may lack a part, or hold it in another form
             if self.scheduler is not None:
                 self.scheduler.load_state_dict(checkpoint["scheduler"])

@@ -10,6 +10,7 @@ import itertools
 import signal
 import urllib.error
 import urllib.request
+import zlib
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -21,6 +22,14 @@ from common.cli import RecipeError
 MNIST_FILES = ["train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"]
 MNIST_MEAN, MNIST_STD = 0.1307, 0.3081
 
+
+def checksum(*tensors: torch.Tensor) -> str:
+    """A checksum of a run's training data, which its checkpoints keep: a resume on other data is refused, even one
+    whose epochs are as long (a table's rows replaced by as many others)."""
+    crc = 0
+    for t in tensors:
+        crc = zlib.crc32(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy(), crc)
+    return f"{crc:08x}"
 
 class ResumableSampler(Sampler):
     """A training sampler that a resumed run can start part-way through an epoch: ``skip`` (set by

@@ -10,7 +10,7 @@ import shutil
 import sys
 import tempfile
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
@@ -23,6 +23,8 @@ from common.cli import RecipeError, launched_as_rank_0, on_exit
 class RunFolder:
     path: Path
     resume_from: Path | None  # the checkpoint to continue from; None: a fresh run
+    # the newest checkpoint the folder already held (a resume from any other would overwrite it); None: none
+    held: Path | None = field(default=None, compare=False)
 
 
 def last_file(run_dir: Path) -> Path | None:
@@ -51,10 +53,6 @@ def open_run_dir(recipe: str, run_dir: Path | None, resume: str | None,
     if resume is None and held is not None:
         raise RecipeError(f"{run_dir} already holds checkpoints; continue it with --resume auto, or choose another "
                           "--run-dir")
-    if resume not in (None, "auto") and held is not None and (last is None or Path(resume).resolve() != last.resolve()):
-        raise RecipeError(f"{run_dir} already holds checkpoints, and --resume {resume} is not its last one: going on "
-                          f"from it there would overwrite them. Continue that run with --resume auto, or go on from "
-                          f"{resume} in another --run-dir")
     created = [d for d in [run_dir, *run_dir.parents] if not d.exists()]  # runs/ and runs/RECIPE/ too, if new
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -63,7 +61,7 @@ def open_run_dir(recipe: str, run_dir: Path | None, resume: str | None,
         raise RecipeError(f"cannot write to --run-dir {run_dir}: {err.strerror or err}") from None
     lock = hold(run_dir)
     on_exit(lambda: release(run_dir, lock, created))
-    return RunFolder(run_dir, last if resume == "auto" else Path(resume) if resume else None)
+    return RunFolder(run_dir, last if resume == "auto" else Path(resume) if resume else None, held)
 
 
 def hold(run_dir: Path) -> int | None:

@@ -46,7 +46,7 @@ from torch.utils.data import DistributedSampler, TensorDataset
 from common import cli
 from common.best import BestScore
 from common.checkpoint import Checkpointer, load_checkpoint, load_model_state, resume_checkpoint
-from common.data import load_mnist, make_loader
+from common.data import checksum, load_mnist, make_loader
 from common.loop import batches_left, epochs_left, to_device, train_step
 from common.profile import StepProfiler
 from common.rundir import already_finished, open_run_dir
@@ -220,7 +220,7 @@ def main(
     best = BestScore("val_acc")
     checkpoints = Checkpointer(run, RECIPE, config, model=model, optimizer=optimizer, scheduler=scheduler,
                                scaler=scaler, loader_generator=train_loader.generator, steps_per_epoch=steps_per_epoch,
-                               parts={"log": log, "best": best})
+                               parts={"log": log, "best": best}, data_id=checksum(*train_set.tensors))
     step = checkpoints.restore(checkpoint) if checkpoint else 0
     log.start(step, config, device, world_size)
     log.print(f"{len(train_set)} train / {len(val_set)} validation digits from {data_dir.resolve()} | global "

@@ -33,7 +33,7 @@ from torchvision.utils import make_grid
 from common import cli
 from common.best import BestScore
 from common.checkpoint import Checkpointer, load_checkpoint, load_model_state, resume_checkpoint
-from common.data import MNIST_MEAN, MNIST_STD, load_mnist, make_loader
+from common.data import MNIST_MEAN, MNIST_STD, checksum, load_mnist, make_loader
 from common.ema import EMA
 from common.loop import batches_left, epochs_left, evaluate, train_step
 from common.profile import StepProfiler
@@ -336,7 +336,8 @@ def main(
     best = BestScore("ema_val_acc" if ema else "val_acc")
     checkpoints = Checkpointer(run, RECIPE, config, model=model, optimizer=optimizer, scheduler=scheduler,
                                scaler=scaler, loader_generator=train_loader.generator, steps_per_epoch=steps_per_epoch,
-                               parts={"log": log, "best": best} | ({"ema": ema} if ema else {}))
+                               parts={"log": log, "best": best} | ({"ema": ema} if ema else {}),
+                               data_id=checksum(*train_set.tensors))  # a resume on other digits is refused
     step = checkpoints.restore(checkpoint) if checkpoint else 0
     log.start(step, config, device)
     log.print(f"{len(train_set)} train / {len(val_set)} validation / {len(test_set)} test digits from "

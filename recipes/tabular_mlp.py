@@ -38,7 +38,7 @@ from torch.utils.data import Dataset
 from common import cli
 from common.best import BestCheckpoints, BestScore, EarlyStopping
 from common.checkpoint import Checkpointer, load_checkpoint, load_model_state, resume_checkpoint
-from common.data import built_batch, download, make_loader
+from common.data import built_batch, checksum, download, make_loader
 from common.loop import StepStats, batches_left, epochs_left, evaluate, to_device, train_step
 from common.profile import StepProfiler
 from common.rundir import already_finished, open_run_dir, write_json
@@ -722,7 +722,8 @@ def train(csv_path: Path | None, target: str, task: str, val_frac: float, cv: in
     checkpoints = Checkpointer(run, RECIPE, config, model=model, optimizer=optimizer, scheduler=scheduler,
                                scaler=scaler, loader_generator=train_loader.generator, steps_per_epoch=steps_per_epoch,
                                parts={"log": log, "best": best, "kept": kept, "patience": early_stop},
-                               data={"features": spec})
+                               data={"features": spec},  # and a resume on other rows is refused:
+                               data_id=checksum(train_set.numeric, train_set.categorical, train_set.target))
     step = checkpoints.restore(checkpoint) if checkpoint else 0
     log.start(step, config, device)
     kind = f"{len(spec['classes'])} classes" if classification else "regression"

@@ -61,7 +61,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 from common import cli, hf_gpt2, hf_tokens
 from common.best import BestScore
 from common.checkpoint import Checkpointer, load_model_state, resume_checkpoint
-from common.data import make_loader
+from common.data import checksum, make_loader
 from common.loop import StepStats, evaluate
 from common.profile import StepProfiler
 from common.resources import format_account, memory_account, reset_peak_memory, with_peaks
@@ -704,7 +704,8 @@ def main(
                  last_checkpoint=last_checkpoint, write=rank == 0)
     best = BestScore("val_loss", higher_is_better=False)
     state = dict(model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, parts={"log": log, "best": best},
-                 data={**hf_tokens.vocab_state(vocab), "model_config": asdict(model_config)})
+                 data={**hf_tokens.vocab_state(vocab), "model_config": asdict(model_config)},
+                 data_id=checksum(train_tokens))  # a resume on another text is refused
     checkpoints = ShardedCheckpointer(run, RECIPE, config, best=best, **state) if sharded else \
         Checkpointer(run, RECIPE, config, **state)
     step = checkpoints.restore(checkpoint) if checkpoint else 0

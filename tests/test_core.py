@@ -21,7 +21,7 @@ from torch.utils.data import TensorDataset
 
 from common import checkpoint as ckpt
 from common.cli import RecipeError
-from common.data import download, make_loader
+from common.data import checksum, download, make_loader
 from common.loop import StepStats, evaluate, train_step
 from common.rundir import RunFolder, open_run_dir
 from common.runlog import RunLog
@@ -350,25 +350,30 @@ def test_run_dir_with_checkpoints_is_not_overwritten(tmp_path):
 def test_a_checkpoint_from_elsewhere_never_overwrites_a_run_dirs_checkpoints(tmp_path):
     run_dir, other = tmp_path / "run", tmp_path / "other.pt"
     for path in (run_dir / "checkpoints" / "last.pt", run_dir / "checkpoints" / "best.pt", other):
-        ckpt.save_checkpoint(path, {"model": {}, "recipe": "t"})
+        ckpt.save_checkpoint(path, {"model": {}, "recipe": "t", "config": {}})
     for elsewhere in (other, run_dir / "checkpoints" / "best.pt"):  # another run's, or this one's older best
         with pytest.raises(RecipeError, match=f"already holds checkpoints, and --resume {elsewhere} is not its last"):
-            open_run_dir("t", run_dir, str(elsewhere))
+            ckpt.resume_checkpoint(RunFolder(run_dir, elsewhere, held=run_dir / "checkpoints" / "last.pt"), "t", {})
     last = run_dir / "checkpoints" / "last.pt"  # its own last one, named: as --resume auto
-    assert open_run_dir("t", run_dir, str(last)) == RunFolder(run_dir, last)
-    assert open_run_dir("t", tmp_path / "new", str(other)) == RunFolder(tmp_path / "new", other)
+    run = open_run_dir("t", run_dir, str(last))
+    assert run == RunFolder(run_dir, last) and run.held == last and ckpt.resume_checkpoint(run, "t", {})["model"] == {}
+    fresh = open_run_dir("t", tmp_path / "new", str(other))
+    assert fresh.held is None and ckpt.resume_checkpoint(fresh, "t", {})["recipe"] == "t"
+    # a checkpoint that is itself the problem is named as such first
+    with pytest.raises(RecipeError, match="does not exist"):
+        ckpt.resume_checkpoint(RunFolder(run_dir, tmp_path / "nope.pt", held=last), "t", {})
 
 
 def test_a_run_dir_holding_sub_runs_is_not_overwritten_by_a_fresh_run(tmp_path):
     """--cv (fold-K/) and --compare (fp32/, ...) keep their checkpoints in sub-folders, their summary on top."""
     run_dir = tmp_path / "cv"
-    ckpt.save_checkpoint(run_dir / "fold-0" / "checkpoints" / "last.pt", {"model": {}, "recipe": "t"})
+    fold = run_dir / "fold-0" / "checkpoints" / "last.pt"
+    ckpt.save_checkpoint(fold, {"model": {}, "recipe": "t", "config": {}})
     with pytest.raises(RecipeError, match="already holds checkpoints"):
         open_run_dir("t", run_dir, None)
-    with pytest.raises(RecipeError, match="already holds checkpoints"):
-        open_run_dir("t", run_dir, str(run_dir / "fold-0" / "checkpoints" / "last.pt"))
     assert open_run_dir("t", run_dir, "auto") == RunFolder(run_dir, None)  # the --cv parent, relaunched
-
+    with pytest.raises(RecipeError, match="already holds checkpoints, and --resume"):
+        ckpt.resume_checkpoint(RunFolder(run_dir, tmp_path / "x.pt", held=fold), "t", {}, load=lambda path, r: {})
 
 class Logged:
     """A RunLog and a Checkpointer over a tiny model, started for ``steps`` steps (evaluated at the end only)."""
@@ -691,3 +696,14 @@ def test_ctrl_c_before_training_exits_130_not_0(raised, code, tmp_path):
         run_recipe(main, ["--run-dir", str(tmp_path / "run")])
     assert exit_.value.code == code
     assert not (tmp_path / "run").exists()  # released and removed: it held no checkpoint
+
+
+def test_the_training_data_checksum_tells_other_data_apart():
+    images, labels = torch.rand(64, 1, 28, 28), torch.randint(10, (64,))
+    same = checksum(images.clone(), labels.clone())
+    assert checksum(images, labels) == same and len(same) == 8
+    changed = images.clone()
+    changed[5, 0, 3, 3] += 1e-3
+    assert checksum(changed, labels) != same  # one pixel
+    assert checksum(images, labels.flip(0)) != same  # the same labels in another order
+    assert checksum(images[:, 0].transpose(1, 2), labels) != checksum(images[:, 0], labels)  # a view: its values

@@ -177,7 +177,7 @@ USAGE_CASES = {  # exit 2: (extra arguments, text the error line must hold)
 }
 RUNTIME_CASES = [  # exit 1
     "missing checkpoint", "random bytes", "truncated checkpoint", "other recipe's checkpoint", "pickle payload",
-    "older version's checkpoint",
+    "older version's checkpoint", "another run's checkpoint",
     "cuda absent", "unwritable run dir", "resumed with another schedule",
 ]
 INPUT_CASES = {  # recipe inputs, exit 1
@@ -251,6 +251,8 @@ def bad_arguments(recipe: str, case: str, request, tmp_path: Path, trained) -> t
     if case == "other recipe's checkpoint":
         return ["--resume", trained(NEIGHBOUR[recipe]) / "checkpoints" / "last.pt"], 1, \
             f"written by recipe '{NEIGHBOUR[recipe]}', not '{recipe}'"
+    if case == "another run's checkpoint":  # of the same options: going on from it here would overwrite last.pt
+        return ["--resume", good], 1, "already holds checkpoints, and --resume"
     if case == "pickle payload":
         state = torch.load(good, weights_only=True)
         state["extra"] = Payload(tmp_path / "payload-ran")
@@ -260,7 +262,9 @@ def bad_arguments(recipe: str, case: str, request, tmp_path: Path, trained) -> t
         state = torch.load(good, weights_only=True)
         del state["best"]
         torch.save(state, checkpoint)
-        return ["--resume", checkpoint], 1, "lacks part of the training state, or holds it in another form (KeyError"
+        # in a new run directory: going on from it in the existing one is refused before it is restored
+        return ["--resume", checkpoint, *fresh], 1, "lacks part of the training state, or holds it in another form " \
+            "(KeyError"
     if case == "cuda absent":
         return [*resume, "--device", "cuda"], 1, "CUDA is not available"
     if case == "resumed with another schedule":  # the saved schedule would silently override the new length

@@ -449,3 +449,19 @@ def test_adults_test_file_is_scored_with_the_weights_best_pt_holds(run_inprocess
     assert metrics["test_acc"] == pytest.approx(scores["best.pt"]) and scores["best.pt"] != scores["last.pt"]
     assert not torch.equal(load_weights(run_dir / "checkpoints" / "best.pt")["head.weight"],
                            load_weights(run_dir / "checkpoints" / "last.pt")["head.weight"])
+
+
+def test_a_resume_on_other_rows_of_the_same_count_is_refused(run_inprocess, tmp_path):
+    """As many rows, so as many steps an epoch: only the checksum of the training data tells them apart."""
+    table = write_table(tmp_path / "t.csv", n=300, seed=0)
+    args = ["--csv", table, "--target", "label", *RAW, "--epochs", 2, "--batch-size", 32, "--run-dir", tmp_path / "run",
+            "--resume", "auto"]
+    assert run_inprocess(RECIPE, *args, "--max-steps", 3).code == 0
+    original = table.read_bytes()
+    write_table(table, n=300, seed=1)  # other rows in the same file
+    other = run_inprocess(RECIPE, *args)
+    assert other.code == 1 and len(other.stderr.strip().splitlines()) == 1
+    assert other.stderr.startswith("error: checkpoint ") and "was trained on other data" in other.stderr
+    table.write_bytes(original)  # the rows it started with: it goes on
+    assert run_inprocess(RECIPE, *args).code == 0
+    assert read_metrics(tmp_path / "run")["steps"] == 2 * 7  # 240 training rows: 7 full batches of 32 an epoch
