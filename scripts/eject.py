@@ -475,9 +475,15 @@ def main(argv: list[str] | None = None) -> int:
         if output.is_dir():
             raise EjectError(f"{output} is a folder; give the path of the script to write, e.g. {output / 'train.py'}")
         if not output.parent.is_dir():
-            raise EjectError(f"cannot write {output}: the folder {output.parent} does not exist")
+            missing = next(p for p in output.parents if not p.is_dir())  # the first folder missing, or a file
+            what = "is a file" if missing.exists() else "does not exist"
+            raise EjectError(f"cannot write {output}: {missing} {what}")
         if output.resolve() == recipe.resolve():
             raise EjectError(f"{output} is the recipe itself; write the script somewhere else")
+        home = output.resolve().parent
+        if home == (ROOT / "common").resolve() or (home == (ROOT / "recipes").resolve() and output.exists()):
+            part = "the core the recipes import" if home.name == "common" else "another recipe"
+            raise EjectError(f"{output} is part of this repository ({part}); write the script somewhere else")
         if output.exists() and not args.overwrite:  # it may be a copy the user has edited since
             raise EjectError(f"{output} exists; choose another name, or add --overwrite to replace it")
         ejection = Ejection(recipe)

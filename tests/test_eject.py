@@ -235,7 +235,8 @@ cli.run_recipe(main)
         (["mnist_onecycle"], 2, "the following arguments are required: output"),
         (["no_such_recipe", "{tmp}/out.py"], 2, "no recipe 'no_such_recipe'; give one of"),
         (["{tmp}/missing.py", "{tmp}/out.py"], 2, "no recipe"),
-        (["mnist_onecycle", "{tmp}/no_folder/out.py"], 1, "does not exist"),
+        (["mnist_onecycle", "{tmp}/no_folder/out.py"], 1, "no_folder does not exist"),
+        (["mnist_onecycle", "{tmp}/clash.py/out.py"], 1, "clash.py is a file"),
         (["{tmp}/clash.py", "{tmp}/out.py"], 1, "needs 'to_device' from common/loop.py"),
         (["{tmp}/core_base.py", "{tmp}/out.py"], 1, "fails when it is imported, at core_base.py:6 (NameError: name "
                                                    "'ResumableSampler' is not defined); the recipe comes first"),
@@ -262,6 +263,19 @@ def test_bad_input_is_a_one_line_error(args, code, message, tmp_path):
     assert result.stderr.startswith("error: ") and result.stderr.count("\n") == 1, result.stderr
     assert message in result.stderr
     assert not (tmp_path / "out.py").exists() and not list(tmp_path.glob(".*.tmp"))
+
+
+def test_a_copy_is_never_written_over_the_core_or_another_recipe():
+    core, other = ROOT / "common" / "ejected_here.py", ROOT / "recipes" / "tabular_mlp.py"
+    before = other.read_bytes()
+    try:
+        for output, what in [(core, "the core the recipes import"), (other, "another recipe")]:
+            result = run_subprocess(["scripts/eject.py", "mnist_onecycle", output, "--overwrite"])
+            assert result.code == 1 and result.stderr == f"error: {output} is part of this repository ({what}); " \
+                "write the script somewhere else\n", result.stderr
+        assert not core.exists() and other.read_bytes() == before
+    finally:
+        core.unlink(missing_ok=True)
 
 
 def test_core_names_read_only_after_import_are_accepted(tmp_path):
