@@ -58,10 +58,17 @@ def open_run_dir(recipe: str, run_dir: Path | None, resume: str | None,
         run_dir.mkdir(parents=True, exist_ok=True)
         tempfile.TemporaryFile(dir=run_dir).close()  # a folder that exists may still be read-only
     except OSError as err:
-        raise RecipeError(f"cannot write to --run-dir {run_dir}: {err.strerror or err}") from None
+        raise RecipeError(f"cannot write to --run-dir {run_dir}: {why_not_written(run_dir, err)}") from None
     lock = hold(run_dir)
     on_exit(lambda: release(run_dir, lock, created))
     return RunFolder(run_dir, last if resume == "auto" else Path(resume) if resume else None, held)
+
+
+def why_not_written(path: Path, err: OSError) -> str:
+    """What stopped a write to ``path``: a file where a folder on its way should be ("File exists" would say
+    nothing), or the system's reason."""
+    in_the_way = next((p for p in [path, *path.parents] if p.exists() and not p.is_dir()), None)
+    return f"{in_the_way} is a file, not a folder" if in_the_way else str(err.strerror or err)
 
 
 def hold(run_dir: Path) -> int | None:

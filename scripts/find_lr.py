@@ -232,7 +232,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {' '.join(str(err).split())}", file=sys.stderr)
         return err.exit_code
     except OSError as err:
-        print(f"error: cannot write {args.plot}: {err.strerror or err}", file=sys.stderr)
+        from common.rundir import why_not_written
+
+        print(f"error: cannot write {args.plot}: {why_not_written(args.plot.parent, err)}", file=sys.stderr)
         return 1
     lowest = smooth.index(min(smooth))
     print(f"range test: {len(losses)} steps from {rates[0]:.1e} to {rates[-1]:.1e} ({ending}; smoothed loss "

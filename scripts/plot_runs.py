@@ -138,7 +138,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {' '.join(str(err).split())}", file=sys.stderr)
         return 1
     except OSError as err:  # e.g. --out in a folder we may not write
-        print(f"error: cannot write {args.out}: {err.strerror or err}", file=sys.stderr)
+        in_the_way = next((p for p in args.out.parents if p.exists() and not p.is_dir()), None)  # not "File exists"
+        why = f"{in_the_way} is a file, not a folder" if in_the_way else err.strerror or err
+        print(f"error: cannot write {args.out}: {why}", file=sys.stderr)
         return 1
     print(f"wrote {args.out}: {', '.join(drawn)} for {len(run_dirs)} run(s)")
     return 0

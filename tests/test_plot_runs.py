@@ -50,6 +50,10 @@ def test_bad_input_is_one_error_line(tmp_path):
     assert result.code == 1
     assert result.stderr.strip().splitlines() == [f"error: {tmp_path / 'absent'} does not exist or is not a directory"]
     assert not out.exists()
+    (tmp_path / "afile").write_text("")
+    result = plot(good, "--out", tmp_path / "afile" / "x.png")  # a file where the folder should be
+    assert result.code == 1 and result.stderr == f"error: cannot write {tmp_path / 'afile' / 'x.png'}: " \
+                                                 f"{tmp_path / 'afile'} is a file, not a folder\n"
 
 
 def test_a_folder_without_events_is_skipped_with_one_line(tmp_path):

@@ -102,7 +102,7 @@ def test_a_finished_run_says_so_before_it_loads_any_data(run_inprocess, tmp_path
 def test_resume_auto_needs_a_run_directory():
     with pytest.raises(Exception, match="give --run-dir too"):
         open_run_dir("t", None, "auto")
-    with pytest.raises(RecipeError, match="cannot write to --run-dir"):
+    with pytest.raises(RecipeError, match=f"cannot write to --run-dir .*: {ROOT / 'README.md'} is a file, not a"):
         open_run_dir("t", ROOT / "README.md" / "run", None)
 
 
