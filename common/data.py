@@ -105,12 +105,14 @@ def load_mnist(data_dir: Path, *, train: bool) -> tuple[torch.Tensor, torch.Tens
     front instead of torchvision's per-image PIL transforms, which cost more CPU than a small CNN's forward."""
     from torchvision.datasets import MNIST  # imported here: only the MNIST recipes need torchvision
 
-    raw = Path(data_dir) / "MNIST" / "raw"
+    raw = Path(data_dir).resolve() / "MNIST" / "raw"
+    created = [d for d in [raw, *raw.parents] if not d.exists()]
     try:
         dataset = MNIST(str(data_dir), train=train, download=True)
     except (OSError, RuntimeError, urllib.error.URLError) as err:
         if all((raw / name).exists() or (raw / f"{name}.gz").exists() for name in MNIST_FILES):
             raise RecipeError(f"MNIST files in {raw} are unreadable ({err}); delete them to download again") from None
+        remove_empty(created)
         raise RecipeError(f"MNIST is not in {raw} and could not be downloaded (offline?): put "
                           f"{', '.join(MNIST_FILES)} (or their .gz) in {raw}") from None
     except Exception as err:  # torchvision signals malformed IDX files with assorted exception types
@@ -126,6 +128,7 @@ def download(url: str, dest: Path, md5: str) -> Path:
     data set's publishers and torchvision use; it guards against truncated or altered files)."""
     if dest.is_file() and _md5(dest) == md5:
         return dest
+    created = [d for d in [dest.parent, *dest.parent.parents] if not d.exists()]
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = dest.with_name(f".{dest.name}.part")
     try:
@@ -134,6 +137,7 @@ def download(url: str, dest: Path, md5: str) -> Path:
                 f.write(chunk)
     except (urllib.error.URLError, OSError) as err:
         tmp.unlink(missing_ok=True)
+        remove_empty(created)
         reason = getattr(err, "reason", err)
         found = f"{dest} exists but its checksum is not the published one; " if dest.exists() else ""
         raise RecipeError(f"{found}could not download {url} ({reason}); offline? place the file at {dest}") from None
@@ -142,6 +146,15 @@ def download(url: str, dest: Path, md5: str) -> Path:
         raise RecipeError(f"{url} downloaded with a wrong checksum; place a good copy at {dest}")
     tmp.replace(dest)
     return dest
+
+
+def remove_empty(created: list[Path]) -> None:
+    """Remove the folders a failed download made (innermost first), while nothing is in them."""
+    for folder in created:
+        try:
+            folder.rmdir()
+        except OSError:
+            break
 
 
 def _md5(path: Path) -> str:

@@ -143,6 +143,11 @@ def test_offline_without_data_names_the_files_and_folder(run_inprocess, tmp_path
     assert result.stderr.count("\n") == 1 and result.stderr.startswith("error: ")
     assert "train-images-idx3-ubyte" in result.stderr and "t10k-labels-idx1-ubyte" in result.stderr
     assert str(tmp_path / "data" / "MNIST" / "raw") in result.stderr
+    assert not (tmp_path / "data").exists()  # the folders made for the download are gone with it
+    monkeypatch.chdir(tmp_path)  # a relative --data-dir is named in full
+    result = run_inprocess(RECIPE, "--data-dir", "rel", "--run-dir", tmp_path / "run")
+    assert result.code == 1 and str(tmp_path / "rel" / "MNIST" / "raw") in result.stderr
+    assert not (tmp_path / "rel").exists()
 
 
 def test_finetune_starts_from_the_backbone_with_its_own_learning_rate(run_inprocess, mnist_dir, tmp_path):

@@ -248,6 +248,7 @@ def test_adult_offline_suggests_csv(run_inprocess, tmp_path, monkeypatch):
     result = run_inprocess(RECIPE, "--data-dir", tmp_path / "data", "--run-dir", tmp_path / "run")
     assert result.code == 1 and result.stderr.count("\n") == 1
     assert "adult.data" in result.stderr and "--csv FILE --target COLUMN" in result.stderr
+    assert not (tmp_path / "data").exists()  # the folder made for the download is gone with it
 
 
 @pytest.mark.parametrize(
