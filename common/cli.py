@@ -11,6 +11,7 @@ import json
 import math
 import os
 import re
+import signal
 import sys
 import time
 from collections.abc import Callable
@@ -161,6 +162,9 @@ def run_recipe(main: Callable[..., object], argv: list[str] | None = None) -> No
     app.command()(main)
     options = {param.name: param.opts[0] for param in typer.main.get_command(app).params}
     quiet = not launched_as_rank_0()
+    # SIGTERM before a StopRequest listens (while data loads, say): exit 143 through the clean-ups, as Ctrl-C does,
+    # so that a run directory this run made and never used is removed (the default action leaves it)
+    sigterm = signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     try:
         with ExitStack() as cleanup:
             running = RUNNING.set(Command(options, cleanup))
@@ -187,5 +191,6 @@ def run_recipe(main: Callable[..., object], argv: list[str] | None = None) -> No
             err.show()  # the usage line and what is wrong, as Typer prints it
         sys.exit(getattr(err, "exit_code", 2))
     finally:
+        signal.signal(signal.SIGTERM, sigterm)
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()

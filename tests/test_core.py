@@ -682,7 +682,13 @@ def test_accumulation_skips_the_all_reduce_of_a_compiled_ddp_model_too(tmp_path,
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize(("raised", "code"), [(KeyboardInterrupt, 130), (lambda: __import__("typer").Exit(3), 3)])
+def sigterm_to_self():
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(5)  # the handler runs at once; the run is not left to time out
+
+
+@pytest.mark.parametrize(("raised", "code"), [(KeyboardInterrupt, 130), (lambda: __import__("typer").Exit(3), 3),
+                                              (sigterm_to_self, 143)])
 def test_ctrl_c_before_training_exits_130_not_0(raised, code, tmp_path):
     """Before a StopRequest listens, Ctrl-C reaches typer, which returns 130 instead of raising it; so does any
     typer.Exit. run_recipe exits with that status, after the command's clean-ups (here: the run directory)."""
@@ -696,6 +702,7 @@ def test_ctrl_c_before_training_exits_130_not_0(raised, code, tmp_path):
         run_recipe(main, ["--run-dir", str(tmp_path / "run")])
     assert exit_.value.code == code
     assert not (tmp_path / "run").exists()  # released and removed: it held no checkpoint
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # as it was before the command
 
 
 def test_the_training_data_checksum_tells_other_data_apart():
