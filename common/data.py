@@ -18,6 +18,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, Sampler, TensorDataset
 
 from common.cli import RecipeError
+from common.rundir import remove_empty
 
 MNIST_FILES = ["train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"]
 MNIST_MEAN, MNIST_STD = 0.1307, 0.3081
@@ -146,15 +147,6 @@ def download(url: str, dest: Path, md5: str) -> Path:
         raise RecipeError(f"{url} downloaded with a wrong checksum; place a good copy at {dest}")
     tmp.replace(dest)
     return dest
-
-
-def remove_empty(created: list[Path]) -> None:
-    """Remove the folders a failed download made (innermost first), while nothing is in them."""
-    for folder in created:
-        try:
-            folder.rmdir()
-        except OSError:
-            break
 
 
 def _md5(path: Path) -> str:

@@ -49,7 +49,7 @@ def open_run_dir(recipe: str, run_dir: Path | None, resume: str | None,
     last = held = None
     if run_dir.is_dir():
         last = last_checkpoint(run_dir)
-        held = last or next(run_dir.rglob("*.pt"), None)  # --cv and --compare keep their runs in sub-folders
+        held = last or checkpoint_below(run_dir)
     if resume is None and held is not None:
         raise RecipeError(f"{run_dir} already holds checkpoints; continue it with --resume auto, or choose another "
                           "--run-dir")
@@ -96,17 +96,26 @@ def hold(run_dir: Path) -> int | None:
                       "--run-dir")
 
 
+def checkpoint_below(run_dir: Path) -> Path | None:
+    """A checkpoint anywhere in the folder: --cv and --compare keep their runs in sub-folders."""
+    return next(run_dir.rglob("*.pt"), None)
+
+
 def release(run_dir: Path, lock: int | None, created: list[Path]) -> None:
-    # a checkpoint anywhere below counts (--compare keeps its runs in sub-folders)
-    if created and not any(run_dir.rglob("*.pt")):
+    if created and checkpoint_below(run_dir) is None:
         shutil.rmtree(run_dir, ignore_errors=True)  # a mistake, or a crash before the first save: no empty folders
-        for parent in created[1:]:  # and the folders made to hold it, while nothing else is in them
-            try:
-                parent.rmdir()
-            except OSError:
-                break
+        remove_empty(created[1:])  # and the folders made to hold it
     if lock is not None:
         os.close(lock)
+
+
+def remove_empty(created: list[Path]) -> None:
+    """Remove folders this process made (innermost first), while nothing is in them."""
+    for folder in created:
+        try:
+            folder.rmdir()
+        except OSError:
+            break
 
 
 def write_json(path: Path, data: dict) -> None:
