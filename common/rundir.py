@@ -34,10 +34,11 @@ def last_file(run_dir: Path) -> Path | None:
 
 
 def open_run_dir(recipe: str, run_dir: Path | None, resume: str | None,
-                 last_checkpoint: Callable[[Path], Path | None] = last_file) -> RunFolder:
+                 last_checkpoint: Callable[[Path], Path | None] = last_file, holds_runs: bool = False) -> RunFolder:
     """``--run-dir`` (default runs/RECIPE/TIME) and ``--resume`` (a file, or ``auto``: ``last_checkpoint``). A fresh
     run never starts where checkpoints are, so nothing is overwritten; the folder is this process's until its
-    command ends (another run is refused it), and removed then if this call made it and it holds no checkpoint."""
+    command ends (another run is refused it), and removed then if this call made it and it holds no checkpoint.
+    ``holds_runs``: the folder holds runs in sub-folders (--cv's folds), not one of its own."""
     if resume == "auto" and run_dir is None:
         raise typer.BadParameter("'auto' looks for checkpoints in --run-dir; give --run-dir too", param_hint="--resume")
     if run_dir is None:
@@ -53,6 +54,10 @@ def open_run_dir(recipe: str, run_dir: Path | None, resume: str | None,
     if resume is None and held is not None:
         raise RecipeError(f"{run_dir} already holds checkpoints; continue it with --resume auto, or choose another "
                           "--run-dir")
+    if resume == "auto" and held is not None and (last is None) != holds_runs:  # the other kind of run is there
+        what = f"runs in sub-folders ({held})" if last is None else f"a single run ({last})"
+        raise RecipeError(f"{run_dir} holds {what}, which this command would not continue but start afresh beside: "
+                          "resume it with the options it was started with (--cv or not), or choose another --run-dir")
     created = [d for d in [run_dir, *run_dir.parents] if not d.exists()]  # runs/ and runs/RECIPE/ too, if new
     try:
         run_dir.mkdir(parents=True, exist_ok=True)

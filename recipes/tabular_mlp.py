@@ -640,7 +640,7 @@ def main(
         return
     # K-fold cross-validation: K runs in RUN_DIR/fold-0 ... fold-(K-1), each its own resumable run; a relaunch
     # with --resume auto skips the folds that have finished and resumes the one that was cut short.
-    parent = open_run_dir(RECIPE, run_dir, resume)
+    parent = open_run_dir(RECIPE, run_dir, resume, holds_runs=True)
     scores = [train(**options | {"run_dir": parent.path / f"fold-{k}"}, fold=k) for k in range(cv)]
     name = "val_acc" if "val_acc" in scores[0] else "val_rmse"
     values = np.array([score[name] for score in scores])

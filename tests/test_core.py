@@ -371,7 +371,14 @@ def test_a_run_dir_holding_sub_runs_is_not_overwritten_by_a_fresh_run(tmp_path):
     ckpt.save_checkpoint(fold, {"model": {}, "recipe": "t", "config": {}})
     with pytest.raises(RecipeError, match="already holds checkpoints"):
         open_run_dir("t", run_dir, None)
-    assert open_run_dir("t", run_dir, "auto") == RunFolder(run_dir, None)  # the --cv parent, relaunched
+    assert open_run_dir("t", run_dir, "auto", holds_runs=True) == RunFolder(run_dir, None)  # the --cv parent again
+    # a single run's --resume auto would start afresh beside the folds, and replace their summary
+    with pytest.raises(RecipeError, match=r"holds runs in sub-folders \(.*fold-0.*\), which this command would not"):
+        open_run_dir("t", run_dir, "auto")
+    single = tmp_path / "single"
+    ckpt.save_checkpoint(single / "checkpoints" / "last.pt", {"model": {}, "recipe": "t", "config": {}})
+    with pytest.raises(RecipeError, match=r"holds a single run \(.*single/checkpoints/last.pt\)"):
+        open_run_dir("t", single, "auto", holds_runs=True)  # --cv into a plain run's folder
     with pytest.raises(RecipeError, match="already holds checkpoints, and --resume"):
         ckpt.resume_checkpoint(RunFolder(run_dir, tmp_path / "x.pt", held=fold), "t", {}, load=lambda path, r: {})
 
