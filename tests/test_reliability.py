@@ -46,6 +46,20 @@ def fill(args: list[str], request) -> list[str]:
     return [str(request.getfixturevalue(a[1:-1])) if a.startswith("{") else a for a in args]
 
 
+REFERENCES: dict[str, Path] = {}
+
+
+def reference_run(recipe: str, request) -> Path:
+    """CRASH_RUNS[recipe] trained once without interruption (a subprocess, as the runs it is compared with): its run
+    directory. Shared by the tests of this module: how often a run saves does not change its numbers."""
+    if recipe not in REFERENCES:
+        run_dir = request.getfixturevalue("tmp_path_factory").mktemp(f"reference-{recipe}")
+        result = run_subprocess([f"recipes/{recipe}.py", *fill(CRASH_RUNS[recipe], request), "--run-dir", run_dir])
+        assert result.code == 0, result.stderr
+        REFERENCES[recipe] = run_dir
+    return REFERENCES[recipe]
+
+
 def start(recipe: str, args: list[str]) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, f"recipes/{recipe}.py", *args], cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
@@ -54,8 +68,7 @@ def start(recipe: str, args: list[str]) -> subprocess.Popen:
 @pytest.mark.parametrize("recipe", sorted(CRASH_RUNS))
 def test_sigkill_at_random_moments_then_resume_auto_gives_the_same_weights(recipe, request, tmp_path):
     args = [*fill(CRASH_RUNS[recipe], request), "--checkpoint-every", "1", "--resume", "auto"]
-    reference = run_subprocess([f"recipes/{recipe}.py", *args, "--run-dir", tmp_path / "reference"])
-    assert reference.code == 0, reference.stderr
+    reference = reference_run(recipe, request)
 
     run_dir, rng, kills = tmp_path / "killed", random.Random(recipe), 0
     checkpoint = run_dir / "checkpoints" / "last.pt"
@@ -75,12 +88,12 @@ def test_sigkill_at_random_moments_then_resume_auto_gives_the_same_weights(recip
     assert kills >= 2, "the runs finished before they could be killed: make CRASH_RUNS longer"
     final = run_subprocess([f"recipes/{recipe}.py", *args, "--run-dir", run_dir])
     assert final.code == 0, final.stderr
-    steps = read_metrics(tmp_path / "reference")["steps"]
+    steps = read_metrics(reference)["steps"]
     # resumed after the last kill, or (when the third launch was not killed in time) nothing left to do
     assert "resumed at step" in final.stdout or f"already finished: step {steps} of {steps}" in final.stdout
     assert read_metrics(run_dir)["steps"] == steps
-    assert read_metrics(run_dir)["train_loss"] == read_metrics(tmp_path / "reference")["train_loss"]
-    assert_same_weights(load_weights(tmp_path / "reference" / "checkpoints" / "last.pt"), load_weights(checkpoint))
+    assert read_metrics(run_dir)["train_loss"] == read_metrics(reference)["train_loss"]
+    assert_same_weights(load_weights(reference / "checkpoints" / "last.pt"), load_weights(checkpoint))
 
 
 def test_a_save_torn_by_a_crash_is_ignored(run_inprocess, table_csv, tmp_path):
@@ -103,8 +116,7 @@ def test_ctrl_c_or_sigterm_saves_prints_how_to_resume_and_exits(recipe, signum, 
     """Ctrl-C (SIGINT), or SIGTERM as a scheduler or spot instance sends it before killing a job: a checkpoint
     at the step the run had reached, the command that resumes, and the shell's exit status (128 + signal)."""
     args = [*fill(CRASH_RUNS[recipe], request), "--checkpoint-every", "5"]
-    reference = run_subprocess([f"recipes/{recipe}.py", *args, "--run-dir", tmp_path / "reference"])
-    assert reference.code == 0, reference.stderr
+    reference = reference_run(recipe, request)
 
     run_dir = tmp_path / "interrupted"
     process = start(recipe, [*args, "--run-dir", run_dir])
@@ -128,7 +140,7 @@ def test_ctrl_c_or_sigterm_saves_prints_how_to_resume_and_exits(recipe, signum, 
     resumed = run_subprocess([sys.executable, *command[1:]])
     assert resumed.code == 0, resumed.stderr
     assert f"resumed at step {stopped_at}" in resumed.stdout
-    assert_same_weights(load_weights(tmp_path / "reference" / "checkpoints" / "last.pt"),
+    assert_same_weights(load_weights(reference / "checkpoints" / "last.pt"),
                         load_weights(run_dir / "checkpoints" / "last.pt"))
 
 
