@@ -81,7 +81,7 @@ def tabular_scale(quick: bool, work: Path, recipe: Path = ROOT / "recipes" / "ta
                                   "--run-dir", run_dir, "--device", harness.DEVICE], run_dir)
         figures[rows] = run | {"pandas_read_csv_s": pandas_s}
         path.unlink()
-    floor = torch_floor()
+    floor = torch_floor(runs=1 if quick else 3)
     shown = "; ".join(f"{rows:,} rows: {f['first_step_s']:.1f} s to the first step (pandas.read_csv "
                       f"{f['pandas_read_csv_s']:.1f} s), {f['peak_rss_gb']:.2f} GB, {f['samples_per_s']:,.0f} "
                       "samples/s" for rows, f in figures.items())
@@ -94,18 +94,18 @@ def tabular_scale(quick: bool, work: Path, recipe: Path = ROOT / "recipes" / "ta
             "met": met, "sizes": figures, "torch_floor": floor}
 
 
-def torch_floor() -> dict:
+def torch_floor(runs: int = 3) -> dict:
     """What any PyTorch training script pays before its first step, whatever its data: the interpreter,
     ``import torch``, and the first optimizer (whose construction imports torch._dynamo, about a second on
-    this machine). Median of three fresh processes: seconds from start to exit, and peak RSS."""
+    this machine). Median of ``runs`` fresh processes: seconds from start to exit, and peak RSS."""
     code = ("import torch; from torch import nn; m = nn.Linear(10, 2); o = torch.optim.AdamW(m.parameters()); "
             "m(torch.randn(4, 10)).sum().backward(); o.step(); "
             "from common.resources import peak_rss_bytes; print(peak_rss_bytes())")
-    runs = []
-    for _ in range(3):
+    measured = []
+    for _ in range(runs):
         started = time.perf_counter()
         out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
-        runs.append((time.perf_counter() - started, int(out.stdout.split()[-1]) / 2**30))
-    seconds, rss = sorted(runs)[1]
+        measured.append((time.perf_counter() - started, int(out.stdout.split()[-1]) / 2**30))
+    seconds, rss = sorted(measured)[len(measured) // 2]
     return {"seconds": seconds, "peak_rss_gb": rss}
 
