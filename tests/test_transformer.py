@@ -119,6 +119,17 @@ def test_generation_crops_the_context_to_block_size(use_cache):
         assert seen == [list(range(10)), [10], [11], list(range(6)), [6], [7]]
 
 
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_sampling_runs_in_inference_mode_except_without_the_cache_as_under_fsdp(use_cache, monkeypatch):
+    model, modes, real = tiny_gpt().train(), [], tt.GPT.generate
+    monkeypatch.setattr(tt.GPT, "generate",
+                        lambda *a, **k: modes.append(torch.is_inference_mode_enabled()) or real(*a, **k))
+    vocab = "".join(chr(ord("A") + i) for i in range(50))  # a character per token id
+    text = tt.sample_text(model, vocab, "AB", 5, 1.0, None, 0, torch.device("cpu"), use_cache=use_cache)
+    assert len(text) == 7 and modes == [use_cache] and model.training  # the training mode is given back
+    assert not torch.is_inference_mode_enabled()
+
+
 @pytest.mark.parametrize("attention", ["sdpa", "einsum"])
 def test_greedy_generation_is_the_same_with_and_without_the_kv_cache(attention):
     model = tiny_gpt(attention).eval()

@@ -17,7 +17,8 @@ def kv_cache(quick: bool) -> dict:
 
     def tokens_per_s(use_cache: bool) -> float:
         started = time.perf_counter()
-        model.generate(prompt, new_tokens, top_k=1, use_cache=use_cache)
+        with torch.inference_mode():  # both as the recipe's sample_text runs the cache
+            model.generate(prompt, new_tokens, top_k=1, use_cache=use_cache)
         return new_tokens / (time.perf_counter() - started)
 
     tokens_per_s(True)  # warm-up
