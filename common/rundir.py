@@ -34,11 +34,13 @@ def last_file(run_dir: Path) -> Path | None:
 
 
 def open_run_dir(recipe: str, run_dir: Path | None, resume: str | None,
-                 last_checkpoint: Callable[[Path], Path | None] = last_file, holds_runs: bool = False) -> RunFolder:
+                 last_checkpoint: Callable[[Path], Path | None] = last_file, holds_runs: bool = False,
+                 resumable: bool = True) -> RunFolder:
     """``--run-dir`` (default runs/RECIPE/TIME) and ``--resume`` (a file, or ``auto``: ``last_checkpoint``). A fresh
     run never starts where checkpoints are, so nothing is overwritten; the folder is this process's until its
     command ends (another run is refused it), and removed then if this call made it and it holds no checkpoint.
-    ``holds_runs``: the folder holds runs in sub-folders (--cv's folds), not one of its own."""
+    ``holds_runs``: the folder holds runs in sub-folders (--cv's folds), not one of its own. ``resumable``: False for
+    a command that always starts afresh (--compare), which a refusal then does not tell to resume."""
     if resume == "auto" and run_dir is None:
         raise typer.BadParameter("'auto' looks for checkpoints in --run-dir; give --run-dir too", param_hint="--resume")
     if run_dir is None:
@@ -52,8 +54,8 @@ def open_run_dir(recipe: str, run_dir: Path | None, resume: str | None,
         last = last_checkpoint(run_dir)
         held = last or checkpoint_below(run_dir)
     if resume is None and held is not None:
-        raise RecipeError(f"{run_dir} already holds checkpoints; continue it with --resume auto, or choose another "
-                          "--run-dir")
+        how = "continue it with --resume auto, or choose" if resumable else "this command starts afresh: choose"
+        raise RecipeError(f"{run_dir} already holds checkpoints; {how} another --run-dir")
     if resume == "auto" and held is not None and (last is None) != holds_runs:  # the other kind of run is there
         what = f"runs in sub-folders ({held})" if last is None else f"a single run ({last})"
         raise RecipeError(f"{run_dir} holds {what}, which this command would not continue but start afresh beside: "

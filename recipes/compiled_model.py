@@ -369,7 +369,7 @@ def main(
     elif compare_compiled:
         if resume is not None:
             raise typer.BadParameter("--compare always starts fresh runs", param_hint="--resume")
-        compare(options, open_run_dir(RECIPE, run_dir, None).path)
+        compare(options, open_run_dir(RECIPE, run_dir, None, resumable=False).path)
     else:
         train(**options)
 

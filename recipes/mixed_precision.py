@@ -263,7 +263,7 @@ def main(
     if compare_precisions:
         if resume is not None:
             raise typer.BadParameter("--compare always starts fresh runs", param_hint="--resume")
-        compare(options, open_run_dir(RECIPE, run_dir, None).path, max_slowdown)
+        compare(options, open_run_dir(RECIPE, run_dir, None, resumable=False).path, max_slowdown)
         return
     train(**options)
 

@@ -369,8 +369,10 @@ def test_a_run_dir_holding_sub_runs_is_not_overwritten_by_a_fresh_run(tmp_path):
     run_dir = tmp_path / "cv"
     fold = run_dir / "fold-0" / "checkpoints" / "last.pt"
     ckpt.save_checkpoint(fold, {"model": {}, "recipe": "t", "config": {}})
-    with pytest.raises(RecipeError, match="already holds checkpoints"):
+    with pytest.raises(RecipeError, match="already holds checkpoints; continue it with --resume auto, or choose"):
         open_run_dir("t", run_dir, None)
+    with pytest.raises(RecipeError, match="already holds checkpoints; this command starts afresh: choose another"):
+        open_run_dir("t", run_dir, None, resumable=False)  # --compare, which refuses --resume
     assert open_run_dir("t", run_dir, "auto", holds_runs=True) == RunFolder(run_dir, None)  # the --cv parent again
     # a single run's --resume auto would start afresh beside the folds, and replace their summary
     with pytest.raises(RecipeError, match=r"holds runs in sub-folders \(.*fold-0.*\), which this command would not"):

@@ -90,6 +90,17 @@ def test_mixed_precision_compare_table(run_inprocess, tmp_path):
     assert 0 < rows["bf16"]["max_loss_diff"] < 0.1  # bf16 really ran, and tracks fp32 closely
     for precision in ("fp32", "bf16", "fp16"):
         assert (tmp_path / "cmp" / precision / "checkpoints" / "last.pt").is_file()
+    assert_a_second_compare_is_refused_without_a_hint_to_resume(run_inprocess, "mixed_precision", tmp_path / "cmp")
+
+
+def assert_a_second_compare_is_refused_without_a_hint_to_resume(run_inprocess, recipe: str, run_dir) -> None:
+    """--compare refuses --resume, so its refusal of a folder holding checkpoints must not suggest one."""
+    summary = (run_dir / "metrics.json").read_bytes()
+    again = run_inprocess(recipe, "--compare", "--run-dir", run_dir)
+    assert again.code == 1
+    assert again.stderr == f"error: {run_dir} already holds checkpoints; this command starts afresh: choose another " \
+                           "--run-dir\n"
+    assert (run_dir / "metrics.json").read_bytes() == summary
 
 
 def test_compare_times_the_precisions_interleaved_and_warns_of_a_busy_machine(run_inprocess, tmp_path, monkeypatch):
@@ -144,6 +155,8 @@ def test_compiled_model_matches_eager_and_its_checkpoint_loads_into_a_plain_mode
     assert table["eager"][3] == "-" and table["compiled"][3].endswith(" s")
     assert float(table["eager"][1].replace(",", "")) == pytest.approx(128 / statistics.median(eager), rel=1e-3)
     assert "median (min-max) of 5 interleaved blocks of 10 steps" in result.stdout
+
+    assert_a_second_compare_is_refused_without_a_hint_to_resume(run_inprocess, "compiled_model", tmp_path / "cmp")
 
     state = torch.load(tmp_path / "cmp" / "compiled" / "checkpoints" / "last.pt", weights_only=True)
     assert not any(key.startswith("_orig_mod.") for key in state["model"])
