@@ -265,16 +265,14 @@ def test_the_test_set_is_scored_with_the_weights_best_pt_holds(run_inprocess, mn
     assert metrics["test_loss"] != pytest.approx(scores["last"]["loss"])
 
 
-def test_a_launch_from_another_folder_says_which_folders_it_uses(mnist_dir, tmp_path):
+def test_a_launch_from_another_folder_says_which_folders_it_uses(run_inprocess, mnist_dir, tmp_path, monkeypatch):
     """--data-dir and --run-dir are relative to where a run is launched (as the README says): the header names
     the absolute folders, and runs/ goes where the command ran."""
-    from conftest import ROOT, run_subprocess
-
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     (elsewhere / "digits").symlink_to(mnist_dir)
-    result = run_subprocess([ROOT / "recipes" / "mnist_onecycle.py", "--data-dir", "digits", "--max-steps", 2,
-                             "--batch-size", 32], cwd=elsewhere)
+    monkeypatch.chdir(elsewhere)  # launched from there
+    result = run_inprocess(RECIPE, "--data-dir", "digits", "--max-steps", 2, "--batch-size", 32)
     assert result.code == 0, result.stderr
     run_dir = next((elsewhere / "runs" / RECIPE).iterdir())
     assert f"run_dir {run_dir.resolve()} | device cpu" in result.stdout
@@ -282,11 +280,10 @@ def test_a_launch_from_another_folder_says_which_folders_it_uses(mnist_dir, tmp_
     # the other recipes that read data name it the same way
     (elsewhere / "t.csv").write_text("x,y\n" + "".join(
         f"{i},{'ab'[i % 2]}\n" for i in range(40)))
-    result = run_subprocess([ROOT / "recipes" / "tabular_mlp.py", "--csv", "t.csv", "--target", "y", "--max-steps", 2,
-                             "--run-dir", "r"], cwd=elsewhere)
+    result = run_inprocess("tabular_mlp", "--csv", "t.csv", "--target", "y", "--max-steps", 2, "--run-dir", "r")
     assert result.code == 0 and f"val rows of {(elsewhere / 't.csv').resolve()} | " in result.stdout, result.stderr
     (elsewhere / "t.txt").write_text("hello world, " * 200)
-    result = run_subprocess([ROOT / "recipes" / "tiny_transformer.py", "--text", "t.txt", "--steps", 2, "--n-layer", 1,
-                             "--n-embd", 16, "--n-head", 2, "--block-size", 8, "--batch-size", 2, "--eval-batches", 1,
-                             "--sample-tokens", 2, "--peak-flops", 1e11, "--run-dir", "r2"], cwd=elsewhere)
+    result = run_inprocess("tiny_transformer", "--text", "t.txt", "--steps", 2, "--n-layer", 1, "--n-embd", 16,
+                           "--n-head", 2, "--block-size", 8, "--batch-size", 2, "--eval-batches", 1,
+                           "--sample-tokens", 2, "--peak-flops", 1e11, "--run-dir", "r2")
     assert result.code == 0 and f"val tokens of {(elsewhere / 't.txt').resolve()} | " in result.stdout, result.stderr
