@@ -56,10 +56,14 @@ def open_run_dir(recipe: str, run_dir: Path | None, resume: str | None,
     if resume is None and held is not None:
         how = "continue it with --resume auto, or choose" if resumable else "this command starts afresh: choose"
         raise RecipeError(f"{run_dir} already holds checkpoints; {how} another --run-dir")
-    if resume == "auto" and held is not None and (last is None) != holds_runs:  # the other kind of run is there
-        what = f"runs in sub-folders ({held})" if last is None else f"a single run ({last})"
-        raise RecipeError(f"{run_dir} holds {what}, which this command would not continue but start afresh beside: "
-                          "resume it with the options it was started with (--cv or not), or choose another --run-dir")
+    if resume == "auto" and held is not None:  # the other kind of run may be there: refused, not started beside
+        own = next((run_dir / "checkpoints").rglob("*.pt"), None)  # a run's own, whole or not (best.pt before last.pt)
+        other = own if holds_runs else None if own else held
+        if other is not None:
+            what = f"a single run ({other})" if holds_runs else f"runs in sub-folders ({other})"
+            raise RecipeError(f"{run_dir} holds {what}, which this command would not continue but start afresh "
+                              "beside: resume it with the options it was started with (--cv or not), or choose another "
+                              "--run-dir")
     created = [d for d in [run_dir, *run_dir.parents] if not d.exists()]  # runs/ and runs/RECIPE/ too, if new
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
