@@ -30,11 +30,13 @@ class StopRequest:
     def requested(self) -> bool:
         return self.signal is not None
 
-    def exit(self, step: int, run_dir: Path) -> None:
-        """Once a checkpoint of ``step`` is saved: say how to resume, and exit (SystemExit: clean-ups still run)."""
+    def exit(self, step: int, run_dir: Path | None) -> None:
+        """Once a checkpoint of ``step`` is saved: say how to resume ``run_dir`` (None: a command that always starts
+        afresh, such as a comparison), and exit (SystemExit: clean-ups still run)."""
         if self.requested and launched_as_rank_0():
-            print(f"interrupted at step {step}; checkpoint saved. Resume with:\n  {resume_command(run_dir)}",
-                  flush=True)
+            print(f"interrupted at step {step}; checkpoint saved. Resume with:\n  {resume_command(run_dir)}"
+                  if run_dir else f"interrupted at step {step}; this command always starts afresh: run it again "
+                  "with another --run-dir", flush=True)
         sys.exit(128 + (self.signal or signal.SIGTERM))  # a rank not signalled itself: as if SIGTERMed
 
     def handle(self, signum, frame) -> None:

@@ -96,13 +96,13 @@ class GatedMLP(nn.Module):
 
 
 def train(epochs: int, max_steps: int | None, batch_size: int, lr: float, samples: int, width: int, depth: int,
-          compile: bool, mode: str, dynamic: bool | None, fullgraph: bool, backend: str, seed: int, device: str,
-          precision: str, num_workers: int, run_dir: Path | None, resume: str | None, config_file: Path | None,
-          checkpoint_every: int | None, log_every: int | None, profile: int | None) -> dict:
+          compare_compiled: bool, compile: bool, mode: str, dynamic: bool | None, fullgraph: bool, backend: str,
+          seed: int, device: str, precision: str, num_workers: int, run_dir: Path | None, resume: str | None,
+          config_file: Path | None, checkpoint_every: int | None, log_every: int | None, profile: int | None) -> dict:
     """One training run, eager or compiled, every step timed: the first steps carry the compilation."""
     config = cli.as_config(locals())  # every option: config.json, and what a resume must match
     run = open_run_dir(RECIPE, run_dir, resume)  # never over another run's checkpoints; one run at a time in it
-    checkpoint = resume_checkpoint(run, RECIPE, config)
+    checkpoint = resume_checkpoint(run, RECIPE, config, may_change={"compare_compiled"})
     if already_finished(run, checkpoint, epochs=epochs, max_steps=max_steps):
         return {}
     seed_everything(seed)
@@ -159,14 +159,14 @@ def train(epochs: int, max_steps: int | None, batch_size: int, lr: float, sample
             if step % steps_per_epoch and (stop.requested or checkpoint_every and step % checkpoint_every == 0):
                 checkpoints.save(step)
                 if stop.requested:
-                    stop.exit(step, run.path)
+                    stop.exit(step, None if compare_compiled else run.path)  # --compare starts afresh
         val = evaluate(model, val_loader, loss_fn, device=device, precision=precision)
         log.eval(step, val=val, note="compiled" if compile else "eager")
         if best.improved(val["loss"], step):
             checkpoints.save(step, "best.pt")
         checkpoints.save(step)
         if stop.requested:
-            stop.exit(step, run.path)
+            stop.exit(step, None if compare_compiled else run.path)
 
     metrics = timing(step_seconds)
     if step_seconds:  # none when resumed at the last step, only to finish
@@ -179,8 +179,7 @@ def timing(step_seconds: list[float], warmup: int = 3) -> dict[str, float]:
     (a backward graph is compiled at the first backward), so its excess over steady state is the cost."""
     if not step_seconds:
         return {}
-    steady = sorted(step_seconds[warmup:] or step_seconds)
-    step_s = steady[len(steady) // 2]
+    step_s = statistics.median(step_seconds[warmup:] or step_seconds)
     return {"step_ms": 1000 * step_s, "first_step_s": step_seconds[0],
             "compile_s": max(0.0, sum(step_seconds[:warmup]) - warmup * step_s)}
 
@@ -363,7 +362,7 @@ def main(
     if backend not in torch.compiler.list_backends(exclude_tags=()):
         choices = ", ".join(sorted(torch.compiler.list_backends(exclude_tags=())))
         raise typer.BadParameter(f"{backend!r} is not one of {choices}", param_hint="--backend")
-    options = {name: value for name, value in locals().items() if name not in ("compare_compiled", "traps")}
+    options = {name: value for name, value in locals().items() if name != "traps"}
     if traps:
         show_traps(seed, backend)
     elif compare_compiled:

@@ -88,13 +88,13 @@ def amp_step(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.a
 
 
 def train(epochs: int, max_steps: int | None, batch_size: int, lr: float, samples: int, width: int, depth: int,
-          max_slowdown: float, seed: int, device: str, precision: str, compile: bool, num_workers: int,
-          run_dir: Path | None, resume: str | None, config_file: Path | None, checkpoint_every: int | None,
-          log_every: int | None, profile: int | None) -> dict:
+          compare_precisions: bool, max_slowdown: float, seed: int, device: str, precision: str, compile: bool,
+          num_workers: int, run_dir: Path | None, resume: str | None, config_file: Path | None,
+          checkpoint_every: int | None, log_every: int | None, profile: int | None) -> dict:
     """One training run in ``precision``; returns its metrics and the loss of every step."""
     config = cli.as_config(locals())  # every option: config.json, and what a resume must match
     run = open_run_dir(RECIPE, run_dir, resume)  # never over another run's checkpoints; one run at a time in it
-    checkpoint = resume_checkpoint(run, RECIPE, config, may_change={"max_slowdown"})
+    checkpoint = resume_checkpoint(run, RECIPE, config, may_change={"compare_precisions", "max_slowdown"})
     if already_finished(run, checkpoint, epochs=epochs, max_steps=max_steps):
         return {}
     seed_everything(seed)
@@ -144,14 +144,14 @@ def train(epochs: int, max_steps: int | None, batch_size: int, lr: float, sample
             if step % steps_per_epoch and (stop.requested or checkpoint_every and step % checkpoint_every == 0):
                 checkpoints.save(step)
                 if stop.requested:
-                    stop.exit(step, run.path)
+                    stop.exit(step, None if compare_precisions else run.path)  # --compare starts afresh
         val = evaluate(model, val_loader, nn.CrossEntropyLoss(), device=device, precision=precision)
         log.eval(step, val=val, note=precision)
         if best.improved(val["loss"], step):
             checkpoints.save(step, "best.pt")
         checkpoints.save(step)
         if stop.requested:
-            stop.exit(step, run.path)
+            stop.exit(step, None if compare_precisions else run.path)
     summary = log.finish(step, best.metrics() | ({"scale": scaler.get_scale()} if scaler.is_enabled() else {}))
     return summary | {"losses": torch.stack(losses).tolist() if losses else []}
 
@@ -173,14 +173,15 @@ def seconds_per_step(device: torch.device, precision: str, width: int, depth: in
             seconds.append(time.perf_counter() - start)
     except RuntimeError as err:  # e.g. an autocast dtype the device cannot run
         return float("inf"), str(err).splitlines()[0]
-    return sorted(seconds[1:])[len(seconds[1:]) // 2], ""
+    return statistics.median(seconds[1:]), ""
 
 
 def measure_speed(device: torch.device, width: int, depth: int, batch_size: int, repeats: int = 3,
                   steps: int = 5) -> dict[str, list[float]]:
     """Seconds per step of each precision, interleaved (fp32, bf16, fp16, fp32, ...) and repeated, so that a
     machine whose load drifts slows all alike: each round a fresh model per precision, its median step of
-    ``steps`` after a warm-up. fp16 where it is emulated (no native units) is far slower: 2 steps of it."""
+    ``steps`` after a warm-up. bf16 and fp16 get 2 steps each: where they are emulated (no native units), each
+    is far slower."""
     seconds = {p: [] for p in PRECISIONS}
     for _ in range(repeats):
         for precision in PRECISIONS:
@@ -259,7 +260,7 @@ def main(
     profile: cli.Profile = None,
 ):
     """Train a matmul-bound MLP with autocast (fp32, bf16, fp16), or compare all three."""
-    options = {name: value for name, value in locals().items() if name != "compare_precisions"}
+    options = locals()
     if compare_precisions:
         if resume is not None:
             raise typer.BadParameter("--compare always starts fresh runs", param_hint="--resume")

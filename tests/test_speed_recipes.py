@@ -6,6 +6,7 @@ Their speed targets are measured by benchmarks/run.py, never asserted here.
 import json
 import math
 import re
+import signal
 import statistics
 
 import pytest
@@ -101,6 +102,43 @@ def assert_a_second_compare_is_refused_without_a_hint_to_resume(run_inprocess, r
     assert again.stderr == f"error: {run_dir} already holds checkpoints; this command starts afresh: choose another " \
                            "--run-dir\n"
     assert (run_dir / "metrics.json").read_bytes() == summary
+
+
+@pytest.mark.parametrize(("recipe", "step_function", "timing", "small"), [
+    ("mixed_precision", "amp_step", "seconds_per_step", MP_SMALL),
+    ("compiled_model", "train_step", "measure_speed", CM_SMALL)])
+def test_ctrl_c_in_a_compare_says_to_run_it_again_not_to_resume(run_inprocess, tmp_path, monkeypatch, recipe,
+                                                                step_function, timing, small):
+    """--compare refuses --resume, so a Ctrl-C in one of its runs must not print a command that resumes."""
+    module, steps = load_recipe(recipe), []
+    step = getattr(module, step_function)
+
+    def step_then_ctrl_c(*args, **kwargs):
+        steps.append(1)
+        if len(steps) == 2:
+            signal.raise_signal(signal.SIGINT)  # as a Ctrl-C during the second step
+        return step(*args, **kwargs)
+
+    monkeypatch.setattr(module, step_function, step_then_ctrl_c)
+    monkeypatch.setattr(module, timing, lambda *args, **kwargs: (0.01, ""))  # no timing: the runs are the point
+    result = run_inprocess(recipe, "--compare", *small, "--epochs", 1, "--run-dir", tmp_path / "cmp")
+    assert result.code == 130, result.stderr
+    assert result.stdout.splitlines()[-1] == ("interrupted at step 2; this command always starts afresh: run it "
+                                              "again with another --run-dir")
+    assert "--resume" not in result.stdout
+    first = "fp32" if recipe == "mixed_precision" else "eager"
+    saved = torch.load(tmp_path / "cmp" / first / "checkpoints" / "last.pt", weights_only=True)
+    assert saved["step"] == 2  # the step it stopped at was saved all the same
+
+
+def test_a_step_time_is_the_median_of_the_timed_steps_also_of_an_even_count(monkeypatch):
+    """bf16 and fp16 are timed over 2 steps: the upper of two is their maximum, not their median."""
+    clock = iter([0, 1, 10, 12, 20, 24, 30, 31, 40, 46])  # a warm-up step of 1 s, then steps of 2, 4, 1 and 6 s
+    mixed, compiled = load_recipe("mixed_precision"), load_recipe("compiled_model")
+    monkeypatch.setattr(mixed, "time", type("Clock", (), {"perf_counter": staticmethod(lambda: next(clock))}))
+    monkeypatch.setattr(mixed, "amp_step", lambda *args, **kwargs: None)
+    assert mixed.seconds_per_step(torch.device("cpu"), "bf16", 8, 1, 4, steps=2) == (3.0, "")
+    assert compiled.timing([5.0, 1.0, 2.0, 4.0, 1.0, 6.0], warmup=2)["step_ms"] == 3000.0  # median of 2 4 1 6
 
 
 def test_compare_times_the_precisions_interleaved_and_warns_of_a_busy_machine(run_inprocess, tmp_path, monkeypatch):
