@@ -307,6 +307,40 @@ def test_resumed_run_ends_with_the_same_weights(run_inprocess, text_file, tmp_pa
                         load_weights(tmp_path / "cut" / "checkpoints" / "last.pt"))
 
 
+def test_validation_runs_in_micro_batches_no_larger_than_training(run_inprocess, text_file, tmp_path, monkeypatch):
+    """--grad-accum lowers a step's memory; evaluation must not then run grad_accum x the rows in one forward."""
+    rows = []
+    evaluate = tt.evaluate
+    monkeypatch.setattr(tt, "evaluate", lambda model, batches, *args, **kwargs: evaluate(
+        model, [rows.append(len(batch[0])) or batch for batch in batches], *args, **kwargs))
+    result = run_inprocess(RECIPE, "--text", text_file, *SMALL, "--grad-accum", 4, "--steps", 2, "--eval-every", 2,
+                           "--peak-flops", 1e11, "--run-dir", tmp_path / "run")
+    assert result.code == 0, result.stderr
+    assert rows == [8] * 8  # --eval-batches 2 of 4 x 8 rows each, in micro-batches of --batch-size 8
+
+
+def test_ddp_leaves_the_constant_masks_unsent(run_inprocess, text_file, tmp_path, monkeypatch):
+    """DDP broadcasts rank 0's buffers before every forward unless told not to; the causal masks never change."""
+    import socket
+
+    wrapped = []
+    init = tt.DistributedDataParallel.__init__
+    monkeypatch.setattr(tt.DistributedDataParallel, "__init__",
+                        lambda self, *args, **kwargs: wrapped.append(self) or init(self, *args, **kwargs))
+    with socket.socket() as free:  # torchrun's environment for one process
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    monkeypatch.setattr(tt, "leave_process_group", tt.dist.destroy_process_group)  # not os._exit: this is pytest
+    for name, value in {"RANK": 0, "LOCAL_RANK": 0, "WORLD_SIZE": 1, "LOCAL_WORLD_SIZE": 1,
+                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}.items():
+        monkeypatch.setenv(name, str(value))
+    result = run_inprocess(RECIPE, "--text", text_file, *SMALL, "--steps", 2, "--eval-every", 2, "--parallel", "ddp",
+                           "--peak-flops", 1e11, "--run-dir", tmp_path / "run")
+    assert result.code == 0, result.stderr
+    assert len(wrapped) == 1 and wrapped[0].forward_sync_buffers is False
+    assert [name for name, _ in wrapped[0].module.named_buffers()] == [f"blocks.{i}.attn.causal_mask" for i in (0, 1)]
+
+
 @pytest.mark.parametrize(
     ("content", "message"),
     [
