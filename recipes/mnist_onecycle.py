@@ -351,8 +351,8 @@ def main(
         train_loader.sampler.set_epoch(epoch)  # a new shuffle every epoch
         for images, labels in batches_left(train_loader, step, total_steps):
             current_lr = scheduler.get_last_lr()[-1]  # the head's rate for this step (train_step then advances it)
-            if augment:
-                images = augment_digits(images, augment_generator(seed, step))
+            if augment:  # on the device: one batched warp, and a pinned batch still copies asynchronously
+                images = augment_digits(images.to(device, non_blocking=True), augment_generator(seed, step))
             stats = train_step(model, optimizer, loss_fn, [(images, labels)], device=device,
                                precision=precision, scaler=scaler, scheduler=scheduler)
             if ema:
