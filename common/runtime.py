@@ -56,7 +56,8 @@ def resolve_device(name: str) -> torch.device:
 
 
 def seed_everything(seed: int) -> None:
-    """Seed python and torch (CPU and every CUDA device). Under DDP pass seed + rank."""
+    """Seed python and torch (CPU and every CUDA device). The DDP and FSDP recipes pass the same seed on every
+    rank: a resume restores rank 0's random streams on all of them."""
     random.seed(seed)
     torch.manual_seed(seed)
 

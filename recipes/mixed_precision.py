@@ -1,10 +1,10 @@
 """Mixed precision: the same training in fp32, bf16 and fp16 autocast, and what each one buys.
 
-What it teaches: ``torch.autocast`` runs matmuls in a 16-bit type while weights, optimizer state and
-reductions stay fp32. fp16 has 5 exponent bits: small gradients underflow to zero, so it needs a
-``GradScaler`` (scale the loss up, unscale the gradients before clipping, skip a step whose gradients
-overflowed, then lower the scale). bf16 keeps fp32's 8 exponent bits and only shortens the mantissa, so
-its gradients do not underflow and it needs no scaler.
+What it teaches: ``torch.autocast`` runs matmuls in a 16-bit type while weights and optimizer state stay
+fp32. fp16 has 5 exponent bits: small gradients underflow to zero, so it needs a ``GradScaler`` (scale the
+loss up, unscale the gradients before clipping, skip a step whose gradients overflowed, then lower the
+scale). bf16 keeps fp32's 8 exponent bits and only shortens the mantissa, so its gradients do not underflow
+and it needs no scaler.
 
 The model is a wide MLP (784 -> 1024 -> 1024 -> 1024 -> 10) at batch 512: nearly all its time is in
 matrix multiplies, which is the only place 16-bit arithmetic is faster; element-wise work and the fp32
@@ -70,8 +70,9 @@ def amp_step(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.a
     """
     inputs, targets = to_device(batch, device)
     optimizer.zero_grad(set_to_none=True)
-    # Inside autocast, matmuls run in the 16-bit type; softmax, norms and reductions stay fp32 (autocast's op
-    # lists). The weights stay fp32: autocast casts a copy per op, so the optimizer updates full-precision values.
+    # Inside autocast, matmuls run in the 16-bit type. Which ops it keeps in fp32 is a list per device: on CUDA
+    # softmax, norms and losses; on a CPU fewer (the loss, but not softmax or layer norm). The weights stay fp32:
+    # autocast casts a copy per op, so the optimizer updates full-precision values.
     with torch.autocast(device.type, dtype=PRECISION_DTYPES[precision], enabled=precision != "fp32"):
         loss = nn.functional.cross_entropy(model(inputs), targets)
     # fp16 only: multiply the loss by the scale (65,536 at first) so that small gradients do not underflow to 0
