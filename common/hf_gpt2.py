@@ -114,7 +114,7 @@ def read_tensors(path: Path) -> dict[str, torch.Tensor]:
         try:
             tensors |= load_file(file)
         except (SafetensorError, OSError, ValueError, RuntimeError) as err:
-            reason = getattr(err, "strerror", None) or str(err).strip().splitlines()[0][:200]
+            reason = getattr(err, "strerror", None) or (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
             raise RecipeError(f"{file} is damaged or not a safetensors file ({reason}); download it again") from None
     return tensors
 

@@ -29,7 +29,7 @@ from transformers import AutoTokenizer, GPT2LMHeadModel
 
 from common import hf_gpt2
 from common.checkpoint import load_model_state
-from common.cli import run_recipe
+from common.cli import RecipeError, run_recipe
 from scripts import export
 
 RECIPE = "tiny_transformer"
@@ -428,3 +428,15 @@ def test_a_plain_run_never_imports_transformers_tokenizers_or_safetensors():
              "print([m for m in ('transformers', 'tokenizers', 'safetensors') if m in sys.modules])")
     result = run_subprocess([sys.executable, "-c", probe], cwd=ROOT)
     assert result.code == 0 and result.stdout.strip() == "[]", result.stdout + result.stderr
+
+
+def test_a_safetensors_error_without_a_message_is_still_one_line(tmp_path, monkeypatch):
+    """safetensors may raise with an empty message: the one-line error names the error's type instead."""
+    import safetensors.torch
+
+    from common.hf_gpt2 import read_tensors
+
+    (tmp_path / "model.safetensors").write_bytes(b"x")
+    monkeypatch.setattr(safetensors.torch, "load_file", lambda file: (_ for _ in ()).throw(ValueError("")))
+    with pytest.raises(RecipeError, match=r"model.safetensors is damaged or not a safetensors file \(ValueError\)"):
+        read_tensors(tmp_path)
