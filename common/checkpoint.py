@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from common.cli import RecipeError, option_name
+from common.cli import DERIVED_KEYS, RecipeError, option_name
 from common.rundir import RunFolder
 from common.runtime import unwrap
 
@@ -51,8 +51,9 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def load_checkpoint(path: Path, recipe: str) -> dict:
-    """A checkpoint written by ``recipe``; any problem is one RecipeError saying what to do."""
+def load_checkpoint(path: Path, recipe: str, entry: str = "model") -> dict:
+    """A checkpoint written by ``recipe`` (a dict with an ``entry``); any problem is one RecipeError saying what to
+    do."""
     if not path.is_file():
         raise RecipeError(f"checkpoint {path} {'is a directory' if path.is_dir() else 'does not exist'}")
     try:
@@ -64,8 +65,8 @@ def load_checkpoint(path: Path, recipe: str) -> dict:
         reason = (f"it refers to Python code ({code.group(1)}) that safe loading refuses to run" if code
                   else "it is corrupt, truncated, or not a PyTorch checkpoint")
         raise RecipeError(f"cannot load checkpoint {path}: {reason}") from None
-    if not isinstance(state, dict) or "model" not in state:
-        raise RecipeError(f"{path} is not a training checkpoint of this project (no 'model' entry)")
+    if not isinstance(state, dict) or entry not in state:
+        raise RecipeError(f"{path} is not a training checkpoint of this project (no {entry!r} entry)")
     if state.get("recipe") != recipe:
         raise RecipeError(f"{path} was written by recipe {state.get('recipe')!r}, not {recipe!r}")
     return state
@@ -108,9 +109,8 @@ def restore_rng_state(state: dict, loader_generator: torch.Generator | None = No
 
 
 # Options that only say where and how fast to run (or only cut a run short): a resume may change them.
-MAY_CHANGE = {"max_steps", "run_dir", "resume", "checkpoint_every", "log_every", "num_workers", "device", "compile",
-              "data_dir", "config_file", "precision", "precision_reason", "profile", "peak_flops_used", "peak_source",
-              "attention_used", "num_embedding_used"}
+MAY_CHANGE = DERIVED_KEYS | {"max_steps", "run_dir", "resume", "checkpoint_every", "log_every", "num_workers", "device",
+                            "compile", "data_dir", "config_file", "precision", "profile"}
 
 
 def check_same_run(checkpoint: dict, source: Path, config: dict, may_change: set[str] = frozenset()) -> None:

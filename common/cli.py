@@ -91,11 +91,12 @@ KeepBest = Annotated[int, typer.Option(min=1, help="Keep the K best checkpoints 
 Patience = Annotated[int | None, typer.Option(min=1, help="Stop after N evaluations without a better score.")]
 
 
-# What config.json records beside the options: where and how the run ran, and settings a recipe derives (the
-# fold of a cross-validation, MFU's denominator)
-RECORD_KEYS = {"run_dir", "resume", "config_file", "recipe", "torch_version", "device_used", "world_size", "tf32",
-               "checkpoint_format", "precision_reason", "fold", "peak_flops_used", "peak_source", "attention_used",
-               "num_embedding_used"}
+# Settings a recipe derives from its options and the machine (MFU's denominator, say): recorded, and free to differ
+# on a resume
+DERIVED_KEYS = {"precision_reason", "peak_flops_used", "peak_source", "attention_used", "num_embedding_used"}
+# What config.json records beside the options: where and how the run ran, the fold of a cross-validation
+RECORD_KEYS = DERIVED_KEYS | {"recipe", "torch_version", "device_used", "world_size", "tf32", "checkpoint_format",
+                             "fold"}
 
 
 def replay(ctx: typer.Context, path: Path | None) -> Path | None:

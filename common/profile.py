@@ -60,10 +60,9 @@ class StepProfiler:
             return
         tensorboard_trace_handler(str(self.run_dir))(profiler)
         medians = {phase: statistics.median(v) for phase, v in self.table.items()}
-        total = sum(medians.values())
         lines = [f"profile of {len(steps)} steps (trace in {self.run_dir}): milliseconds per step, median",
                  "  " + "  ".join(f"{phase:>9}" for phase in PHASES) + f"  {'total':>9}",
-                 "  " + "  ".join(f"{statistics.median(v):9.2f}" for v in self.table.values()) + f"  {total:9.2f}",
+                 "  " + "  ".join(f"{ms:9.2f}" for ms in medians.values()) + f"  {sum(medians.values()):9.2f}",
                  "top operators by self time:"]
         top = sorted(profiler.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)[:8]
         operators = {e.key: e.self_cpu_time_total / 1000 / len(steps) for e in top}

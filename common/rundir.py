@@ -52,7 +52,7 @@ def open_run_dir(recipe: str, run_dir: Path | None, resume: str | None,
     last = held = None
     if run_dir.is_dir():
         last = last_checkpoint(run_dir)
-        held = last or checkpoint_below(run_dir)
+        held = last or next(run_dir.rglob("*.pt"), None)  # --cv and --compare: runs in sub-folders
     if resume is None and held is not None:
         how = "continue it with --resume auto, or choose" if resumable else "this command starts afresh: choose"
         raise RecipeError(f"{run_dir} already holds checkpoints; {how} another --run-dir")
@@ -107,13 +107,8 @@ def hold(run_dir: Path) -> int | None:
                       "--run-dir")
 
 
-def checkpoint_below(run_dir: Path) -> Path | None:
-    """A checkpoint anywhere in the folder: --cv and --compare keep their runs in sub-folders."""
-    return next(run_dir.rglob("*.pt"), None)
-
-
 def release(run_dir: Path, lock: int | None, created: list[Path]) -> None:
-    if created and checkpoint_below(run_dir) is None:
+    if created and next(run_dir.rglob("*.pt"), None) is None:
         shutil.rmtree(run_dir, ignore_errors=True)  # a mistake, or a crash before the first save: no empty folders
         remove_empty(created[1:])  # and the folders made to hold it
     if lock is not None:

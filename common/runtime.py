@@ -194,15 +194,13 @@ def device_peak_flops(device: torch.device, dtype: torch.dtype = torch.float32) 
     known (MFU's usual denominator), else ``measure_matmul_flops`` (an achievable peak: MFU reads higher
     than against a datasheet). fp32 on CUDA counts TF32 only when it is switched on (off by default)."""
     device = torch.device(device)
-    where = device.type
-    if device.type == "cuda":
-        where = name = torch.cuda.get_device_name(device)
-        tf32 = torch.get_float32_matmul_precision() != "highest"  # also follows allow_tf32
-        figure = datasheet_peak(name, dtype, tf32)
-        if figure is not None:
-            kind = "tf32" if dtype == torch.float32 and tf32 else precision_name(dtype)
-            return figure, f"datasheet: {name}, {kind} dense"
-    return measured_peak(device, dtype, where)
+    if device.type != "cuda":
+        return measured_peak(device, dtype, device.type)
+    name = torch.cuda.get_device_name(device)
+    tf32 = torch.get_float32_matmul_precision() != "highest"  # also follows allow_tf32
+    if (figure := datasheet_peak(name, dtype, tf32)) is None:
+        return measured_peak(device, dtype, name)
+    return figure, f"datasheet: {name}, {'tf32' if dtype == torch.float32 and tf32 else precision_name(dtype)} dense"
 
 
 def measured_peak(device: torch.device, dtype: torch.dtype, where: str) -> tuple[float, str]:

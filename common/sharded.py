@@ -76,14 +76,7 @@ def load_trainer_state(path: Path, recipe: str) -> dict:
         return load_checkpoint(path, recipe)
     if not (path / ".metadata").is_file() or not (path / "trainer.pt").is_file():
         raise RecipeError(f"{path} is not a complete sharded checkpoint (no .metadata or trainer.pt)")
-    try:
-        state = torch.load(path / "trainer.pt", map_location="cpu", weights_only=True)
-    except Exception:
-        raise RecipeError(f"cannot load {path / 'trainer.pt'}: it is corrupt or not a checkpoint") from None
-    if not isinstance(state, dict) or state.get("recipe") != recipe:
-        raise RecipeError(f"{path} was written by recipe {state.get('recipe') if isinstance(state, dict) else None!r}, "
-                          f"not {recipe!r}")
-    return {**state, "sharded": True}
+    return {**load_checkpoint(path / "trainer.pt", recipe, entry="step"), "sharded": True}
 
 
 def load_sharded(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
@@ -97,11 +90,8 @@ def load_sharded(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer 
     try:
         with quiet_single_process():
             dcp.load(state, checkpoint_id=path)
-    except (Exception, CheckpointException) as err:  # DCP's CheckpointException is a BaseException...
-        failures = err.failures.values() if isinstance(err, CheckpointException) else []
-        interrupted = [e for e, _ in failures if isinstance(e, KeyboardInterrupt | SystemExit)]
-        if interrupted:  # ...that also wraps a Ctrl-C during the load: that is no damaged checkpoint
-            raise interrupted[0] from None
+    except (Exception, CheckpointException) as err:  # DCP's CheckpointException is a BaseException
+        raise_if_interrupted(err)  # a Ctrl-C during the load: that is no damaged checkpoint
         reason = (str(err).strip().splitlines() or [type(err).__name__])[-1][:300]  # DCP's: a traceback; its last line
         raise RecipeError(f"checkpoint {path} does not fit this model or optimizer, or is damaged: {reason}") from None
     finally:
@@ -219,14 +209,19 @@ def clear_unfinished(dcp_dir: Path) -> None:
         shutil.rmtree(stale, ignore_errors=True)
 
 
+def raise_if_interrupted(err: BaseException) -> None:
+    """DCP's CheckpointException holds each failing rank's exception: a Ctrl-C (or exit) among them is raised."""
+    causes = [e for e, _ in err.failures.values()] if isinstance(err, CheckpointException) else []
+    interrupted = [e for e in causes if isinstance(e, KeyboardInterrupt | SystemExit)]
+    if interrupted:
+        raise interrupted[0] from None
+
+
 def failure(err: BaseException) -> OSError:
-    """The OSError behind a failed save: DCP's CheckpointException holds each failing rank's exception (a
-    Ctrl-C among them is re-raised: no failed save)."""
+    """The OSError behind a failed save (a Ctrl-C wrapped in DCP's CheckpointException is raised: no failed save)."""
+    raise_if_interrupted(err)
     if not isinstance(err, CheckpointException):
         return err
     causes = [e for e, _ in err.failures.values()]
-    for cause in causes:
-        if isinstance(cause, KeyboardInterrupt | SystemExit):
-            raise cause
     return next((e for e in causes if isinstance(e, OSError)), OSError(str(causes[0]) if causes else str(err)))
 

@@ -100,9 +100,10 @@ def train(epochs: int, max_steps: int | None, batch_size: int, lr: float, sample
           seed: int, device: str, precision: str, num_workers: int, run_dir: Path | None, resume: str | None,
           config_file: Path | None, checkpoint_every: int | None, log_every: int | None, profile: int | None) -> dict:
     """One training run, eager or compiled, every step timed: the first steps carry the compilation."""
-    config = cli.as_config(locals())  # every option: config.json, and what a resume must match
+    # every option: config.json, and what a resume must match (a run of a --compare replays as one run)
+    config = cli.as_config({k: v for k, v in locals().items() if k != "compare_compiled"})
     run = open_run_dir(RECIPE, run_dir, resume)  # never over another run's checkpoints; one run at a time in it
-    checkpoint = resume_checkpoint(run, RECIPE, config, may_change={"compare_compiled"})
+    checkpoint = resume_checkpoint(run, RECIPE, config)
     if already_finished(run, checkpoint, epochs=epochs, max_steps=max_steps):
         return {}
     seed_everything(seed)

@@ -93,9 +93,10 @@ def train(epochs: int, max_steps: int | None, batch_size: int, lr: float, sample
           num_workers: int, run_dir: Path | None, resume: str | None, config_file: Path | None,
           checkpoint_every: int | None, log_every: int | None, profile: int | None) -> dict:
     """One training run in ``precision``; returns its metrics and the loss of every step."""
-    config = cli.as_config(locals())  # every option: config.json, and what a resume must match
+    # every option: config.json, and what a resume must match (a run of a --compare replays as one run)
+    config = cli.as_config({k: v for k, v in locals().items() if k != "compare_precisions"})
     run = open_run_dir(RECIPE, run_dir, resume)  # never over another run's checkpoints; one run at a time in it
-    checkpoint = resume_checkpoint(run, RECIPE, config, may_change={"compare_precisions", "max_slowdown"})
+    checkpoint = resume_checkpoint(run, RECIPE, config, may_change={"max_slowdown"})
     if already_finished(run, checkpoint, epochs=epochs, max_steps=max_steps):
         return {}
     seed_everything(seed)

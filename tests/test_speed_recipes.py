@@ -129,6 +129,8 @@ def test_ctrl_c_in_a_compare_says_to_run_it_again_not_to_resume(run_inprocess, t
     first = "fp32" if recipe == "mixed_precision" else "eager"
     saved = torch.load(tmp_path / "cmp" / first / "checkpoints" / "last.pt", weights_only=True)
     assert saved["step"] == 2  # the step it stopped at was saved all the same
+    config = json.loads((tmp_path / "cmp" / first / "config.json").read_text())
+    assert not [key for key in config if key.startswith("compare")]  # its --config-file replays it as one run
 
 
 def test_a_step_time_is_the_median_of_the_timed_steps_also_of_an_even_count(monkeypatch):
