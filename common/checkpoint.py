@@ -6,6 +6,7 @@ which rebuilds only tensors and plain containers: a pickle that would run code i
 saved unwrapped (no ``module.`` or ``_orig_mod.`` prefixes): a compiled or DDP run's loads into a plain model.
 """
 
+import math
 import os
 import random
 import re
@@ -137,6 +138,8 @@ def resume_checkpoint(run: RunFolder, recipe: str, config: dict, may_change: set
         raise RecipeError(f"{run.path} already holds checkpoints, and --resume {run.resume_from} is not its last one: "
                           "going on from it there would overwrite them. Continue that run with --resume auto, or go on "
                           f"from {run.resume_from} in another --run-dir")
+    if run.path.resolve() not in run.resume_from.resolve().parents:  # another run's: its best.pt stays with it
+        checkpoint |= {"best": {"score": math.nan, "step": 0}, "kept": {"kept": []}}  # this folder's are its own
     return checkpoint
 
 
@@ -221,7 +224,8 @@ class Checkpointer:
             for name, part in self.parts.items():
                 part.load_state_dict(checkpoint[name])
             restore_rng_state(checkpoint["rng"], self.loader_generator, self.device)
-            return checkpoint["step"]
+            self.last_step = checkpoint["step"]  # a failed save then names it as the checkpoint left intact
+            return self.last_step
         except (KeyError, TypeError, ValueError, AttributeError, RuntimeError) as err:
             raise RecipeError(f"checkpoint {source} lacks part of the training state, or holds it in another form "
                               f"({type(err).__name__}: {err}): another version of this recipe wrote it") from None

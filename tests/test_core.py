@@ -517,6 +517,25 @@ def can_mount_tmpfs(path: Path) -> bool:
                                                 capture_output=True).returncode == 0
 
 
+def test_a_save_that_fails_after_a_resume_names_the_checkpoint_it_resumed_from_as_intact(tmp_path, monkeypatch):
+    run = Logged(tmp_path / "run", steps=10)
+    run.train(stats(0.5))
+    run.checkpoints.save(run.step)
+    last = tmp_path / "run" / "checkpoints" / "last.pt"
+    model = tiny_model()
+    resumed = ckpt.Checkpointer(RunFolder(tmp_path / "run", last, last), "t", {}, model=model,
+                                optimizer=torch.optim.SGD(model.parameters(), lr=0.1), parts={"log": run.log})
+    assert resumed.restore(ckpt.load_checkpoint(last, "t")) == 1
+
+    def no_space(*args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(torch, "save", no_space)
+    with pytest.raises(RecipeError, match=r"No space left on device; the previous checkpoint \(step 1\) is intact$"):
+        resumed.save(2)
+    run.log.writer.close()
+
+
 def test_a_full_disk_is_one_line_and_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
     disk = tmp_path / "small-disk"
     mounted = can_mount_tmpfs(disk)

@@ -1,12 +1,14 @@
 """The run directory: one run at a time in it, no empty folder left by a failed run, and a finished run known
 before any data is loaded."""
 
+import json
 import signal
 import subprocess
 import sys
 import time
 
 import pytest
+import torch
 from conftest import ROOT, read_metrics, write_table
 
 from common.cli import RecipeError
@@ -131,3 +133,23 @@ def test_a_resumed_loop_goes_on_where_it_stopped(step, total, epochs, batches):
     loader = Loader(10)
     assert list(batches_left(loader, step, total)) == batches
     assert loader.sampler.skip == 0  # put back for the next epoch
+
+
+def test_a_run_resumed_from_another_folders_checkpoint_makes_its_own_best_pt_and_finishes(run_inprocess, mnist_dir,
+                                                                                         tmp_path, monkeypatch):
+    """mnist_onecycle scores its test set with best.pt at the end: a run continued in a new folder from another's
+    last.pt must have one there, chosen among its own evaluations (here none beats the first folder's best), while
+    the first folder keeps its own."""
+    from conftest import load_recipe
+
+    common = ["mnist_onecycle", "--data-dir", mnist_dir, "--batch-size", 64, "--epochs", 1]
+    assert run_inprocess(*common, "--max-steps", 2, "--run-dir", tmp_path / "first").code == 0
+    first_best = (tmp_path / "first" / "checkpoints" / "best.pt").read_bytes()
+    monkeypatch.setattr(load_recipe("mnist_onecycle"), "evaluate", lambda *args, **kwargs: {"loss": 9.0, "acc": 0.0})
+    resumed = run_inprocess(*common, "--resume", tmp_path / "first" / "checkpoints" / "last.pt",
+                            "--run-dir", tmp_path / "second")
+    assert resumed.code == 0, resumed.stderr
+    metrics = json.loads((tmp_path / "second" / "metrics.json").read_text())
+    best = torch.load(tmp_path / "second" / "checkpoints" / "best.pt", weights_only=True)
+    assert metrics["best_step"] == best["step"] > 2 and metrics["best_val_acc"] == 0.0
+    assert (tmp_path / "first" / "checkpoints" / "best.pt").read_bytes() == first_best
