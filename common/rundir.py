@@ -50,9 +50,15 @@ def open_run_dir(recipe: str, run_dir: Path | None, resume: str | None,
                 break
             run_dir = base.with_name(f"{base.name}-{n}")
     last = held = None
+    foreign = []  # a config.json or metrics.json that no run of this recipe wrote: a model's folder, a project's
     if run_dir.is_dir():
         last = last_checkpoint(run_dir)
         held = last or next(run_dir.rglob("*.pt"), None)  # --cv and --compare: runs in sub-folders
+        foreign = [name for name in ("config.json", "metrics.json") if recorded_recipe(run_dir / name) not in
+                   (recipe, None)]
+    if held is None and foreign:
+        raise RecipeError(f"{run_dir} holds a {' and a '.join(foreign)} that no {recipe} run wrote, which this run "
+                          "would overwrite: choose another --run-dir")
     if resume is None and held is not None:
         how = "continue it with --resume auto, or choose" if resumable else "this command starts afresh: choose"
         raise RecipeError(f"{run_dir} already holds checkpoints; {how} another --run-dir")
@@ -73,6 +79,17 @@ def open_run_dir(recipe: str, run_dir: Path | None, resume: str | None,
     lock = hold(run_dir)
     on_exit(lambda: release(run_dir, lock, created))
     return RunFolder(run_dir, last if resume == "auto" else Path(resume) if resume else None, held)
+
+
+def recorded_recipe(path: Path) -> str | None:
+    """The recipe a run's config.json or metrics.json names; "" for another file there; None: no such file."""
+    try:
+        saved = json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError):
+        return ""
+    return saved.get("recipe", "") if isinstance(saved, dict) else ""
 
 
 def why_not_written(path: Path, err: OSError) -> str:

@@ -153,3 +153,28 @@ def test_a_run_resumed_from_another_folders_checkpoint_makes_its_own_best_pt_and
     best = torch.load(tmp_path / "second" / "checkpoints" / "best.pt", weights_only=True)
     assert metrics["best_step"] == best["step"] > 2 and metrics["best_val_acc"] == 0.0
     assert (tmp_path / "first" / "checkpoints" / "best.pt").read_bytes() == first_best
+
+
+MP_TINY = ["--epochs", 1, "--max-steps", 2, "--samples", 128, "--batch-size", 64, "--width", 16, "--depth", 1]
+
+
+def test_a_folder_with_files_no_run_of_the_recipe_wrote_is_not_overwritten(run_inprocess, tmp_path):
+    """--run-dir at a model's folder (Hugging Face's config.json) or a project's: refused, its files untouched; a
+    folder where a run of the same recipe failed before its first checkpoint is started again."""
+    model = tmp_path / "gpt2"
+    model.mkdir()
+    (model / "config.json").write_text('{"model_type": "gpt2", "n_layer": 12}')
+    (model / "metrics.json").write_text("not json")
+    result = run_inprocess("mixed_precision", *MP_TINY, "--run-dir", model)
+    assert result.code == 1
+    assert result.stderr == (f"error: {model} holds a config.json and a metrics.json that no mixed_precision run "
+                             "wrote, which this run would overwrite: choose another --run-dir\n")
+    assert (model / "config.json").read_text() == '{"model_type": "gpt2", "n_layer": 12}'
+    assert sorted(p.name for p in model.iterdir()) == ["config.json", "metrics.json"]
+
+    failed = tmp_path / "failed"
+    failed.mkdir()
+    (failed / "config.json").write_text(json.dumps({"recipe": "mixed_precision", "lr": 1.0}))
+    again = run_inprocess("mixed_precision", *MP_TINY, "--run-dir", failed)
+    assert again.code == 0, again.stderr
+    assert json.loads((failed / "config.json").read_text())["lr"] == 1e-3
