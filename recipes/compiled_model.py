@@ -364,6 +364,8 @@ def main(
         choices = ", ".join(sorted(torch.compiler.list_backends(exclude_tags=())))
         raise typer.BadParameter(f"{backend!r} is not one of {choices}", param_hint="--backend")
     options = {name: value for name, value in locals().items() if name != "traps"}
+    if traps and compare_compiled:
+        raise typer.BadParameter("--traps and --compare are two commands: give one of them", param_hint="--traps")
     if traps:
         show_traps(seed, backend)
     elif compare_compiled:

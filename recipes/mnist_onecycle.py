@@ -288,6 +288,9 @@ def main(
     if predict or more_images:
         predict_command(predict or [], more_images or [], resume, device)
         return
+    if backbone_lr_scale != 0.1 and finetune is None:  # given (0.1 is its default), it would do nothing
+        raise typer.BadParameter("sets the rate of the layers --finetune loads: give --finetune too",
+                                 param_hint="--backbone-lr-scale")
     config = cli.as_config(locals())  # every option: config.json, and what a resume must match
     run = open_run_dir(RECIPE, run_dir, resume)  # never over another run's checkpoints; one run at a time in it
     checkpoint = resume_checkpoint(run, RECIPE, config, may_change={"finetune"})

@@ -177,6 +177,12 @@ def test_finetune_starts_from_the_backbone_with_its_own_learning_rate(run_inproc
                                atol=0.05, rtol=0)
 
 
+def test_a_backbone_rate_without_finetune_is_a_usage_error(run_inprocess, tmp_path):
+    result = run_inprocess("mnist_onecycle", "--backbone-lr-scale", 0.5, "--run-dir", tmp_path / "run")
+    assert result.code == 2 and "--backbone-lr-scale: sets the rate of the layers --finetune loads" in result.stderr
+    assert not (tmp_path / "run").exists()
+
+
 def test_finetune_from_another_recipe_is_refused(run_inprocess, mnist_dir, table_csv, tmp_path):
     assert run_inprocess("tabular_mlp", "--csv", table_csv, "--target", "label", "--epochs", 1,
                          "--run-dir", tmp_path / "tab").code == 0

@@ -219,6 +219,11 @@ def test_traps_count_recompilations_and_graph_breaks(run_inprocess):
     assert (int(table["fenced"][0]), int(table["fenced"][1])) == (2, 1)
 
 
+def test_traps_and_compare_together_are_a_usage_error(run_inprocess):
+    result = run_inprocess("compiled_model", "--traps", "--compare")
+    assert result.code == 2 and "Invalid value for --traps: --traps and --compare are two commands" in result.stderr
+
+
 def test_unknown_backend_is_a_usage_error(run_inprocess):
     result = run_inprocess("compiled_model", "--backend", "turbo")
     assert result.code == 2
