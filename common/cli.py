@@ -133,9 +133,18 @@ class Command(NamedTuple):
 
     options: dict[str, str]  # parameter -> option, e.g. csv_path -> --csv: for messages about options
     cleanup: ExitStack  # what to release when the command ends, however it ends
+    argv: list[str]  # its arguments
 
 
 RUNNING: ContextVar[Command | None] = ContextVar("RUNNING", default=None)
+
+
+def option_given(param: str) -> bool:
+    """Whether the running command's ``param`` is on its command line, not left at its default; outside one, True."""
+    if (command := RUNNING.get()) is None:
+        return True
+    flag = command.options[param]
+    return any(arg == flag or arg.startswith(f"{flag}=") for arg in command.argv)
 
 
 def option_name(param: str) -> str:
@@ -168,7 +177,7 @@ def run_recipe(main: Callable[..., object], argv: list[str] | None = None) -> No
     sigterm = signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     try:
         with ExitStack() as cleanup:
-            running = RUNNING.set(Command(options, cleanup))
+            running = RUNNING.set(Command(options, cleanup, sys.argv[1:] if argv is None else argv))
             try:
                 status = app(args=argv, standalone_mode=False)
             finally:

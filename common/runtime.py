@@ -27,7 +27,7 @@ import typer
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from common.cli import RecipeError
+from common.cli import RecipeError, option_given
 from common.rundir import write_json
 
 PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -89,12 +89,13 @@ def cpu_flags() -> set[str]:
 
 def resolve_precision(precision: str, device: torch.device, checkpoint: dict | None = None) -> tuple[str, str]:
     """``--precision``, with ``auto`` resolved: bf16 where the device runs bf16 matmuls natively, else fp32 (never
-    fp16, which needs loss scaling to be safe); a resumed run keeps the precision it started with. Returns the
-    precision and why, for the header and config.json."""
+    fp16, which needs loss scaling to be safe); a resumed run keeps the precision it started with unless
+    --precision is given. Returns the precision and why, for the header and config.json."""
+    started = (checkpoint or {}).get("config", {}).get("precision")
+    if started in PRECISION_DTYPES and (precision == "auto" or not option_given("precision")):
+        return started, "as the run started"
     if precision != "auto":
         return precision, "as given"
-    if checkpoint is not None and checkpoint.get("config", {}).get("precision") in PRECISION_DTYPES:
-        return checkpoint["config"]["precision"], "auto: as the run started"
     why = native_bf16(device)
     return ("bf16", f"auto: {why}") if why else ("fp32", f"auto: no native bf16 matmul on this {device.type}")
 

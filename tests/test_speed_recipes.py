@@ -59,7 +59,10 @@ def test_fp16_resume_restores_the_scaler(run_inprocess, tmp_path):
     assert run_inprocess("mixed_precision", *common, "--max-steps", 3, "--run-dir", tmp_path / "cut").code == 0
     cut = torch.load(tmp_path / "cut" / "checkpoints" / "last.pt", weights_only=True)
     assert cut["scaler"]["scale"] == 65536.0 and cut["scaler"]["_growth_tracker"] == 3
-    assert run_inprocess("mixed_precision", *common, "--resume", "auto", "--run-dir", tmp_path / "cut").code == 0
+    # without --precision (whose default is fp32): the run goes on in the precision it started with
+    resumed = run_inprocess("mixed_precision", *common[:-2], "--resume", "auto", "--run-dir", tmp_path / "cut")
+    assert resumed.code == 0, resumed.stderr
+    assert "| precision fp16 (as the run started) |" in resumed.stdout
     assert_same_weights(load_weights(tmp_path / "full" / "checkpoints" / "last.pt"),
                         load_weights(tmp_path / "cut" / "checkpoints" / "last.pt"))
     full = torch.load(tmp_path / "full" / "checkpoints" / "last.pt", weights_only=True)["scaler"]
