@@ -68,8 +68,9 @@ def read_shape(path: Path) -> dict:
                           "`hf download gpt2 --local-dir gpt2`)")
     config = read_json(path / "config.json")
     if config.get("model_type") != "gpt2":
-        kind = config.get("model_type") or ", ".join(config.get("architectures") or []) or "unknown"
-        raise RecipeError(f"{path} holds a {kind} model, not GPT-2: --init-from takes GPT-2 folders (model_type gpt2)")
+        kind = config.get("model_type") or ", ".join(config.get("architectures") or []) or "no model_type"
+        raise RecipeError(f"{path} holds a model of another kind ({kind}), not GPT-2: --init-from takes GPT-2 folders "
+                          "(model_type gpt2)")
     try:
         n_layer, n_head, n_embd, n_positions, vocab_size = (int(config[key]) for key in (
             "n_layer", "n_head", "n_embd", "n_positions", "vocab_size"))

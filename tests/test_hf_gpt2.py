@@ -277,7 +277,7 @@ def damage(case: str, folder: Path) -> str:
         config = json.loads((folder / "config.json").read_text())
         config.update(model_type="llama", architectures=["LlamaForCausalLM"])
         (folder / "config.json").write_text(json.dumps(config))
-        return "holds a llama model, not GPT-2"
+        return "holds a model of another kind (llama), not GPT-2"
     if case == "no config.json":
         (folder / "config.json").unlink()
         return "has no config.json"
