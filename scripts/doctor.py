@@ -39,11 +39,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from scripts.find_lr import NOT_TRAINING, first_given, load_recipe, recipe_options, run_quietly  # noqa: E402
 from scripts.find_lr import FinderError as DoctorError  # noqa: E402 - the same one-line error
-from scripts.find_lr import load_recipe, recipe_options, run_quietly  # noqa: E402
 
 ALTERNATIVES = ["bf16", "compile", "workers", "batch"]
-OWN_OPTIONS = ("--run-dir", "--resume", "--max-steps", "--log-every", "--profile", "--compare", "--predict")
+OWN_OPTIONS = ("--run-dir", "--resume", "--max-steps", "--log-every", "--profile")
 
 
 @dataclass
@@ -283,14 +283,18 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"argument --try: {args.wanted!r}: each of {', '.join(ALTERNATIVES)}")
     if args.rounds < 1 or (args.window is not None and args.window < 1):
         parser.error("arguments --rounds and --window: must be at least 1")
-    taken = [o for o in OWN_OPTIONS if any(a == o or a.startswith(o + "=") for a in options)]
-    if taken:
-        parser.error(f"{taken[0]}: the doctor runs the recipe in run directories of its own, for its own steps")
+    if taken := first_given(options, OWN_OPTIONS):
+        parser.error(f"{taken}: the doctor runs the recipe in run directories of its own, for its own steps")
+    if taken := first_given(options, NOT_TRAINING):
+        parser.error(f"{taken}: the doctor measures a training run, and {taken} makes the recipe do something else")
+    try:
+        recipe = load_recipe(args.recipe)
+    except DoctorError as err:  # the only one it raises: no such recipe
+        parser.error(f"argument RECIPE: {err}")
     if args.json is not None and not args.json.parent.is_dir():  # found now, not after minutes of measuring
         print(f"error: cannot write --json {args.json}: {args.json.parent} is not a folder", file=sys.stderr)
         return 1
     try:
-        recipe = load_recipe(args.recipe)
         recipe_path = Path(recipe.__file__).resolve()
         known = recipe_options(recipe)
         with tempfile.TemporaryDirectory(prefix="doctor.") as folder:

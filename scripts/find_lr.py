@@ -32,6 +32,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # the recipes import common/ from the clone
 
 
+# options that make a recipe do something other than train (compare runs, count compiler traps, predict,
+# cross-validate, only sample): no training steps for the range test or the doctor to measure
+NOT_TRAINING = ("--compare", "--traps", "--predict", "--cv", "--sample-only")
+
+
 class FinderError(Exception):
     """A problem a user can fix: shown as one line, exit 1, or 2 where it is the recipe's usage error."""
 
@@ -45,11 +50,16 @@ def load_recipe(name: str):
     path = Path(name) if name.endswith(".py") else ROOT / "recipes" / f"{name}.py"
     if not path.is_file():
         known = ", ".join(sorted(p.stem for p in (ROOT / "recipes").glob("*.py")))
-        raise FinderError(f"no recipe {name!r} (recipes: {known}; or give a path to a .py file)")
+        raise FinderError(f"no recipe {name!r}; give one of {known}, or the path of a recipe file")
     spec = importlib.util.spec_from_file_location(f"recipe_{path.stem}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def first_given(options: list[str], names: tuple[str, ...]) -> str | None:
+    """The first of ``names`` that ``options`` give (``--cv 3`` or ``--cv=3``), or None."""
+    return next((name for name in names if any(a == name or a.startswith(name + "=") for a in options)), None)
 
 
 def ramp(start: float, end: float, steps: int) -> list[float]:
@@ -207,12 +217,15 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"arguments --from and --to: need 0 < --from < --to, got {args.start} and {args.end}")
     if args.plot.suffix.lower() != ".png":
         parser.error(f"argument --plot: {args.plot} must end in .png")
-    taken = [o for o in ("--run-dir", "--resume", "--max-steps", "--log-every", "--compare", "--predict")
-             if any(a == o or a.startswith(o + "=") for a in options)]
-    if taken:
-        parser.error(f"{taken[0]}: the range test runs the recipe in a run directory of its own, for its own steps")
+    if taken := first_given(options, ("--run-dir", "--resume", "--max-steps", "--log-every")):
+        parser.error(f"{taken}: the range test runs the recipe in a run directory of its own, for its own steps")
+    if taken := first_given(options, NOT_TRAINING):
+        parser.error(f"{taken}: the range test measures a training run, and {taken} makes the recipe do something else")
     try:
         recipe = load_recipe(args.recipe)
+    except FinderError as err:  # the only one it raises: no such recipe
+        parser.error(f"argument RECIPE: {err}")
+    try:
         known = recipe_options(recipe)
         option = "--max-lr" if "--max-lr" in known else "--lr"
         with tempfile.TemporaryDirectory(prefix="find_lr.") as work:

@@ -93,14 +93,32 @@ def test_the_table_and_the_recommendation(recipe, options, tried, table_csv, tmp
         assert lines[-2].startswith("recommended: as given")
 
 
+RECIPES = ", ".join(sorted(p.stem for p in (doctor.ROOT / "recipes").glob("*.py")))
+
+
 @pytest.mark.parametrize(("args", "message"), [
-    (["mixed_precision", "--run-dir", "x"], "--run-dir: the doctor runs the recipe in run directories of its own"),
-    (["mixed_precision", "--try", "warp"], "argument --try"),
+    (["mixed_precision", "--run-dir", "x"], "--run-dir: the doctor runs the recipe in run directories of its own, "
+     "for its own steps"),
+    (["mixed_precision", "--try", "warp"], "argument --try: 'warp': each of bf16, compile, workers, batch"),
+    # options that make a recipe do something other than train: nothing to measure (they were tracebacks)
+    (["tabular_mlp", "--csv", "{table_csv}", "--target", "label", "--cv", "2", "--rounds", "1"],
+     "--cv: the doctor measures a training run, and --cv makes the recipe do something else"),
+    (["compiled_model", "--samples", "512", "--traps"],
+     "--traps: the doctor measures a training run, and --traps makes the recipe do something else"),
+    (["tiny_transformer", "--sample-only", "--init-from", "missing"],
+     "--sample-only: the doctor measures a training run, and --sample-only makes the recipe do something else"),
+    (["tabular_mlp", "--predict=rows.csv"],
+     "--predict: the doctor measures a training run, and --predict makes the recipe do something else"),
+    (["mixed_precision", "--compare"],
+     "--compare: the doctor measures a training run, and --compare makes the recipe do something else"),
+    (["no_such_recipe"], f"argument RECIPE: no recipe 'no_such_recipe'; give one of {RECIPES}, or the path of a "
+     "recipe file"),
 ])
-def test_usage_errors(args, message, capsys):
+def test_usage_errors(args, message, table_csv, capsys):
     with pytest.raises(SystemExit) as exit_:
-        doctor.main(args)
-    assert exit_.value.code == 2 and message in capsys.readouterr().err
+        doctor.main([a.replace("{table_csv}", str(table_csv)) for a in args])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.endswith(f": error: {message}\n"), err
 
 
 def test_the_recipes_own_usage_errors_exit_2_and_an_unwritable_json_is_found_before_measuring(tmp_path, capsys):

@@ -71,17 +71,28 @@ def test_a_real_recipe_gets_its_own_option_and_the_user_runs_are_untouched(tmp_p
     assert not (tmp_path / "runs").exists()
 
 
+RECIPES = ", ".join(sorted(p.stem for p in (find_lr.ROOT / "recipes").glob("*.py")))
+
+
 @pytest.mark.parametrize(("args", "code", "message"), [
     (["mixed_precision", "--run-dir", "x"], 2, "--run-dir: the range test runs the recipe in a run directory"),
     (["mixed_precision", "--ramp-steps", "5"], 2, "must be at least 20"),
     (["mixed_precision", "--from", "1", "--to", "0.1"], 2, "need 0 < --from < --to"),
-    (["no_such_recipe"], 1, "error: no recipe 'no_such_recipe'"),
+    (["no_such_recipe"], 2, f"error: argument RECIPE: no recipe 'no_such_recipe'; give one of {RECIPES}, or the "
+     "path of a recipe file\n"),
+    # options that make a recipe do something other than train: no steps to measure (was "did not fall over 0 steps")
+    (["tabular_mlp", "--csv", "{table_csv}", "--target", "label", "--cv", "3"], 2,
+     "error: --cv: the range test measures a training run, and --cv makes the recipe do something else\n"),
+    (["compiled_model", "--traps", "--samples", "512"], 2,
+     "error: --traps: the range test measures a training run, and --traps makes the recipe do something else\n"),
+    (["tiny_transformer", "--sample-only"], 2, "error: --sample-only: the range test measures a training run, and "
+     "--sample-only makes the recipe do something else\n"),
     (["mixed_precision", "--width", "0"], 2, "error: the recipe refused its options"),  # its usage error: 2
 ])
-def test_mistakes_are_one_line(args, code, message, capsys, tmp_path, monkeypatch):
+def test_mistakes_are_one_line(args, code, message, table_csv, capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     try:
-        result = find_lr.main(args)
+        result = find_lr.main([a.replace("{table_csv}", str(table_csv)) for a in args])
     except SystemExit as exit_:
         result = exit_.code
     err = capsys.readouterr().err
