@@ -533,6 +533,9 @@ def load_tables(csv_path: Path | None, target: str, data_dir: Path) -> tuple[pa.
                      f": is it {name}-separated? only .tsv files are read with another delimiter than ','"
                      for sep, name in (("\t", "tab"), (";", "semicolon")) if len(header) == 1 and sep in header[0]), "")
         raise cli.RecipeError(f"target column {target!r} is not in the table (columns: {', '.join(header)}){hint}")
+    if table.num_columns == 1:  # an MLP of no inputs: nothing to learn the target from
+        raise cli.RecipeError(f"{csv_path} has no feature columns besides the target {target!r}: add the columns "
+                              "to predict it from")
     return table, test_table
 
 
@@ -593,6 +596,8 @@ def main(
                                                     "from --resume; written as CSV.")
     ] = None,
     output: Annotated[Path | None, typer.Option(help="Predictions file [default: PREDICT.predictions.csv].")] = None,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="With --predict: replace the --output file if it "
+                                                                "exists.")] = False,
     seed: cli.Seed = 0,
     device: cli.Device = "auto",
     precision: cli.Precision = "fp32",
@@ -617,9 +622,17 @@ def main(
         if output.resolve() == predict_csv.resolve():
             raise typer.BadParameter("is the table to predict, whose rows it would replace: choose another file",
                                      param_hint="--output")
+        if output.resolve() == Path(resume).resolve():
+            raise typer.BadParameter("is the checkpoint to predict with, which it would replace: choose another file",
+                                     param_hint="--output")
+        if output.exists() and not output.is_dir() and not overwrite:  # a folder: the write says why it cannot
+            raise cli.RecipeError(f"{output} exists; choose another --output, or add --overwrite to replace it")
         n = predict(Path(resume), predict_csv, output, resolve_device(device))
         print(f"done: predictions={n} output={output}")
         return
+    if output is not None or overwrite:
+        raise typer.BadParameter("is for --predict; training writes into its run directory",
+                                 param_hint="--output" if output is not None else "--overwrite")
     if optimizer_name == "lbfgs":
         if precision in ("bf16", "fp16"):
             raise typer.BadParameter("lbfgs needs fp32: its line search compares losses too closely for autocast",
@@ -634,7 +647,7 @@ def main(
     target = target or (None if csv_path else "income")  # Adult's
     if csv_path is not None and target is None:
         raise typer.BadParameter("--csv needs --target COLUMN", param_hint="--target")
-    options = {k: v for k, v in locals().items() if k not in ("predict_csv", "output")}
+    options = {k: v for k, v in locals().items() if k not in ("predict_csv", "output", "overwrite")}
     if cv is None:
         train(**options, fold=None)
         return

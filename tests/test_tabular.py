@@ -269,6 +269,8 @@ def test_adult_offline_suggests_csv(run_inprocess, tmp_path, monkeypatch):
                                                 "tab-separated file .tsv"),
         ("semicolons.csv", "a;b;label\n1;2;x\n", "is it semicolon-separated? only .tsv files are read with another "
                                                   "delimiter than ','"),
+        ("only-label.csv", "label\nx\ny\nx\ny\n", "only-label.csv has no feature columns besides the target "
+                                                    "'label': add the columns to predict it from"),
     ],
 )
 def test_bad_csv_is_a_one_line_error(run_inprocess, tmp_path, name, content, message):
@@ -316,6 +318,53 @@ def test_predict_on_a_directory_is_a_one_line_error(run_inprocess, table_csv, tm
     assert run_inprocess(RECIPE, "--csv", table_csv, "--target", "label", "--epochs", 1, "--run-dir", run_dir).code == 0
     result = run_inprocess(RECIPE, "--predict", tmp_path, "--resume", run_dir / "checkpoints" / "last.pt")
     assert result.code == 1 and result.stderr == f"error: {tmp_path} is a directory, not a table file\n"
+
+
+def test_predict_never_replaces_an_existing_file_without_overwrite(run_inprocess, table_csv, tmp_path):
+    run_dir = tmp_path / "run"
+    assert run_inprocess(RECIPE, "--csv", table_csv, "--target", "label", "--max-steps", 1, "--run-dir",
+                         run_dir).code == 0
+    checkpoint = run_dir / "checkpoints" / "last.pt"
+    new = write_table(tmp_path / "new.csv", n=5, seed=9, target=False)
+    kept = tmp_path / "train.csv"  # a user's file: a training table
+    kept.write_bytes(table_csv.read_bytes())
+    (tmp_path / "new.predictions.csv").write_text("my notes\n")  # the default --output, there already
+    files = {path: path.read_bytes() for path in (checkpoint, kept, tmp_path / "new.predictions.csv")}
+    for output in (kept, tmp_path / "new.predictions.csv"):
+        refused = run_inprocess(RECIPE, "--predict", new, "--resume", checkpoint,
+                                *(["--output", output] if output == kept else []))
+        assert refused.code == 1
+        assert refused.stderr == f"error: {output} exists; choose another --output, or add --overwrite to replace it\n"
+    # the checkpoint predicting is never the output, --overwrite or not
+    for extra in ([], ["--overwrite"]):
+        itself = run_inprocess(RECIPE, "--predict", new, "--resume", checkpoint, "--output",
+                               run_dir / "checkpoints" / ".." / "checkpoints" / "last.pt", *extra)
+        assert itself.code == 2 and "--output" in itself.stderr and "is the checkpoint to predict with" in itself.stderr
+    assert {path: path.read_bytes() for path in files} == files
+    assert not list(tmp_path.glob(".*.tmp"))
+    # --overwrite: the file replaced by the predictions
+    replaced = run_inprocess(RECIPE, "--predict", new, "--resume", checkpoint, "--output", kept, "--overwrite")
+    assert replaced.code == 0, replaced.stderr
+    with open(kept, newline="") as f:
+        assert len(list(csv.DictReader(f))) == 5
+    # options of --predict alone are refused in training
+    for extra in (["--output", tmp_path / "x.csv"], ["--overwrite"]):
+        result = run_inprocess(RECIPE, "--csv", table_csv, "--target", "label", *extra, "--max-steps", 1,
+                               "--run-dir", tmp_path / "x")
+        assert result.code == 2 and f"Invalid value for {extra[0]}: is for --predict" in result.stderr
+        assert not (tmp_path / "x").exists()
+
+
+def test_predict_on_a_table_without_the_models_columns_is_a_one_line_error(run_inprocess, table_csv, tmp_path):
+    run_dir = tmp_path / "run"
+    assert run_inprocess(RECIPE, "--csv", table_csv, "--target", "label", "--max-steps", 1, "--run-dir",
+                         run_dir).code == 0
+    other = tmp_path / "other.csv"
+    other.write_text("age,label\n30,yes\n")
+    result = run_inprocess(RECIPE, "--predict", other, "--resume", run_dir / "checkpoints" / "last.pt")
+    assert result.code == 1
+    assert result.stderr == "error: the table lacks column(s) the model was trained on: income, colour, city\n"
+    assert not (tmp_path / "other.predictions.csv").exists()
 
 
 def write_as(csv_path, path):
