@@ -272,7 +272,7 @@ def read_checkpoint(path: Path) -> dict:
 def read_sharded(path: Path) -> dict:
     """A sharded (DCP) checkpoint folder as the single file's dict: common.sharded.to_single_file writes the whole
     model into a temporary file, which is read and removed again."""
-    from common.sharded import to_single_file
+    from common.sharded import raise_if_interrupted, to_single_file
 
     try:
         trainer = torch.load(path / "trainer.pt", map_location="cpu", weights_only=True)
@@ -288,7 +288,10 @@ def read_sharded(path: Path) -> dict:
                 to_single_file(path, Path(tmp) / "checkpoint.pt", recipe)
         except RecipeError as err:
             raise ExportError(str(err)) from None
-        except Exception as err:  # DCP's error for a damaged shard: its last line
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as err:  # DCP's error for a damaged shard (its CheckpointException is a BaseException)
+            raise_if_interrupted(err)
             reason = (str(err).strip().splitlines() or [type(err).__name__])[-1][:300]
             raise ExportError(f"cannot read the sharded checkpoint {path}: {reason}") from None
         return read_checkpoint(Path(tmp) / "checkpoint.pt")
@@ -384,6 +387,12 @@ def export_checkpoint(checkpoint: Path, out_dir: Path, overwrite: bool = False, 
         raise ExportError(f"OUT_DIR {out_dir} is a file, not a folder")
     if out_dir.is_dir() and any(out_dir.iterdir()) and not overwrite:
         raise ExportError(f"OUT_DIR {out_dir} already holds files; choose a new folder or add --overwrite")
+    # --overwrite replaces an earlier export (files named model.* or *.json), never a run or a checkpoint
+    foreign = out_dir.is_dir() and next((p for p in out_dir.iterdir() if not p.is_file() or not (
+        p.name.startswith("model.") or p.suffix == ".json") or p.suffix == ".pt"), None)
+    if foreign or (overwrite and out_dir.resolve() in checkpoint.resolve().parents):
+        raise ExportError(f"OUT_DIR {out_dir} holds {foreign or checkpoint}, which no export writes: --overwrite "
+                          "replaces an earlier export only; choose a new folder")
     state = read_checkpoint(checkpoint)
     recipe = state["recipe"]
     if format == "hf" and recipe != "tiny_transformer":
@@ -477,13 +486,20 @@ def tempfile_dir(out_dir: Path) -> str:
 
 def replace_dir(new: Path, out_dir: Path) -> None:
     """Put the finished folder ``new`` at ``out_dir``; an earlier export there is removed only afterwards."""
-    if out_dir.is_dir() and any(out_dir.iterdir()):
-        old = new.with_name(new.name + ".old")
-        os.replace(out_dir, old)
-        os.replace(new, out_dir)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(new, out_dir)  # a rename over an empty folder (or none) is one step
+    try:
+        if out_dir.is_dir() and any(out_dir.iterdir()):
+            old = new.with_name(new.name + ".old")
+            os.replace(out_dir, old)
+            try:
+                os.replace(new, out_dir)
+            except OSError:
+                os.replace(old, out_dir)  # the earlier export stays
+                raise
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(new, out_dir)  # a rename over an empty folder (or none) is one step
+    except OSError as err:  # "." or a mount point, say: a folder that cannot be renamed
+        raise ExportError(f"cannot replace {out_dir}: {err.strerror or err}; choose a new folder") from None
 
 
 class Parser(argparse.ArgumentParser):

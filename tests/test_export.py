@@ -172,6 +172,43 @@ def test_overwrite_replaces_an_earlier_export(checkpoints, tmp_path, capsys):
     assert "done: exported" in capsys.readouterr().out
 
 
+def test_overwrite_never_replaces_a_folder_that_is_not_an_export(checkpoints, tmp_path, capsys):
+    """--overwrite pointed at a run directory (or at the checkpoint's own folder) must not delete it."""
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(checkpoints["ddp_mlp"].parents[1], run)
+    before = sorted(str(p.relative_to(run)) for p in run.rglob("*"))
+    for out in (run, run / "checkpoints"):
+        capsys.readouterr()
+        assert export.main([str(run / "checkpoints" / "best.pt"), str(out), "--overwrite"]) == 1
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: OUT_DIR {out} holds ") and err.endswith(
+            ", which no export writes: --overwrite replaces an earlier export only; choose a new folder\n"), err
+    assert sorted(str(p.relative_to(run)) for p in run.rglob("*")) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # no temporary folder left
+
+
+def test_an_export_that_cannot_replace_its_folder_is_one_line_and_keeps_the_earlier_one(checkpoints, tmp_path,
+                                                                                       capsys, monkeypatch):
+    out = tmp_path / "out"
+    assert export.main([str(checkpoints["ddp_mlp"]), str(out)]) == 0
+    earlier = (out / "model.json").read_bytes()
+    replace = export.os.replace
+
+    def busy(src, dst):  # as renaming "." or a mount point fails
+        if Path(src).name.endswith(".tmp"):
+            raise OSError(16, "Device or resource busy")
+        replace(src, dst)
+
+    monkeypatch.setattr(export.os, "replace", busy)
+    capsys.readouterr()
+    assert export.main([str(checkpoints["compiled_model"]), str(out), "--overwrite"]) == 1
+    assert capsys.readouterr().err == f"error: cannot replace {out}: Device or resource busy; choose a new folder\n"
+    assert (out / "model.json").read_bytes() == earlier
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
 class Payload:
     def __init__(self, marker: Path):
         self.marker = marker

@@ -390,7 +390,7 @@ def test_format_hf_is_for_the_transformer_only(other_recipe, tmp_path, capsys):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_a_sharded_checkpoint_folder_exports_as_a_gpt2_folder(gpt2_dir, text_file, run_inprocess, tmp_path):
+def test_a_sharded_checkpoint_folder_exports_as_a_gpt2_folder(gpt2_dir, text_file, run_inprocess, tmp_path, capsys):
     """--parallel fsdp in one process writes DCP step folders; the export reads one into one whole model."""
     run_dir = tmp_path / "run"
     result = run_inprocess(RECIPE, "--init-from", gpt2_dir, "--text", text_file, *RUN, "--steps", 2, "--eval-every", 2,
@@ -405,6 +405,12 @@ def test_a_sharded_checkpoint_folder_exports_as_a_gpt2_folder(gpt2_dir, text_fil
     assert export.main([str(step), str(tmp_path / "graph")]) == 0  # and as the graph, with the tokenizer beside it
     assert sorted(p.name for p in (tmp_path / "graph").iterdir()) == ["model.json", "model.onnx", "model.pt2",
                                                                      "tokenizer.json"]
+    (step / "__0_0.distcp").unlink()  # a damaged sharded checkpoint: one line, no export
+    capsys.readouterr()
+    assert export.main([str(step), str(tmp_path / "damaged")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: cannot read the sharded checkpoint {step}: ") and err.count("\n") == 1, err
+    assert not (tmp_path / "damaged").exists()
 
 
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
