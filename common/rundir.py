@@ -143,8 +143,12 @@ def remove_empty(created: list[Path]) -> None:
 
 def write_json(path: Path, data: dict) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(data, indent=2) + "\n")
-    os.replace(tmp, path)  # readers see the old file or the new one, never half of one
+    try:
+        tmp.write_text(json.dumps(data, indent=2) + "\n")
+        os.replace(tmp, path)  # readers see the old file or the new one, never half of one
+    except OSError as err:  # a full disk, say: the checkpoints already written are intact
+        tmp.unlink(missing_ok=True)
+        raise RecipeError(f"could not write {path}: {err.strerror or err}") from None
 
 
 def already_finished(run: RunFolder, checkpoint: dict | None, *, max_steps: int | None, epochs: int | None = None,

@@ -178,3 +178,26 @@ def test_a_folder_with_files_no_run_of_the_recipe_wrote_is_not_overwritten(run_i
     again = run_inprocess("mixed_precision", *MP_TINY, "--run-dir", failed)
     assert again.code == 0, again.stderr
     assert json.loads((failed / "config.json").read_text())["lr"] == 1e-3
+
+
+def test_a_full_disk_at_metrics_json_is_one_line_and_leaves_the_checkpoints(run_inprocess, tmp_path, monkeypatch):
+    import errno
+    import os
+    from pathlib import Path
+
+    write_text = Path.write_text
+
+    def full_for_metrics(self, *args, **kwargs):
+        if self.name == ".metrics.json.tmp":
+            write_text(self, "{")  # a part written, then the disk is full
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return write_text(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "write_text", full_for_metrics)
+    run_dir = tmp_path / "run"
+    result = run_inprocess("mixed_precision", *MP_TINY, "--run-dir", run_dir)
+    assert result.code == 1
+    assert result.stderr == f"error: could not write {run_dir / 'metrics.json'}: No space left on device\n"
+    assert sorted(p.name for p in run_dir.iterdir() if not p.name.startswith("events")) == ["checkpoints",
+                                                                                           "config.json"]
+    assert torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)["step"] == 2
