@@ -179,12 +179,14 @@ class ShardedCheckpointer:
         return self.files.restore_training(checkpoint)
 
     def finish(self) -> None:
-        """Also leave checkpoints/last.pt and best.pt, single files that rank 0 writes from their folders."""
-        if self.last_step is not None:
-            from_rank_0(self.write_single_files)  # every rank waits for them, and stops with their error
+        """Also leave checkpoints/last.pt and best.pt, single files that rank 0 writes from their folders: this
+        launch's last, or for a launch that only finished (killed after its last save), the one it resumed from."""
+        final = self.last_good if self.last_step is None else self.dcp_dir / f"step-{self.last_step:06d}"
+        if final is not None and final.is_dir():
+            from_rank_0(lambda: self.write_single_files(final))  # every rank waits, and stops with their error
 
-    def write_single_files(self) -> None:
-        final, best = (self.dcp_dir / f"step-{step:06d}" for step in (self.last_step, self.best.step))
+    def write_single_files(self, final: Path) -> None:
+        best = self.dcp_dir / f"step-{self.best.step:06d}"
         try:
             to_single_file(final, self.files.folder / "last.pt", self.files.recipe)
             if best.is_dir():  # the same folder as last.pt's: converted again, cheap

@@ -13,7 +13,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, TORCHRUN, load_recipe, load_weights, read_metrics, read_scalars, run_torchrun, worker_pids
+from conftest import (
+    ROOT,
+    TORCHRUN,
+    assert_same_weights,
+    load_recipe,
+    load_weights,
+    read_metrics,
+    read_scalars,
+    run_torchrun,
+    worker_pids,
+)
 
 RECIPE = "recipes/tiny_transformer.py"
 # A tiny model (2 layers, 32 wide, block 16); lr high enough, and clipping tight enough, that the weights move
@@ -466,3 +476,20 @@ def test_ctrl_c_while_loading_a_sharded_checkpoint_is_no_damaged_checkpoint(monk
     monkeypatch.setattr(sharded.dcp, "load", damaged)
     with pytest.raises(sharded.RecipeError, match="or is damaged"):
         sharded.load_sharded(tmp_path, model)
+
+
+def test_a_sharded_run_killed_after_its_last_save_still_ends_with_its_single_files(run_inprocess, corpus_txt,
+                                                                                  tmp_path):
+    """Killed between the last step folder and the single files (SIGTERM at the last step, say), the relaunch only
+    finishes: it must still leave last.pt and best.pt for sampling and export."""
+    run_dir = tmp_path / "run"
+    args = ["--text", corpus_txt, *TINY, "--parallel", "fsdp", "--batch-size", 8, "--run-dir", run_dir]
+    assert run_inprocess("tiny_transformer", *args).code == 0
+    expected = {name: load_weights(run_dir / "checkpoints" / name) for name in ("last.pt", "best.pt")}
+    for name in ("last.pt", "best.pt", "../metrics.json"):  # as the kill left it
+        (run_dir / "checkpoints" / name).unlink()
+    again = run_inprocess("tiny_transformer", *args, "--resume", "auto")
+    assert again.code == 0, again.stderr
+    assert "resumed at step 6" in again.stdout
+    for name, weights in expected.items():
+        assert_same_weights(weights, load_weights(run_dir / "checkpoints" / name))
