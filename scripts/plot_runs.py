@@ -99,8 +99,13 @@ def plot(run_dirs: list[Path], out: Path) -> list[str]:
     matplotlib.use("Agg")  # no display on servers and in tests
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(present), figsize=(3.6 * len(present), 3.0), dpi=80, squeeze=False)
-    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    many = len(runs) > 4  # a legend in every subplot would cover the curves: one beside them instead
+    legend_width = 1.5 * (1 + (len(runs) + 2) // 16) if many else 0  # inches: a column per 16 entries
+    fig, axes = plt.subplots(1, len(present), figsize=(3.6 * len(present) + legend_width, 3.0), dpi=80,
+                             squeeze=False, layout="constrained" if many else None)
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]  # ten; more runs: as many spread over a colour map
+    colours = colours if len(runs) <= len(colours) else [plt.get_cmap("turbo")(i / (len(runs) - 1))
+                                                         for i in range(len(runs))]
     for ax, (title, ylabel, tags) in zip(axes[0], present, strict=True):
         for i, (label, scalars) in enumerate(runs):
             for pattern, style in tags:
@@ -114,8 +119,17 @@ def plot(run_dirs: list[Path], out: Path) -> list[str]:
         ax.set_ylabel(ylabel, fontsize=9)
         ax.tick_params(labelsize=8)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.tight_layout()
+        if not many:
+            ax.legend(fontsize=7)
+    if many:  # one entry per run by colour, and one per style: train solid, val dashed
+        from matplotlib.lines import Line2D
+
+        entries = [Line2D([], [], color=colours[i]) for i in range(len(runs))]
+        entries += [Line2D([], [], color="grey", linestyle=style) for style in ("-", "--")]
+        fig.legend(entries, [label for label, _ in runs] + ["train", "val"], loc="outside right upper", fontsize=7,
+                   ncols=1 + len(entries) // 16)
+    else:
+        fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, format="png")
     plt.close(fig)

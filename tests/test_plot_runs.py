@@ -35,6 +35,35 @@ def test_two_runs_make_a_small_valid_png(tmp_path):
     assert result.stdout.strip() == f"wrote {out}: loss, accuracy, bits, learning rate for 2 run(s)"
 
 
+def test_many_runs_get_one_legend_beside_the_plots_and_a_colour_each(tmp_path):
+    runs = [make_run(tmp_path / f"run{i:02d}", lr=0.1 / (i + 1)) for i in range(13)]
+    out = tmp_path / "many.png"
+    result = plot(*runs, "--out", out)
+    assert result.code == 0 and result.stderr == "", result.stderr  # no layout warning
+    width = int.from_bytes(out.read_bytes()[16:20], "big")
+    assert width > 3 * 3.6 * 80  # loss, accuracy, lr at 3.6 inches and 80 dpi, and the legend beside them
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import plot_runs
+
+    figures = []
+    real_close = plt.close
+    plt.close = lambda fig: figures.append(fig)  # keep the figure to look at
+    try:
+        plot_runs.plot(runs, tmp_path / "again.png")
+    finally:
+        plt.close = real_close
+    (legend,) = figures[0].legends
+    labels = [text.get_text() for text in legend.get_texts()]
+    assert labels == [f"run{i:02d}" for i in range(13)] + ["train", "val"]
+    colours = {tuple(line.get_color()) for line in legend.get_lines()[:13]}
+    assert len(colours) == 13 and not any(ax.get_legend() for ax in figures[0].axes)
+    real_close(figures[0])
+
+
 def test_only_the_quantities_logged_are_drawn(tmp_path):
     out = tmp_path / "train_only.png"
     result = plot(make_run(tmp_path / "a", with_val=False), "--out", out)
