@@ -156,6 +156,11 @@ def already_finished(run: RunFolder, checkpoint: dict | None, *, max_steps: int 
     """Whether metrics.json says the run ended at the checkpoint's step: where its schedule ends (``epochs`` of the
     checkpoint's epoch length, or ``steps``), or ``--max-steps``, or early (``--patience``). Relaunched so, the
     same command on every restart, a run says so before loading any data and leaves its results as they are."""
+    if checkpoint is not None and run.path.resolve() not in run.resume_from.resolve().parents:  # another folder's
+        step, schedule = checkpoint["step"], steps or epochs * checkpoint["steps_per_epoch"]
+        if step >= min(schedule, max_steps or schedule):
+            raise RecipeError(f"checkpoint {run.resume_from} is at step {step}, where this run ends: nothing is left "
+                              f"to train in {run.path} (use the checkpoint as it is: export it, predict or sample)")
     try:
         metrics = json.loads((run.path / "metrics.json").read_text())
         step, schedule = checkpoint["step"], steps or epochs * checkpoint["steps_per_epoch"]

@@ -201,3 +201,13 @@ def test_a_full_disk_at_metrics_json_is_one_line_and_leaves_the_checkpoints(run_
     assert sorted(p.name for p in run_dir.iterdir() if not p.name.startswith("events")) == ["checkpoints",
                                                                                            "config.json"]
     assert torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)["step"] == 2
+
+
+def test_a_finished_checkpoint_continued_in_another_folder_is_one_line(run_inprocess, tmp_path):
+    assert run_inprocess("mixed_precision", *MP_TINY, "--run-dir", tmp_path / "done").code == 0
+    last = tmp_path / "done" / "checkpoints" / "last.pt"
+    result = run_inprocess("mixed_precision", *MP_TINY, "--resume", last, "--run-dir", tmp_path / "more")
+    assert result.code == 1
+    assert result.stderr == (f"error: checkpoint {last} is at step 2, where this run ends: nothing is left to train "
+                             f"in {tmp_path / 'more'} (use the checkpoint as it is: export it, predict or sample)\n")
+    assert not (tmp_path / "more").exists()
