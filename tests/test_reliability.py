@@ -270,9 +270,10 @@ def bad_arguments(recipe: str, case: str, request, tmp_path: Path, trained) -> t
         state["extra"] = Payload(tmp_path / "payload-ran")
         torch.save(state, checkpoint)
         return ["--resume", checkpoint], 1, "refuses to run"
-    if case == "older version's checkpoint":  # as written before the best score was kept in it
+    if case == "older version's checkpoint":  # as written before the log's state was kept in it
         state = torch.load(good, weights_only=True)
-        del state["best"]
+        del state["log"]
+        state["step"] = 1  # not at its end: a finished checkpoint is refused before it is restored
         torch.save(state, checkpoint)
         # in a new run directory: going on from it in the existing one is refused before it is restored
         return ["--resume", checkpoint, *fresh], 1, "lacks part of the training state, or holds it in another form " \

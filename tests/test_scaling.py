@@ -220,14 +220,15 @@ def test_bad_input_to_a_sharded_run(run_inprocess, corpus_txt, tmp_path):
     damaged = tmp_path / "damaged" / "step-000003"
     shutil.copytree(step, damaged)
     (damaged / "__0_0.distcp").write_bytes(b"\0" * 64)
-    broken = run_inprocess("tiny_transformer", *args, "--run-dir", tmp_path / "broken", "--resume", damaged)
+    going_on = args[:-2]  # without --max-steps 3: a finished checkpoint is refused before its shards are read
+    broken = run_inprocess("tiny_transformer", *going_on, "--run-dir", tmp_path / "broken", "--resume", damaged)
     assert broken.code == 1 and len(broken.stderr.strip().splitlines()) == 1, broken.stderr
     assert broken.stderr.startswith(f"error: checkpoint {damaged} does not fit this model or optimizer, or is "
                                     "damaged: ")
     (damaged / ".metadata").write_bytes(b"junk")  # DCP logs tracebacks of its own for this one (to the root logger,
     from conftest import run_subprocess  # whose last-resort handler a process of its own shows on stderr)
 
-    broken = run_subprocess([RECIPE, *args, "--run-dir", tmp_path / "broken2", "--resume", damaged])
+    broken = run_subprocess([RECIPE, *going_on, "--run-dir", tmp_path / "broken2", "--resume", damaged])
     assert broken.code == 1 and len(broken.stderr.strip().splitlines()) == 1, broken.stderr
     assert "or is damaged: AssertionError: metadata is None" in broken.stderr
     # another recipe's sharded checkpoint
