@@ -138,8 +138,8 @@ def resume_checkpoint(run: RunFolder, recipe: str, config: dict, may_change: set
         raise RecipeError(f"{run.path} already holds checkpoints, and --resume {run.resume_from} is not its last one: "
                           "going on from it there would overwrite them. Continue that run with --resume auto, or go on "
                           f"from {run.resume_from} in another --run-dir")
-    if run.path.resolve() not in run.resume_from.resolve().parents:  # another run's: its best.pt stays with it
-        checkpoint |= {"best": {"score": math.nan, "step": 0}, "kept": {"kept": []}}  # this folder's are its own
+    if run.resumes_another_run:  # its best.pt stays there: this folder's best and kept ones are its own
+        checkpoint |= {"best": {"score": math.nan, "step": 0}, "kept": {"kept": []}}
     return checkpoint
 
 

@@ -26,6 +26,11 @@ class RunFolder:
     # the newest checkpoint the folder already held (a resume from any other would overwrite it); None: none
     held: Path | None = field(default=None, compare=False)
 
+    @property
+    def resumes_another_run(self) -> bool:
+        """Whether it goes on from a checkpoint outside its own folder (whose best.pt stays there)."""
+        return self.resume_from is not None and self.path.resolve() not in self.resume_from.resolve().parents
+
 
 def last_file(run_dir: Path) -> Path | None:
     """What ``--resume auto`` continues from: checkpoints/last.pt (always whole: it is written atomically)."""
@@ -156,7 +161,7 @@ def already_finished(run: RunFolder, checkpoint: dict | None, *, max_steps: int 
     """Whether metrics.json says the run ended at the checkpoint's step: where its schedule ends (``epochs`` of the
     checkpoint's epoch length, or ``steps``), or ``--max-steps``, or early (``--patience``). Relaunched so, the
     same command on every restart, a run says so before loading any data and leaves its results as they are."""
-    if checkpoint is not None and run.path.resolve() not in run.resume_from.resolve().parents:  # another folder's
+    if checkpoint is not None and run.resumes_another_run:
         step, schedule = checkpoint["step"], steps or epochs * checkpoint["steps_per_epoch"]
         if step >= min(schedule, max_steps or schedule):
             raise RecipeError(f"checkpoint {run.resume_from} is at step {step}, where this run ends: nothing is left "

@@ -141,6 +141,7 @@ def train(epochs: int, max_steps: int | None, batch_size: int, lr: float, sample
     step = checkpoints.restore(checkpoint) if checkpoint else 0
     log.start(step, config, device)
     stop = StopRequest()  # Ctrl-C and SIGTERM: save and exit at the end of the step
+    resume_dir = None if compare_compiled else run.path  # a --compare starts afresh: nothing to resume
     profiler = StepProfiler(run.path, profile, device)  # --profile N
 
     step_seconds = []
@@ -160,14 +161,14 @@ def train(epochs: int, max_steps: int | None, batch_size: int, lr: float, sample
             if step % steps_per_epoch and (stop.requested or checkpoint_every and step % checkpoint_every == 0):
                 checkpoints.save(step)
                 if stop.requested:
-                    stop.exit(step, None if compare_compiled else run.path)  # --compare starts afresh
+                    stop.exit(step, resume_dir)
         val = evaluate(model, val_loader, loss_fn, device=device, precision=precision)
         log.eval(step, val=val, note="compiled" if compile else "eager")
         if best.improved(val["loss"], step):
             checkpoints.save(step, "best.pt")
         checkpoints.save(step)
         if stop.requested:
-            stop.exit(step, None if compare_compiled else run.path)
+            stop.exit(step, resume_dir)
 
     metrics = timing(step_seconds)
     if step_seconds:  # none when resumed at the last step, only to finish

@@ -129,6 +129,7 @@ def train(epochs: int, max_steps: int | None, batch_size: int, lr: float, sample
     step = checkpoints.restore(checkpoint) if checkpoint else 0
     log.start(step, config, device)
     stop = StopRequest()  # Ctrl-C and SIGTERM: save and exit at the end of the step
+    resume_dir = None if compare_precisions else run.path  # a --compare starts afresh: nothing to resume
     profiler = StepProfiler(run.path, profile, device)  # --profile N
 
     losses = []  # one device tensor per step; read back once at the end
@@ -146,14 +147,14 @@ def train(epochs: int, max_steps: int | None, batch_size: int, lr: float, sample
             if step % steps_per_epoch and (stop.requested or checkpoint_every and step % checkpoint_every == 0):
                 checkpoints.save(step)
                 if stop.requested:
-                    stop.exit(step, None if compare_precisions else run.path)  # --compare starts afresh
+                    stop.exit(step, resume_dir)
         val = evaluate(model, val_loader, nn.CrossEntropyLoss(), device=device, precision=precision)
         log.eval(step, val=val, note=precision)
         if best.improved(val["loss"], step):
             checkpoints.save(step, "best.pt")
         checkpoints.save(step)
         if stop.requested:
-            stop.exit(step, None if compare_precisions else run.path)
+            stop.exit(step, resume_dir)
     summary = log.finish(step, best.metrics() | ({"scale": scaler.get_scale()} if scaler.is_enabled() else {}))
     return summary | {"losses": torch.stack(losses).tolist() if losses else []}
 

@@ -288,7 +288,7 @@ def main(
     if predict or more_images:
         predict_command(predict or [], more_images or [], resume, device)
         return
-    if backbone_lr_scale != 0.1 and finetune is None:  # given (0.1 is its default), it would do nothing
+    if cli.option_given("backbone_lr_scale") and finetune is None:  # it would do nothing
         raise typer.BadParameter("sets the rate of the layers --finetune loads: give --finetune too",
                                  param_hint="--backbone-lr-scale")
     config = cli.as_config(locals())  # every option: config.json, and what a resume must match
