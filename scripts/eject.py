@@ -16,9 +16,9 @@ make sure, and writes OUTPUT only if it imports.
 
 What to copy is decided on the syntax tree, never on text: a name counts as used where code reads it as a
 module-level name; annotations, decorators and default values count, a function's parameters and local
-variables do not. A core import whose name means something else in the merged file (tracking.py's rich
-``Progress`` next to cli.py's ``Progress`` option) is imported under an alias (``RichProgress``) and
-renamed where it is used. A core name that the recipe defines too is an error.
+variables do not. A core import whose name means something else in the merged file (the core's ``from
+pathlib import Path`` in a recipe that defines a ``Path`` of its own) is imported under an alias
+(``PathlibPath``) and renamed where the core uses it. A core name that the recipe defines too is an error.
 
 Exit status 0 on success, 2 on a usage error (wrong arguments, unknown recipe), 1 on any other problem;
 every error is one line ``error: ...`` on stderr.

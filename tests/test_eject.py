@@ -286,6 +286,33 @@ def test_core_names_read_only_after_import_are_accepted(tmp_path):
     assert run.code == 0 and run.stdout.split() == ["4", "4", "0.1307", "4"], run.stdout + run.stderr
 
 
+SHADOWING_RECIPE = '''"""A recipe that defines its own ``Path``, a name the core imports from pathlib."""
+
+import pathlib
+
+from common.rundir import last_file
+
+
+def Path(text):  # noqa: N802
+    return text.upper()
+
+
+if __name__ == "__main__":
+    print(Path("mine"), last_file(pathlib.Path("no_such_folder")))
+'''
+
+
+def test_a_core_import_named_like_a_recipe_definition_is_aliased_where_the_core_uses_it(tmp_path):
+    (tmp_path / "shadow.py").write_text(SHADOWING_RECIPE)
+    result = run_subprocess(["scripts/eject.py", tmp_path / "shadow.py", tmp_path / "out.py"])
+    assert result.code == 0, result.stderr
+    copy = (tmp_path / "out.py").read_text()
+    assert "from pathlib import Path as PathlibPath\n" in copy
+    assert "def last_file(run_dir: PathlibPath) -> PathlibPath | None:" in copy and "def Path(text):" in copy
+    run = run_subprocess([sys.executable, tmp_path / "out.py"], cwd=tmp_path, env={"PYTHONPATH": ""})
+    assert run.code == 0 and run.stdout.split() == ["MINE", "None"], run.stdout + run.stderr
+
+
 def test_a_script_that_fails_at_import_leaves_an_existing_output_as_it_was(tmp_path):
     (tmp_path / "core_base.py").write_text(CORE_BASE_RECIPE)
     (tmp_path / "out.py").write_text("# my edited copy\n")
