@@ -1,8 +1,10 @@
 """The shared core of torch-recipes: plain functions and small classes that every recipe calls.
 
-cli (options, errors) · runtime (device, seed, precision, peak FLOP/s) · loop (train_step, evaluate) ·
-checkpoint (atomic save, safe load, RNG) · data (loaders, MNIST, downloads) · rundir (run directory, resume,
-Ctrl-C and SIGTERM) · resume (what a resumed run may change) · tracking (logging, checkpoints and metrics while
-training) · sharded (DCP checkpoints of FSDP runs) · resources (the memory account).
+cli (options, errors) · runtime (device, seed, precision, peak FLOP/s) · loop (train_step, evaluate, where a
+resumed loop is) · data (loaders, MNIST, downloads) · rundir (run directory, resume point, "already finished") ·
+checkpoint (atomic save, safe load, RNG, the Checkpointer) · runlog (config.json, TensorBoard, the console,
+metrics.json) · stop (Ctrl-C and SIGTERM) · best (best.pt, the K best, patience) · ema (a moving average of the
+weights) · profile (--profile) · resources (the memory account) · sharded (DCP checkpoints of FSDP runs) ·
+hf_gpt2 and hf_tokens (GPT-2 folders in Hugging Face's format).
 Recipes import names directly (``from common.loop import train_step``); scripts/eject.py relies on that.
 """
