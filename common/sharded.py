@@ -34,7 +34,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from common.best import BestScore
 from common.checkpoint import Checkpointer, diverged, fsync_dir, load_checkpoint, not_written, save_checkpoint
@@ -99,6 +99,17 @@ def load_sharded(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer 
     set_state_dict(model, optimizers, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
 
 
+def load_full(path: Path, checkpoint: dict, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """A single-file checkpoint's whole tensors into a sharded model and its optimizer (keyed by parameter name, as
+    ``finish`` writes them): every rank holds the file and keeps its own shards."""
+    try:
+        set_state_dict(model, [optimizer], model_state_dict=checkpoint["model"],
+                       optim_state_dict=checkpoint["optimizer"], options=StateDictOptions(full_state_dict=True))
+    except (RuntimeError, KeyError, ValueError, TypeError) as err:
+        reason = (str(err).strip().splitlines() or [type(err).__name__])[0][:300]
+        raise RecipeError(f"checkpoint {path} does not fit this model or optimizer: {reason}") from None
+
+
 def to_single_file(step_dir: Path, out: Path, recipe: str) -> None:
     """A DCP checkpoint folder as the usual single file (full tensors, one process), which ``--sample-only`` and
     scripts/export.py read. The optimizer state stays keyed by parameter name, as get_state_dict gives it."""
@@ -140,7 +151,7 @@ class ShardedCheckpointer:
         state = self.files.training_state(step)  # first: the log's read-back raises here on a non-finite loss
         model_sd, optim_sd = get_state_dict(self.files.model, self.files.optimizer)
         spoiled = torch.tensor([float(any(v.is_floating_point() and not torch.isfinite(local(v)).all()
-                                          for v in model_sd.values()))])
+                                          for v in model_sd.values()))], device=self.files.device)  # nccl: on a GPU
         if dist.is_initialized():  # every rank holds other shards: the answer is the group's
             dist.all_reduce(spoiled, op=dist.ReduceOp.MAX)
         if spoiled.item():
@@ -173,9 +184,12 @@ class ShardedCheckpointer:
     def restore(self, checkpoint: dict) -> int:
         """Read a sharded checkpoint's tensors straight into this run's shards (a single file: as ``Checkpointer``
         does), then the rest; returns the step."""
-        if not checkpoint.get("sharded"):
+        if checkpoint.get("sharded"):
+            load_sharded(self.files.source, self.files.model, self.files.optimizer)
+        elif dist.is_initialized():  # a single file (last.pt) into the shards: each rank keeps its part
+            load_full(self.files.source, checkpoint, self.files.model, self.files.optimizer)
+        else:
             return self.files.restore(checkpoint)
-        load_sharded(self.files.source, self.files.model, self.files.optimizer)
         return self.files.restore_training(checkpoint)
 
     def finish(self) -> None:

@@ -162,11 +162,20 @@ def test_sharded_checkpoint_resumes_at_another_world_size(run_inprocess, one_pro
     dcp_dir = run_dir / "checkpoints" / "dcp"
     assert (dcp_dir / "step-000002" / ".metadata").is_file()
 
+    shutil.copy(run_dir / "checkpoints" / "last.pt", tmp_path / "step2.pt")  # the single file finish() left
+
     second = run_torchrun(["--nproc_per_node=2", RECIPE, *args, "--max-steps", 4])
     assert second.code == 0, second.stderr
     assert "resumed at step 2" in second.stdout and "global batch 16 (2 x 8 x 1)" in second.stdout
     # the last complete ones are kept; older ones deleted
     assert sorted(p.name for p in dcp_dir.iterdir()) == ["step-000002", "step-000003", "step-000004"]
+
+    # The single file of step 2, resumed at 2 ranks in another folder, gives each rank its shards: the same weights.
+    from_file = run_torchrun(["--nproc_per_node=2", RECIPE, *args[:-4], "--run-dir", tmp_path / "from_file",
+                              "--resume", tmp_path / "step2.pt", "--max-steps", 4])
+    assert from_file.code == 0 and "resumed at step 2" in from_file.stdout, from_file.stderr[-2000:]
+    assert_close_weights(load_weights(run_dir / "checkpoints" / "last.pt"),
+                         load_weights(tmp_path / "from_file" / "checkpoints" / "last.pt"))
 
     # A save cut short (never renamed) and a step folder copied in part are both passed over, with a warning.
     (dcp_dir / ".step-000005.tmp").mkdir()
