@@ -724,6 +724,11 @@ def main(
         # FSDP: every rank writes its shards; otherwise rank 0 writes the file while the others wait for it
         return checkpoints.save(step, name) if sharded else from_rank_0(lambda: checkpoints.save(step, name))
 
+    def stop_saved() -> None:  # on Ctrl-C or SIGTERM, once this step is saved
+        if sharded:
+            checkpoints.finish()  # last.pt and best.pt of this step too, for sampling and export.py meanwhile
+        stop.exit(step, run.path)
+
     # Batch i of the stream is step i's global batch, of which this rank takes its rows: the stream's position
     # follows from the step, so a resumed run draws the batches it had not reached, at any world size.
     train_stream = RandomWindows(train_tokens, block_size, global_batch, seed, start=step, rows=rows)
@@ -799,10 +804,10 @@ def main(
                 save("best.pt")
             save()
             if stop_agreed(stop, device):
-                stop.exit(step, run.path)
+                stop_saved()
         elif step % every == 0 and stop_agreed(stop, device):  # between evaluations: on Ctrl-C or SIGTERM,
             save()
-            stop.exit(step, run.path)
+            stop_saved()
         elif checkpoint_every and step % checkpoint_every == 0:  # or every --checkpoint-every steps
             save()
 

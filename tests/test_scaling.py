@@ -7,6 +7,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 import traceback
 from pathlib import Path
@@ -503,3 +504,23 @@ def test_a_sharded_run_killed_after_its_last_save_still_ends_with_its_single_fil
     assert "resumed at step 6" in again.stdout
     for name, weights in expected.items():
         assert_same_weights(weights, load_weights(run_dir / "checkpoints" / name))
+
+
+def test_a_sharded_run_stopped_by_sigterm_leaves_the_single_files_of_its_last_step(corpus_txt, tmp_path):
+    """last.pt and best.pt are what --sample-only and export.py read: after a stop, those of the step it stopped at,
+    not of an earlier launch (nor none at all)."""
+    run_dir = tmp_path / "run"
+    args = [sys.executable, RECIPE, "--text", corpus_txt, *TINY, "--steps", 100_000, "--parallel", "fsdp",
+            "--checkpoint-every", 1, "--run-dir", run_dir]
+    process = subprocess.Popen([str(a) for a in args], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True)
+    wait_for(run_dir / "checkpoints" / "dcp" / "step-000004", process)
+    process.send_signal(signal.SIGTERM)
+    stdout, stderr = process.communicate(timeout=120)
+    assert process.returncode == 143 and "Traceback" not in stderr, stderr
+    stopped_at = int(stdout.split("interrupted at step ")[1].split(";")[0])
+    newest = sorted((run_dir / "checkpoints" / "dcp").glob("step-*"))[-1]
+    assert newest.name == f"step-{stopped_at:06d}"
+    last = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)
+    best = torch.load(run_dir / "checkpoints" / "best.pt", weights_only=True)
+    assert last["step"] == stopped_at and best["step"] == best["best"]["step"] == last["best"]["step"] <= stopped_at
