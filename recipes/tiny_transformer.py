@@ -519,7 +519,8 @@ def main(
     steps: cli.Steps = 1200,
     max_steps: cli.MaxSteps = None,
     batch_size: Annotated[int, typer.Option(
-        min=1, help="Sequences per step in each process (--global-batch sets it for you).")] = 32,
+        min=1, help="Sequences per micro-batch in each process; a step is --grad-accum of them (--global-batch "
+                    "sets it for you).")] = 32,
     grad_accum: Annotated[int, typer.Option(min=1, help="Micro-batches accumulated per optimizer step.")] = 1,
     lr: cli.LearningRate = 2e-3,
     min_lr_ratio: Annotated[float, typer.Option(
@@ -588,10 +589,12 @@ def main(
     if parallel == "fsdp" and precision == "fp16":
         raise typer.BadParameter("fp16 needs a GradScaler of sharded gradients: use bf16 with --parallel fsdp",
                                  param_hint="--precision")
-    if global_batch is not None and ctx.get_parameter_source("batch_size").name == "COMMANDLINE":  # not a default,
-        # nor a --config replay's (whose config.json holds both)
-        raise typer.BadParameter("--global-batch sets it for you (to the global batch / (processes x --grad-accum)): "
-                                 "give one of the two", param_hint="--batch-size")
+    if global_batch is not None and ctx.get_parameter_source("batch_size").name == "COMMANDLINE":
+        if ctx.get_parameter_source("global_batch").name == "DEFAULT_MAP":  # a --config replay's: the option given wins
+            global_batch = None
+        else:
+            raise typer.BadParameter("--global-batch sets it for you (to the global batch / (processes x "
+                                     "--grad-accum)): give one of the two", param_hint="--batch-size")
     if sample_only:
         if resume == "auto" or (resume is None) == (init_from is None):
             raise typer.BadParameter("--sample-only needs a checkpoint file, or else an --init-from folder (one of "

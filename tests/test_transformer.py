@@ -258,6 +258,20 @@ def test_smoke_run_and_sampling_from_the_checkpoint(run_inprocess, text_file, tm
     assert sample.stdout.startswith("def ") and len(sample.stdout.encode()) >= 30
 
 
+def test_a_replay_with_another_batch_size_takes_it_over_the_recorded_global_batch(run_inprocess, text_file, tmp_path):
+    """config.json records both batch sizes; a --config replay given --batch-size (only that) trains with it."""
+    first = run_inprocess(RECIPE, "--text", text_file, *SMALL, "--steps", 2, "--eval-every", 2, "--warmup-steps", 1,
+                          "--peak-flops", 1e11, "--run-dir", tmp_path / "first")
+    assert first.code == 0 and json.loads((tmp_path / "first" / "config.json").read_text())["global_batch"] == 8
+    replay = run_inprocess(RECIPE, "--config", tmp_path / "first" / "config.json", "--batch-size", 4, "--grad-accum", 2,
+                           "--run-dir", tmp_path / "replay")
+    assert replay.code == 0, replay.stderr
+    config = json.loads((tmp_path / "replay" / "config.json").read_text())
+    assert (config["batch_size"], config["grad_accum"], config["global_batch"]) == (4, 2, 8)
+    both = run_inprocess(RECIPE, "--config", tmp_path / "first" / "config.json", "--batch-size", 4, "--global-batch",
+                         8, "--run-dir", tmp_path / "both")
+    assert both.code == 2 and "--global-batch sets it for you" in both.stderr
+
 def test_character_vocabulary_is_stored_in_the_checkpoint(run_inprocess, text_file, tmp_path):
     result = run_inprocess(RECIPE, "--text", text_file, "--vocab", "chars", *SMALL, "--steps", 3,
                            "--peak-flops", 1e11, "--run-dir", tmp_path / "run")
