@@ -429,8 +429,10 @@ def model_from_checkpoint(checkpoint: dict, source: Path) -> TabularMLP:
 def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     """Decay only weight matrices: shrinking biases, norm gains, embeddings or frequencies towards zero only hurts."""
     embeddings = {id(p) for m in model.modules() if isinstance(m, nn.Embedding | Periodic) for p in m.parameters()}
-    decay = [p for p in model.parameters() if p.ndim >= 2 and id(p) not in embeddings]
-    no_decay = [p for p in model.parameters() if p.ndim < 2 or id(p) in embeddings]
+    # by name as well as shape: a per-feature layer's bias is a matrix too (one bias vector per feature)
+    matrices = {id(p) for name, p in model.named_parameters() if p.ndim >= 2 and not name.endswith("bias")}
+    decay = [p for p in model.parameters() if id(p) in matrices - embeddings]
+    no_decay = [p for p in model.parameters() if id(p) not in matrices - embeddings]
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 

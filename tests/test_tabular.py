@@ -104,13 +104,18 @@ def test_task_auto_detection():
     assert tabular.fit_features(text_table(["x", "y"], rows), "y", "auto")["task"] == "regression"
 
 
-def test_parameter_groups_exempt_biases_norms_and_embeddings():
-    model = tabular.TabularMLP(2, [5, 7], 3, hidden=8, depth=2)
+@pytest.mark.parametrize("num_embedding", ["none", "periodic"])
+def test_parameter_groups_exempt_biases_norms_and_embeddings(num_embedding):
+    """The periodic embedding's per-feature layer has a bias that is a matrix (one bias per feature): still a bias."""
+    rows = [[str(i * 0.5), str(i % 7), "abc"[i % 3], str(i % 2)] for i in range(60)]
+    spec = tabular.fit_features(text_table(["x", "z", "c", "y"], rows), "y", "auto")
+    model = tabular.build_model(spec, 8, 2, 0.0, num_embedding)
     decay, no_decay = tabular.parameter_groups(model, 0.1)
     decayed = {id(p) for p in decay["params"]}
     for name, p in model.named_parameters():
-        is_matrix = name.endswith("weight") and "embeddings" not in name and p.ndim == 2
+        is_matrix = name.endswith("weight") and "embeddings" not in name and p.ndim >= 2
         assert (id(p) in decayed) == is_matrix, name
+    assert len(decayed) == (4 if num_embedding == "periodic" else 3)  # numeric.1.weight; body 0 and 4; head
     assert no_decay["weight_decay"] == 0.0 and decay["weight_decay"] == 0.1
 
 
