@@ -169,6 +169,7 @@ def main(
     """Train an MLP on MNIST with DistributedDataParallel (launch with torchrun), or in one process."""
     config = cli.as_config(locals())  # every option: config.json, and what a resume must match
     rank, world_size, device = init_distributed(device, backend)
+    config |= {"world_size": world_size}  # the batch is per process: another count would be another global batch
     # Rank 0 names, checks and locks the run directory (every rank must use that one) and finds the checkpoint;
     # every rank then reads the same checkpoint and resumes from it. Only rank 0 writes files.
     run = from_rank_0(lambda: open_run_dir(RECIPE, run_dir, resume))

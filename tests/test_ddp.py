@@ -190,8 +190,9 @@ def test_a_failure_found_by_rank_0_alone_ends_every_rank_with_its_one_line_error
 
 
 def test_a_run_saved_by_two_processes_is_not_resumed_by_one(run_inprocess, mnist_dir, tmp_path):
-    """ddp_mlp's batch is per process: at another world size an epoch has another number of steps, and the
-    checkpoint's position in the epoch would point at other digits. Refused in one line; nothing overwritten."""
+    """ddp_mlp's batch is per process: at another world size the global batch is another, an epoch has another
+    number of steps, and the checkpoint's position in the epoch would point at other digits. Refused in one line
+    (even where the epoch lengths happen to agree); nothing overwritten."""
     run_dir = tmp_path / "run"
     first = torchrun("--nproc_per_node=2", "recipes/ddp_mlp.py", "--data-dir", mnist_dir, "--run-dir", run_dir,
                      "--epochs", 2, "--batch-size", 32, "--max-steps", 3, *SMALL)
@@ -200,7 +201,7 @@ def test_a_run_saved_by_two_processes_is_not_resumed_by_one(run_inprocess, mnist
     alone = run_inprocess("ddp_mlp", "--data-dir", mnist_dir, "--run-dir", run_dir, "--epochs", 2, "--batch-size",
                           32, *SMALL, "--resume", "auto")
     assert alone.code == 1 and alone.stderr.startswith("error: ") and len(alone.stderr.strip().splitlines()) == 1
-    assert "has 7 steps per epoch, this run 14" in alone.stderr
+    assert "other options (world size 2 there, 1 here)" in alone.stderr
     assert (run_dir / "checkpoints" / "last.pt").read_bytes() == saved
 
 
