@@ -133,6 +133,9 @@ def resume_checkpoint(run: RunFolder, recipe: str, config: dict, may_change: set
     if run.resume_from is None:
         return None
     checkpoint = load(run.resume_from, recipe)
+    if checkpoint.get("averaged"):
+        raise RecipeError(f"checkpoint {run.resume_from} holds the averaged (--ema) weights, not the trained ones, so "
+                          "no run can go on from it: resume from last.pt, or use it as it is (evaluate, export)")
     check_same_run(checkpoint, run.resume_from, config, may_change)
     if run.held is not None and run.resume_from.resolve() != run.held.resolve():
         raise RecipeError(f"{run.path} already holds checkpoints, and --resume {run.resume_from} is not its last one: "
@@ -183,7 +186,8 @@ class Checkpointer:
     def save(self, step: int, name: str = "last.pt", weights: nn.Module | None = None) -> None:
         """Write checkpoints/NAME, never with spoiled weights; ``weights``: another module's as its model (an EMA's)."""
         state = self.training_state(step)  # first: the log's read-back raises here on a non-finite loss
-        state |= {"model": unwrap(weights or self.model).state_dict(), "optimizer": self.optimizer.state_dict()}
+        state |= {"model": unwrap(weights or self.model).state_dict(), "optimizer": self.optimizer.state_dict(),
+                  "averaged": weights is not None}  # an EMA's weights, not the trained ones: no run goes on from them
         # A step can end with a finite loss yet inf/nan gradients, which spoil the weights it just updated.
         spoiled = [k for k, v in state["model"].items() if v.is_floating_point() and not torch.isfinite(v).all()]
         if spoiled:

@@ -269,6 +269,12 @@ def test_the_test_set_is_scored_with_the_weights_best_pt_holds(run_inprocess, mn
     metrics = read_metrics(run_dir)
     assert (metrics["test_acc"], metrics["test_loss"]) == pytest.approx((scores["best"]["acc"], scores["best"]["loss"]))
     assert metrics["test_loss"] != pytest.approx(scores["last"]["loss"])
+    # best.pt holds the average in place of the trained weights: no run can go on from it
+    resumed = run_inprocess(RECIPE, "--epochs", 3, "--batch-size", 32, "--width", 4, "--ema", 0.9, "--precision",
+                            "fp32", "--data-dir", mnist_dir, "--run-dir", tmp_path / "on",
+                            "--resume", run_dir / "checkpoints" / "best.pt")
+    assert resumed.code == 1 and "holds the averaged (--ema) weights, not the trained ones" in resumed.stderr
+    assert not (tmp_path / "on").exists()
 
 
 def test_a_launch_from_another_folder_says_which_folders_it_uses(run_inprocess, mnist_dir, tmp_path, monkeypatch):
