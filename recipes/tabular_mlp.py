@@ -620,14 +620,18 @@ def main(
         if resume is None or resume == "auto":
             raise typer.BadParameter("give the checkpoint to predict with, e.g. --resume .../best.pt",
                                      param_hint="--resume")
+        if not predict_csv.name:  # '' and '.' (a folder otherwise: reading it says so)
+            raise cli.RecipeError(f"{predict_csv} is a directory, not a table file")
         output = output or predict_csv.with_suffix(".predictions.csv")
+        if output.is_dir() or not output.name:
+            raise cli.RecipeError(f"--output {output} is a directory; give the path of the file to write")
         if output.resolve() == predict_csv.resolve():
             raise typer.BadParameter("is the table to predict, whose rows it would replace: choose another file",
                                      param_hint="--output")
         if output.resolve() == Path(resume).resolve():
             raise typer.BadParameter("is the checkpoint to predict with, which it would replace: choose another file",
                                      param_hint="--output")
-        if output.exists() and not output.is_dir() and not overwrite:  # a folder: the write says why it cannot
+        if output.exists() and not overwrite:
             raise cli.RecipeError(f"{output} exists; choose another --output, or add --overwrite to replace it")
         n = predict(Path(resume), predict_csv, output, resolve_device(device))
         print(f"done: predictions={n} output={output}")
