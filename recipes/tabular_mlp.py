@@ -108,6 +108,10 @@ def read_table(path: Path) -> pa.Table:
         raise cli.RecipeError(f"{path}: the header names a column twice ({', '.join(table.column_names)})")
     if table.num_rows == 0:
         raise cli.RecipeError(f"{path} has a header but no data rows")
+    nested = [f"{field.name!r} ({field.type})" for field in table.schema if pa.types.is_nested(field.type)]
+    if nested:  # Parquet: lists, structs and maps are no single value per cell
+        raise cli.RecipeError(f"{path}: column {', '.join(nested)} holds lists or records, not one number or word per "
+                              "cell; drop or flatten it")
     return table
 
 

@@ -277,6 +277,8 @@ def test_adult_offline_suggests_csv(run_inprocess, tmp_path, monkeypatch):
                                                   "delimiter than ','"),
         ("only-label.csv", "label\nx\ny\nx\ny\n", "only-label.csv has no feature columns besides the target "
                                                     "'label': add the columns to predict it from"),
+        ("lists.parquet", pa.table({"a": [1.0, 2.0] * 20, "tags": [[1, 2], []] * 20, "label": ["x", "y"] * 20}),
+         "lists.parquet: column 'tags' (list<element: int64>) holds lists or records, not one number or word per cell"),
     ],
 )
 def test_bad_csv_is_a_one_line_error(run_inprocess, tmp_path, name, content, message):
@@ -285,6 +287,8 @@ def test_bad_csv_is_a_one_line_error(run_inprocess, tmp_path, name, content, mes
         path.mkdir()
     elif isinstance(content, bytes):
         path.write_bytes(content)
+    elif isinstance(content, pa.Table):
+        pq.write_table(content, path)
     elif content is not None:
         path.write_text(content)
     result = run_inprocess(RECIPE, "--csv", path, "--target", "label", "--run-dir", tmp_path / "run")
