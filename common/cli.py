@@ -53,6 +53,13 @@ def device_name(value: str) -> str:
     return value
 
 
+def folder(value: str | Path) -> Path:
+    """A folder option's value; an empty one (an unset shell variable, say) is refused rather than read as '.'."""
+    if not str(value).strip():
+        raise typer.BadParameter("is empty; give a folder")
+    return Path(value)
+
+
 def resume_target(value: str | None) -> str | None:
     if value is not None and not value.strip():
         raise typer.BadParameter("give a checkpoint file, or auto")
@@ -74,9 +81,10 @@ Precision = Annotated[Literal["auto", "fp32", "bf16", "fp16"], typer.Option(
     help="Autocast dtype; fp16 adds a GradScaler; auto: bf16 where the device multiplies it natively, else fp32.")]
 Compile = Annotated[bool, typer.Option("--compile/--no-compile", help="Wrap the model in torch.compile.")]
 NumWorkers = Annotated[int, typer.Option(min=0, help="DataLoader worker processes (0: load in the main one).")]
-DataDir = Annotated[Path, typer.Option(help="Where data sets are downloaded and cached.")]
-RunDir = Annotated[Path | None, typer.Option(help="Where this run writes everything [default: "
-                                             "runs/RECIPE/YYYYmmdd-HHMMSS].")]
+DataDir = Annotated[Path, typer.Option(parser=folder, metavar="<path>", help="Where data sets are downloaded and "
+                                       "cached.")]
+RunDir = Annotated[Path | None, typer.Option(parser=folder, metavar="<path>", help="Where this run writes everything "
+                                             "[default: runs/RECIPE/YYYYmmdd-HHMMSS].")]
 Resume = Annotated[str | None, typer.Option(callback=resume_target, help="Continue from this checkpoint file, or "
                                             "'auto': the newest one in --run-dir, else start fresh.")]
 CheckpointEvery = Annotated[int | None, typer.Option(min=1, help="Also save checkpoints/last.pt every N steps.")]

@@ -113,3 +113,15 @@ def test_every_recipe_takes_auto_precision_and_says_what_it_chose(recipe, run_in
     config = json.loads((tmp_path / "config.json").read_text())
     assert config["precision"] in ("fp32", "bf16") and config["precision_reason"].startswith("auto: ")
     assert f"precision {config['precision']} ({config['precision_reason']})" in result.stdout
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_an_empty_folder_option_is_a_usage_error_not_the_current_folder(recipe, run_inprocess, tmp_path, monkeypatch):
+    """`--run-dir "$RUN"` with RUN unset: writing checkpoints into wherever the command ran is refused."""
+    monkeypatch.chdir(tmp_path)
+    for option in ("--run-dir", "--data-dir"):
+        if option == "--data-dir" and option not in run_inprocess(recipe, "--help").stdout:
+            continue
+        result = run_inprocess(recipe, option, "")
+        assert result.code == 2 and f"Invalid value for '{option}': is empty; give a folder" in result.stderr
+    assert list(tmp_path.iterdir()) == []
