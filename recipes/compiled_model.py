@@ -172,16 +172,17 @@ def train(epochs: int, max_steps: int | None, batch_size: int, lr: float, sample
 
     metrics = timing(step_seconds)
     if step_seconds:  # none when resumed at the last step, only to finish
-        log.print(f"first step {metrics['first_step_s']:.2f} s, then {metrics['step_ms']:.1f} ms per step")
+        log.print(f"first step {metrics['first_step_s']:.2f} s, then " + (f"{metrics['step_ms']:.1f} ms per step" if
+                  "step_ms" in metrics else "too few steps to time a steady step"))
     return log.finish(step, best.metrics() | metrics)
 
 
 def timing(step_seconds: list[float], warmup: int = 3) -> dict[str, float]:
     """Steady state: the median step after ``warmup`` steps. The first step is where compilation happens
     (a backward graph is compiled at the first backward), so its excess over steady state is the cost."""
-    if not step_seconds:
-        return {}
-    step_s = statistics.median(step_seconds[warmup:] or step_seconds)
+    if len(step_seconds) <= warmup:  # no steady step to compare with: only the first is known
+        return {"first_step_s": step_seconds[0]} if step_seconds else {}
+    step_s = statistics.median(step_seconds[warmup:])
     return {"step_ms": 1000 * step_s, "first_step_s": step_seconds[0],
             "compile_s": max(0.0, sum(step_seconds[:warmup]) - warmup * step_s)}
 

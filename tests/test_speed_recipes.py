@@ -146,6 +146,15 @@ def test_a_step_time_is_the_median_of_the_timed_steps_also_of_an_even_count(monk
     assert compiled.timing([5.0, 1.0, 2.0, 4.0, 1.0, 6.0], warmup=2)["step_ms"] == 3000.0  # median of 2 4 1 6
 
 
+def test_a_compiled_run_too_short_for_a_steady_step_reports_no_step_time_or_compile_time():
+    """Three steps or fewer are all warm-up: a median of them would count the compiling step as a step."""
+    compiled = load_recipe("compiled_model")
+    assert compiled.timing([5.0, 1.0, 2.0], warmup=3) == {"first_step_s": 5.0}
+    assert compiled.timing([], warmup=3) == {}
+    assert compiled.timing([5.0, 1.0, 2.0, 1.5], warmup=3) == {"step_ms": 1500.0, "first_step_s": 5.0,
+                                                                "compile_s": 3.5}
+
+
 def test_compare_times_the_precisions_interleaved_and_warns_of_a_busy_machine(run_inprocess, tmp_path, monkeypatch):
     # the timings are fixed here: what is tested is what --compare does with them, not this CPU's speed
     calls = []
