@@ -368,6 +368,9 @@ def main(
     options = {name: value for name, value in locals().items() if name != "traps"}
     if traps and compare_compiled:
         raise typer.BadParameter("--traps and --compare are two commands: give one of them", param_hint="--traps")
+    if mode != "default" and backend != "inductor":  # other backends ignore it, with a warning
+        raise typer.BadParameter(f"{mode} is Inductor's: it needs --backend inductor, not {backend}",
+                                 param_hint="--mode")
     if traps:
         show_traps(seed, backend)
     elif compare_compiled:

@@ -240,6 +240,10 @@ def test_unknown_backend_is_a_usage_error(run_inprocess):
     result = run_inprocess("compiled_model", "--backend", "turbo")
     assert result.code == 2
     assert re.search(r"'turbo' is not one of .*inductor", result.stderr) and "TESTING_ONLY" not in result.stderr
+    # --mode is Inductor's own: another backend would ignore it (with only a Dynamo warning)
+    result = run_inprocess("compiled_model", "--compile", "--backend", "aot_eager", "--mode", "max-autotune")
+    assert result.code == 2
+    assert "Invalid value for --mode: max-autotune is Inductor's: it needs --backend inductor" in result.stderr
 
 
 def test_a_resume_may_change_where_and_how_fast_it_runs_and_ends_with_the_same_weights(run_inprocess, tmp_path):
