@@ -748,6 +748,8 @@ def train(csv_path: Path | None, target: str, task: str, val_frac: float, cv: in
                                data={"features": spec},  # and a resume on other rows is refused:
                                data_id=checksum(train_set.numeric, train_set.categorical, train_set.target))
     step = checkpoints.restore(checkpoint) if checkpoint else 0
+    if keep_best > 1:  # resumed with a larger --keep-best: evaluations of a smaller one have no file to keep
+        kept.kept = [k for k in kept.kept if (run.path / "checkpoints" / f"best-step{k.step}.pt").is_file()]
     log.start(step, config, device)
     kind = f"{len(spec['classes'])} classes" if classification else "regression"
     source = csv_path.resolve() if csv_path else (data_dir / "adult").resolve()
@@ -790,7 +792,7 @@ def train(csv_path: Path | None, target: str, task: str, val_frac: float, cv: in
         keep, dropped = kept.update(score, step)
         if keep_best > 1 and keep:  # --keep-best K: the K best as best-stepN.pt too
             checkpoints.save(step, f"best-step{step}.pt")
-        for old in dropped if keep_best > 1 else []:
+        for old in dropped:  # (also those of a larger --keep-best that this resume lowered)
             (run.path / "checkpoints" / f"best-step{old}.pt").unlink(missing_ok=True)
         stopped_early = early_stop.exhausted(improved) and step < total_steps
         checkpoints.save(step)
