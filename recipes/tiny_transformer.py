@@ -525,7 +525,8 @@ def main(
     lr: cli.LearningRate = 2e-3,
     min_lr_ratio: Annotated[float, typer.Option(
         min=0.0, max=1.0, help="Rate the cosine reaches at the run's end, as a share of --lr.")] = 0.1,
-    warmup_steps: Annotated[int, typer.Option(min=0, help="Steps of linear warmup.")] = 100,
+    warmup_steps: Annotated[int | None, typer.Option(min=0, help="Steps of linear warmup [default: 100, or a tenth "
+                                                     "of --steps if that is less].")] = None,
     weight_decay: Annotated[float, typer.Option(callback=cli.finite_non_negative,
                                                 help="AdamW weight decay on matrices.")] = 0.1,
     beta1: Annotated[float, typer.Option(callback=cli.decay_rate, help="AdamW's first-moment decay, in [0, 1).")] = 0.9,
@@ -603,6 +604,11 @@ def main(
         print(sample_text(model, vocab, prompt, sample_tokens, temperature, top_k, seed,
                           next(model.parameters()).device))
         return
+    if warmup_steps is None:  # a short run still reaches its peak rate, and decays from it
+        warmup_steps = options["warmup_steps"] = min(100, steps // 10)
+    elif warmup_steps >= steps:
+        raise typer.BadParameter(f"must be below --steps {steps}: the whole run would be warm-up, never at --lr",
+                                 param_hint="--warmup-steps")
     rank, world_size, device = init_distributed(resolve_device(device))
     if parallel == "auto":
         parallel = "ddp" if dist.is_initialized() else "none"

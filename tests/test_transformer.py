@@ -272,6 +272,17 @@ def test_a_replay_with_another_batch_size_takes_it_over_the_recorded_global_batc
                          8, "--run-dir", tmp_path / "both")
     assert both.code == 2 and "--global-batch sets it for you" in both.stderr
 
+def test_a_run_shorter_than_the_default_warmup_still_reaches_its_peak_rate(run_inprocess, text_file, tmp_path):
+    """The default warm-up is 100 steps, or a tenth of --steps if less; a longer one given is a usage error."""
+    result = run_inprocess(RECIPE, "--text", text_file, *SMALL, "--steps", 30, "--eval-every", 30, "--lr", 1e-3,
+                           "--peak-flops", 1e11, "--run-dir", tmp_path / "run")
+    assert result.code == 0, result.stderr
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["warmup_steps"] == 3
+    rates = dict(read_scalars(tmp_path / "run")["train/lr"])
+    assert rates[4] == pytest.approx(1e-3) and rates[1] < rates[2] < rates[3] < rates[4] > rates[30]
+    refused = run_inprocess(RECIPE, "--text", text_file, "--steps", 30, "--warmup-steps", 30)
+    assert refused.code == 2 and "Invalid value for --warmup-steps: must be below --steps 30" in refused.stderr
+
 def test_character_vocabulary_is_stored_in_the_checkpoint(run_inprocess, text_file, tmp_path):
     result = run_inprocess(RECIPE, "--text", text_file, "--vocab", "chars", *SMALL, "--steps", 3,
                            "--peak-flops", 1e11, "--run-dir", tmp_path / "run")

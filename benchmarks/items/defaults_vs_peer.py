@@ -26,7 +26,8 @@ def defaults_vs_peer(quick: bool, work: Path) -> dict:
     for name, tokens in (("train", train), ("val", val)):  # as nanoGPT's prepare.py writes them
         np.asarray(tokens, dtype=np.uint16).tofile(data / f"{name}.bin")
     (data / "vocab_size.txt").write_text(str(len(vocab)))
-    options = [str(a) for k, v in SHAPE.items() for a in (k, v)]
+    shape = SHAPE | ({"--warmup-steps": steps // 10} if quick else {})  # a warm-up shorter than the run
+    options = [str(a) for k, v in shape.items() for a in (k, v)]
     runs = {"auto": [], "fp32": []}
 
     def recipe(precision: str) -> float:
