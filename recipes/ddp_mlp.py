@@ -237,6 +237,9 @@ def main(
             current_lr = scheduler.get_last_lr()[0]
             stats = train_step(model, optimizer, loss_fn, [batch], device=device, precision=precision,
                                scaler=scaler, scheduler=scheduler)
+            if dist.is_initialized():  # the global batch's loss: the log's, and a divergence every rank sees at once
+                dist.all_reduce(stats.loss)
+                stats.loss.div_(world_size)
             step += 1
             log.train(step, stats, lr=current_lr, items=batch_size * world_size)
             profiler.step()

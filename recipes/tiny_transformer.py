@@ -778,6 +778,9 @@ def main(
                     loss = lm_loss(model(x_micro), y_micro) / grad_accum
                 scaler.scale(loss).backward()  # gradients add up in .grad until zero_grad
             step_loss += loss.detach().float()
+        if dist.is_initialized():  # the global batch's loss: the log's, and a divergence every rank sees at once
+            dist.all_reduce(step_loss)
+            step_loss /= world_size
         scaler.unscale_(optimizer)  # fp16: clip the true gradients, not the scaled ones
         # With FSDP each rank holds shards of the gradients: clip_grad_norm_ on DTensors sums the squares
         # over all ranks' shards, so the norm (and the clipping) is that of the whole gradient.

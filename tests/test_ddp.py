@@ -19,6 +19,7 @@ from conftest import (
     load_recipe,
     load_weights,
     read_metrics,
+    read_scalars,
     run_subprocess,
     run_torchrun,
     worker_died_of_a_signal,
@@ -66,6 +67,9 @@ def test_two_processes_equal_one_process_with_twice_the_batch(run_inprocess, mni
         torch.testing.assert_close(a[key], b[key], rtol=1e-5, atol=1e-6)
     # evaluation is split across ranks and all-reduced: the same numbers as one process evaluating all
     assert read_metrics(tmp_path / "two")["val_acc"] == read_metrics(tmp_path / "one")["val_acc"]
+    # the training loss logged is the global batch's (all-reduced each step), not rank 0's half of it
+    torch.testing.assert_close([v for _, v in read_scalars(tmp_path / "two")["train/loss"]],
+                               [v for _, v in read_scalars(tmp_path / "one")["train/loss"]], rtol=1e-4, atol=1e-6)
 
     # stopped part-way through epoch 2 and resumed: each rank skips what it saw, then goes on as if never stopped
     cut = [*common, "--batch-size", 16, "--run-dir", tmp_path / "cut", "--resume", "auto"]

@@ -89,6 +89,9 @@ def test_two_ranks_end_with_the_weights_of_one_process(parallel, per_rank, one_p
     assert_close_weights(load_weights(one_process / "checkpoints" / "last.pt"),
                          load_weights(run_dir / "checkpoints" / "last.pt"))
     assert read_metrics(run_dir)["val_loss"] == pytest.approx(read_metrics(one_process)["val_loss"], rel=1e-5)
+    # the training loss logged is the whole global batch's, as in one process (not rank 0's half of it)
+    torch.testing.assert_close([v for _, v in read_scalars(run_dir)["train/loss"]],
+                               [v for _, v in read_scalars(one_process)["train/loss"]], rtol=1e-5, atol=0)
 
     if parallel == "fsdp":
         # Each rank holds half of the weights, gradients and AdamW state: the account counts local shards.
