@@ -376,6 +376,9 @@ def export_safetensors(exportable: Exportable, out: Path, recipe: str) -> dict[s
     return {"safetensors": max((read[k].double() - state[k].double()).abs().max().item() for k in state)}
 
 
+# every file an export writes: what --overwrite may replace
+EXPORT_FILES = {"model.pt2", "model.onnx", "model.json", "model.safetensors", "tokenizer.json", "config.json",
+                "generation_config.json", "tokenizer_config.json"}
 FORMATS = {"graph": "model.pt2, model.onnx, model.json", "hf": "a GPT-2 folder for transformers",
            "safetensors": "model.safetensors, model.json"}
 
@@ -387,9 +390,9 @@ def export_checkpoint(checkpoint: Path, out_dir: Path, overwrite: bool = False, 
         raise ExportError(f"OUT_DIR {out_dir} is a file, not a folder")
     if out_dir.is_dir() and any(out_dir.iterdir()) and not overwrite:
         raise ExportError(f"OUT_DIR {out_dir} already holds files; choose a new folder or add --overwrite")
-    # --overwrite replaces an earlier export (files named model.* or *.json), never a run or a checkpoint
-    foreign = out_dir.is_dir() and next((p for p in out_dir.iterdir() if not p.is_file() or not (
-        p.name.startswith("model.") or p.suffix == ".json") or p.suffix == ".pt"), None)
+    # --overwrite replaces an earlier export (only files an export writes), never a run, a checkpoint or a project
+    foreign = out_dir.is_dir() and next((p for p in out_dir.iterdir() if not p.is_file() or
+                                         p.name not in EXPORT_FILES), None)
     if foreign or (overwrite and out_dir.resolve() in checkpoint.resolve().parents):
         raise ExportError(f"OUT_DIR {out_dir} holds {foreign or checkpoint}, which no export writes: --overwrite "
                           "replaces an earlier export only; choose a new folder")

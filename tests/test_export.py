@@ -187,6 +187,17 @@ def test_overwrite_never_replaces_a_folder_that_is_not_an_export(checkpoints, tm
             ", which no export writes: --overwrite replaces an earlier export only; choose a new folder\n"), err
     assert sorted(str(p.relative_to(run)) for p in run.rglob("*")) == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # no temporary folder left
+    # a project's own files named like an export's (model.*, *.json) but not one of them
+    for name in ("model.py", "settings.json", "model.pth"):
+        project = tmp_path / "project"
+        project.mkdir()
+        (project / "model.json").write_text("{}")  # as an earlier export would leave it
+        (project / name).write_text("mine")
+        capsys.readouterr()
+        assert export.main([str(run / "checkpoints" / "best.pt"), str(project), "--overwrite"]) == 1
+        assert f"holds {project / name}, which no export writes" in capsys.readouterr().err
+        assert (project / name).read_text() == "mine"
+        shutil.rmtree(project)
 
 
 def test_an_export_that_cannot_replace_its_folder_is_one_line_and_keeps_the_earlier_one(checkpoints, tmp_path,
