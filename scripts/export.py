@@ -407,10 +407,12 @@ def export_checkpoint(checkpoint: Path, out_dir: Path, overwrite: bool = False, 
         raise ExportError(str(err)) from None
     except (KeyError, TypeError) as err:
         raise ExportError(f"{checkpoint} lacks what rebuilding its {recipe} model needs ({err})") from None
+    except (ValueError, RuntimeError) as err:  # a negative width, say
+        raise ExportError(f"{checkpoint} is damaged: its {recipe} model cannot be rebuilt ({err})") from None
 
     created = make_parents(out_dir)
     try:
-        tmp = Path(tempfile_dir(out_dir))
+        tmp = Path(tempfile_dir(out_dir.absolute()))  # beside it: for ".", in the folder above
     except OSError as err:
         remove_empty(created)
         raise ExportError(f"cannot write to {out_dir.parent}: {err.strerror}") from None
@@ -499,8 +501,12 @@ def replace_dir(new: Path, out_dir: Path) -> None:
                 os.replace(old, out_dir)  # the earlier export stays
                 raise
             shutil.rmtree(old, ignore_errors=True)
+        elif out_dir.is_dir():  # empty ("." of an empty folder, say): the files move in, and the folder stays
+            for path in new.iterdir():
+                os.replace(path, out_dir / path.name)
+            new.rmdir()
         else:
-            os.replace(new, out_dir)  # a rename over an empty folder (or none) is one step
+            os.replace(new, out_dir)
     except OSError as err:  # "." or a mount point, say: a folder that cannot be renamed
         raise ExportError(f"cannot replace {out_dir}: {err.strerror or err}; choose a new folder") from None
 

@@ -200,6 +200,14 @@ def test_overwrite_never_replaces_a_folder_that_is_not_an_export(checkpoints, tm
         shutil.rmtree(project)
 
 
+def test_an_export_into_the_current_empty_folder_writes_its_files_there(checkpoints, tmp_path, monkeypatch):
+    """`cd out && export.py CHECKPOINT .`: the files move into the folder, which cannot be renamed over."""
+    (tmp_path / "out").mkdir()
+    monkeypatch.chdir(tmp_path / "out")
+    assert export.main([str(checkpoints["ddp_mlp"]), ".", "--format", "safetensors"]) == 0
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["model.json", "model.safetensors"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no temporary folder left beside it
+
 def test_an_export_that_cannot_replace_its_folder_is_one_line_and_keeps_the_earlier_one(checkpoints, tmp_path,
                                                                                        capsys, monkeypatch):
     out = tmp_path / "out"
@@ -263,6 +271,11 @@ def bad_case(case: str, checkpoints: dict, tmp_path: Path) -> tuple[list, str]:
         del state["config"]["hidden"]
         torch.save(state, bad)
         return [bad, out], "lacks what rebuilding its ddp_mlp model needs ('hidden')"
+    if case == "a negative width":
+        state = torch.load(good, weights_only=True)
+        state["config"]["hidden"] = -3
+        torch.save(state, bad)
+        return [bad, out], "is damaged: its ddp_mlp model cannot be rebuilt (Trying to create tensor with negative"
     if case == "out dir is a file":
         out.write_text("a file")
         return [good, out], "is a file, not a folder"
@@ -277,7 +290,7 @@ def bad_case(case: str, checkpoints: dict, tmp_path: Path) -> tuple[list, str]:
 
 BAD_CASES = ["missing checkpoint", "random bytes", "truncated checkpoint", "another program's checkpoint",
              "a bare state_dict", "pickle payload", "weights of another shape", "extras missing",
-             "out dir is a file", "out dir under a file", "checkpoint is a folder"]
+             "a negative width", "out dir is a file", "out dir under a file", "checkpoint is a folder"]
 
 
 @pytest.mark.parametrize("case", BAD_CASES)
