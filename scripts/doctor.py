@@ -139,10 +139,15 @@ def throughput(recipe_path: Path, options: list[str], steps: int, window: int, r
     args = [sys.executable, str(recipe_path), *options, "--max-steps", str(steps), "--log-every", str(window),
             "--run-dir", str(run_dir)]
     proc = subprocess.run(args, capture_output=True, text=True)
+    if proc.returncode == 130:
+        raise KeyboardInterrupt
     if proc.returncode != 0:
         raise RuntimeError((proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}"])[-1])
     metrics = json.loads((run_dir / "metrics.json").read_text())
     shutil.rmtree(run_dir, ignore_errors=True)
+    if metrics["steps"] < steps:  # its first window, start-up included, would then count in the throughput
+        raise RuntimeError(f"the run ended at step {metrics['steps']} of the {steps} measured (--patience, or a "
+                           "short run): give a longer one")
     return next(v for k, v in metrics.items() if k.endswith("_per_s"))
 
 
@@ -289,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"{taken}: the doctor measures a training run, and {taken} makes the recipe do something else")
     try:
         recipe = load_recipe(args.recipe)
-    except DoctorError as err:  # the only one it raises: no such recipe
+    except DoctorError as err:  # no such recipe, or a file that is not one
         parser.error(f"argument RECIPE: {err}")
     if args.json is not None and not args.json.parent.is_dir():  # found now, not after minutes of measuring
         print(f"error: cannot write --json {args.json}: {args.json.parent} is not a folder", file=sys.stderr)
@@ -305,13 +310,16 @@ def main(argv: list[str] | None = None) -> int:
             steps = 3 * window  # the first window (start-up, compiling) is left out of the throughput
             found, rows = alternatives(known, options, config, wanted)
             variants = {"as given": options} | {name: [*options, *extra] for name, (extra, _) in found.items()}
-            measured = side_by_side(recipe_path, variants, args.rounds, steps, window, work)
+            # as many epochs as the measured steps need (--max-steps ends the run): speed, not the schedule
+            length = ["--epochs", "1000000"] if "--epochs" in known else []
+            measured = side_by_side(recipe_path, {name: [*variant, *length] for name, variant in variants.items()},
+                                    args.rounds, steps, window, work)
             faster = [n for n, (_, changes) in found.items() if not changes and clearly_faster(measured[n])]
             chosen = faster
             if len(faster) > 1:
                 together = [*options, *(a for n in faster for a in found[n][0])]
-                both = side_by_side(recipe_path, {"as given": options, "recommended": together}, args.rounds,
-                                    steps, window, work)
+                both = side_by_side(recipe_path, {"as given": [*options, *length], "recommended": [*together, *length]},
+                                    args.rounds, steps, window, work)
                 if clearly_faster(both["recommended"]):
                     measured["recommended"] = both["recommended"]
                 else:  # together they lose what each gained alone (two ways of using the same cores, say)
@@ -323,6 +331,9 @@ def main(argv: list[str] | None = None) -> int:
     except DoctorError as err:
         print(f"error: {' '.join(str(err).split())}", file=sys.stderr)
         return err.exit_code
+    except KeyboardInterrupt:
+        print("error: interrupted; nothing measured", file=sys.stderr)
+        return 130
     table = [("as given", f"{statistics.median(measured['as given']):,.0f} {unit}/s", "the baseline")]
     for name, (_, changes) in found.items():
         result = measured[name]

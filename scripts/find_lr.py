@@ -19,6 +19,7 @@ Exit status 0; 1 with one line ``error: ...`` when the recipe fails or the loss 
 """
 
 import argparse
+import ast
 import contextlib
 import importlib.util
 import io
@@ -51,9 +52,19 @@ def load_recipe(name: str):
     if not path.is_file():
         known = ", ".join(sorted(p.stem for p in (ROOT / "recipes").glob("*.py")))
         raise FinderError(f"no recipe {name!r}; give one of {known}, or the path of a recipe file")
+    try:  # before running it: a file of other code is refused, not executed
+        tree = ast.parse(path.read_bytes(), str(path))
+    except (SyntaxError, ValueError, OSError) as err:
+        raise FinderError(f"cannot read {path} as Python: {err}") from None
+    if not any(isinstance(node, ast.FunctionDef) and node.name == "main" for node in tree.body):
+        raise FinderError(f"{path} is not a recipe: it defines no main()")
     spec = importlib.util.spec_from_file_location(f"recipe_{path.stem}", path)
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    sys.modules[spec.name] = module  # an ejected copy's dataclasses look their module up there
+    try:
+        spec.loader.exec_module(module)
+    except Exception as err:
+        raise FinderError(f"{path} fails when it is imported: {type(err).__name__}: {err}") from None
     return module
 
 
@@ -108,9 +119,11 @@ def training_losses(run_dir: Path) -> dict[int, float]:
 
 
 def run_quietly(recipe, args: list[str]) -> tuple[int, str]:
-    """The recipe's command in this process, its output swallowed: (exit status, its last line on stderr)."""
-    from common.cli import run_recipe
+    """The recipe's command in this process, its output swallowed: (exit status, its last line on stderr). A Ctrl-C
+    that stopped it is raised again."""
+    from common import cli
 
+    run_recipe = getattr(recipe, "run_recipe", cli.run_recipe)  # an ejected copy's own: its options, its errors
     errors = io.StringIO()
     try:
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(errors):
@@ -118,6 +131,8 @@ def run_quietly(recipe, args: list[str]) -> tuple[int, str]:
         code = 0
     except SystemExit as exit_:
         code = exit_.code if isinstance(exit_.code, int) else 1
+    if code == 130:  # the recipe saved and stopped on Ctrl-C
+        raise KeyboardInterrupt
     return code, (errors.getvalue().strip().splitlines() or [""])[-1]
 
 
@@ -217,13 +232,13 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"arguments --from and --to: need 0 < --from < --to, got {args.start} and {args.end}")
     if args.plot.suffix.lower() != ".png":
         parser.error(f"argument --plot: {args.plot} must end in .png")
-    if taken := first_given(options, ("--run-dir", "--resume", "--max-steps", "--log-every")):
+    if taken := first_given(options, ("--run-dir", "--resume", "--max-steps", "--log-every", "--patience")):
         parser.error(f"{taken}: the range test runs the recipe in a run directory of its own, for its own steps")
     if taken := first_given(options, NOT_TRAINING):
         parser.error(f"{taken}: the range test measures a training run, and {taken} makes the recipe do something else")
     try:
         recipe = load_recipe(args.recipe)
-    except FinderError as err:  # the only one it raises: no such recipe
+    except FinderError as err:  # no such recipe, or a file that is not one
         parser.error(f"argument RECIPE: {err}")
     try:
         known = recipe_options(recipe)
@@ -244,6 +259,9 @@ def main(argv: list[str] | None = None) -> int:
     except FinderError as err:
         print(f"error: {' '.join(str(err).split())}", file=sys.stderr)
         return err.exit_code
+    except KeyboardInterrupt:
+        print("error: interrupted; nothing written", file=sys.stderr)
+        return 130
     except OSError as err:
         from common.rundir import why_not_written
 

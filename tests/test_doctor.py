@@ -186,3 +186,41 @@ def test_a_baseline_that_fails_in_its_own_process_is_one_line(monkeypatch, tmp_p
     monkeypatch.setattr(doctor, "throughput", throughput)
     with pytest.raises(doctor.DoctorError, match="the recipe fails as given: error: out of memory"):
         doctor.side_by_side(tmp_path / "recipe.py", {"as given": [], "--compile": ["--compile"]}, 2, 9, 3, tmp_path)
+
+
+FAKE_RUN = '''
+import json, sys
+from pathlib import Path
+
+run_dir = Path(sys.argv[sys.argv.index("--run-dir") + 1])
+run_dir.mkdir(parents=True)
+(run_dir / "metrics.json").write_text(json.dumps({"steps": 5, "samples_per_s": 100.0, "argv": sys.argv}))
+sys.exit(int(sys.argv[sys.argv.index("--exit") + 1]))
+'''
+
+
+def test_a_run_that_ends_before_the_measured_steps_or_is_interrupted_is_no_throughput(tmp_path):
+    """Ended early (--patience, a short run), its only window would be the start-up one: not a figure to compare.
+    Stopped by Ctrl-C (exit 130): the doctor stops too."""
+    fake = tmp_path / "fake.py"
+    fake.write_text(FAKE_RUN)
+    with pytest.raises(RuntimeError, match=r"the run ended at step 5 of the 9 measured \(--patience, or a short run"):
+        doctor.throughput(fake, ["--exit", "0"], 9, 3, tmp_path / "short")
+    assert doctor.throughput(fake, ["--exit", "0"], 5, 3, tmp_path / "whole") == 100.0
+    with pytest.raises(KeyboardInterrupt):
+        doctor.throughput(fake, ["--exit", "130"], 9, 3, tmp_path / "stopped")
+
+
+def test_an_epoch_recipe_is_measured_for_all_its_steps_not_its_few_epochs(monkeypatch, tmp_path, capsys):
+    """A run of 2 epochs of a few steps would end before the steps the doctor measures: it is given enough."""
+    seen = []
+
+    def throughput(recipe_path, options, steps, window, run_dir):
+        seen.append(options)
+        return 100.0
+
+    monkeypatch.setattr(doctor, "throughput", throughput)
+    assert doctor.main(["mixed_precision", "--epochs", "2", "--samples", "512", "--width", "8", "--batch-size", "64",
+                        "--rounds", "1", "--try", "batch", "--window", "3"]) == 0
+    assert seen and all(options[-2:] == ["--epochs", "1000000"] for options in seen)
+    assert "--epochs 2" in capsys.readouterr().out.splitlines()[-1]  # the command recommended is the user's

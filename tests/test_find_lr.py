@@ -88,13 +88,48 @@ RECIPES = ", ".join(sorted(p.stem for p in (find_lr.ROOT / "recipes").glob("*.py
     (["tiny_transformer", "--sample-only"], 2, "error: --sample-only: the range test measures a training run, and "
      "--sample-only makes the recipe do something else\n"),
     (["mixed_precision", "--width", "0"], 2, "error: the recipe refused its options"),  # its usage error: 2
+    # --patience would end the ramp early
+    (["tabular_mlp", "--csv", "{table_csv}", "--target", "label", "--patience", "1"], 2,
+     "error: --patience: the range test runs the recipe in a run directory of its own, for its own steps\n"),
+    # a Python file that is not a recipe is refused without being run
+    (["{tmp}/other.py"], 2, "error: argument RECIPE: {tmp}/other.py is not a recipe: it defines no main()\n"),
+    (["{tmp}/broken.py"], 2, "error: argument RECIPE: cannot read {tmp}/broken.py as Python: "),
 ])
 def test_mistakes_are_one_line(args, code, message, table_csv, capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
+    (tmp_path / "other.py").write_text(f"open({str(tmp_path / 'ran')!r}, 'w')\n")
+    (tmp_path / "broken.py").write_text("def main(:\n")
     try:
-        result = find_lr.main([a.replace("{table_csv}", str(table_csv)) for a in args])
+        result = find_lr.main([a.replace("{table_csv}", str(table_csv)).replace("{tmp}", str(tmp_path))
+                               for a in args])
     except SystemExit as exit_:
         result = exit_.code
     err = capsys.readouterr().err
-    assert result == code and message in err, err
-    assert "Traceback" not in err
+    assert result == code and message.replace("{tmp}", str(tmp_path)) in err, err
+    assert "Traceback" not in err and not (tmp_path / "ran").exists()
+
+
+def test_an_ejected_copy_is_measured_like_the_recipe(tmp_path, capsys, monkeypatch):
+    """The copy runs with its own core (its own option checks and errors), not the clone's."""
+    from conftest import run_subprocess
+
+    monkeypatch.chdir(tmp_path)
+    assert run_subprocess(["scripts/eject.py", "mixed_precision", tmp_path / "mine.py"]).code == 0
+    args = ["--samples", "1024", "--width", "32", "--batch-size", "64", "--device", "cpu", "--ramp-steps", "40"]
+    assert find_lr.main([str(tmp_path / "mine.py"), *args, "--plot", str(tmp_path / "mine.png")]) == 0
+    copy = capsys.readouterr().out
+    assert find_lr.main(["mixed_precision", *args, "--plot", str(tmp_path / "recipe.png")]) == 0
+    recipe = capsys.readouterr().out
+    assert re.search(r"suggested: --lr [\d.e-]+", copy)
+    assert copy.splitlines()[-2] == recipe.splitlines()[-2]  # the same suggestion: the same training
+
+
+def test_ctrl_c_during_the_ramp_is_exit_130_in_one_line(tmp_path, capsys, monkeypatch):
+    from common import cli
+
+    def interrupted(main, argv=None):  # the recipe saved and stopped, as on Ctrl-C
+        raise SystemExit(130)
+
+    monkeypatch.setattr(cli, "run_recipe", interrupted)
+    assert find_lr.main(["mixed_precision", "--plot", str(tmp_path / "x.png")]) == 130
+    assert capsys.readouterr().err == "error: interrupted; nothing written\n" and not (tmp_path / "x.png").exists()
