@@ -532,6 +532,9 @@ def main(argv: list[str] | None = None) -> int:
     except ExportError as err:
         print(f"error: {' '.join(str(err).split())}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # the export's temporary folder is removed on the way out
+        print(f"error: interrupted; {args.out_dir} left as it was", file=sys.stderr)
+        return 130
     diff = info["check"]["max_abs_diff"]
     print(f"{info['recipe']}: eager vs " + ", vs ".join(f"{name} max difference {value:.2e}" for name, value in
                                                           diff.items())

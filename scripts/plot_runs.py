@@ -6,9 +6,9 @@
     python scripts/plot_runs.py runs/mnist_onecycle   # a folder of runs: each run in it
 
 Quantities, each drawn when some run logged it: loss (train/loss solid, val/loss dashed), accuracy
-(val/acc, train/acc), bits per byte or character (val/bits_per_byte, val/bits_per_char) and the learning
-rate (train/lr), and throughput (perf/samples_per_s or perf/tokens_per_s). The PNG is small (a few tens
-of KB) so that it can go into an issue or a README.
+(val/acc, train/acc) or a regression's rmse (val/rmse), bits per byte or character (val/bits_per_byte,
+val/bits_per_char), the learning rate (train/lr), and throughput (perf/samples_per_s or perf/tokens_per_s).
+The PNG is small (a few tens of KB) so that it can go into an issue or a README.
 
 A folder without event files is skipped with one line (a run that never trained); a folder that holds run
 directories stands for them. Exit status: 0 on success, 1 with one line ``error: ...`` when a path is missing or
@@ -24,7 +24,8 @@ from pathlib import Path
 QUANTITIES = [
     ("loss", "loss", [("train/loss", "-"), ("val/loss", "--")]),
     ("accuracy", "accuracy", [("train/acc", "-"), ("val/acc", "--")]),
-    ("bits", "bits per token", [("train/bits_per_*", "-"), ("val/bits_per_*", "--")]),
+    ("rmse", "rmse", [("train/rmse", "-"), ("val/rmse", "--")]),  # a regression's
+    ("bits", "bits per byte or char", [("train/bits_per_*", "-"), ("val/bits_per_*", "--")]),
     ("learning rate", "lr", [("train/lr", "-")]),
     ("throughput", "per second", [("perf/*_per_s", "-")]),  # samples or tokens: eager vs compiled, fp32 vs bf16
 ]
@@ -48,8 +49,8 @@ def run_folders(paths: list[Path]) -> list[Path]:
         inside = sorted(d for d in path.glob("**/") if d != path and has_events(d))
         if has_events(path) or not inside:
             found.append(path)
-        else:
-            found += inside
+        else:  # a folder of runs: each one, and a note of each run in it that never trained (config.json only)
+            found += inside + sorted(d.parent for d in path.glob("**/config.json") if not has_events(d.parent))
     kept = [d for d in found if has_events(d)]
     for skipped in (d for d in found if d not in kept):
         print(f"skipped {skipped}: no TensorBoard event files (a run that never trained?)", file=sys.stderr)
@@ -92,7 +93,8 @@ def plot(run_dirs: list[Path], out: Path) -> list[str]:
     runs = [(label, read_scalars(d)) for label, d in zip(labels(run_dirs), run_dirs, strict=True)]
     present = [q for q in QUANTITIES if any(matching(s, tag) for _, s in runs for tag, _ in q[2])]
     if not present:
-        raise PlotError("none of the runs logged train/loss, val/loss, an accuracy, bits per token or train/lr")
+        raise PlotError("none of the runs logged train/loss, val/loss, an accuracy or rmse, bits per byte or char, "
+                        "or train/lr")
 
     import matplotlib
 
@@ -151,6 +153,9 @@ def main(argv: list[str] | None = None) -> int:
     except PlotError as err:
         print(f"error: {' '.join(str(err).split())}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print(f"error: interrupted; {args.out} not written", file=sys.stderr)
+        return 130
     except OSError as err:  # e.g. --out in a folder we may not write
         in_the_way = next((p for p in args.out.parents if p.exists() and not p.is_dir()), None)  # not "File exists"
         why = f"{in_the_way} is a file, not a folder" if in_the_way else err.strerror or err

@@ -381,3 +381,13 @@ def test_the_readme_deploy_section_runs_as_written(checkpoints, tmp_path):
     assert predictions[-1] == "done: predictions=2"
     # the photo is the same digit, dark on light: once inverted it is read as the same class
     assert predictions[0].split()[1] == predictions[1].split()[1]
+
+
+def test_ctrl_c_is_exit_130_in_one_line_and_leaves_no_temporary_folder(checkpoints, tmp_path, capsys, monkeypatch):
+    def interrupted(*args, **kwargs):  # Ctrl-C while the ONNX model is checked, say
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(export, "export", interrupted)
+    assert export.main([str(checkpoints["ddp_mlp"]), str(tmp_path / "out")]) == 130
+    assert capsys.readouterr().err == f"error: interrupted; {tmp_path / 'out'} left as it was\n"
+    assert list(tmp_path.iterdir()) == []

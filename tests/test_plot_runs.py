@@ -99,6 +99,25 @@ def test_a_folder_without_events_is_skipped_with_one_line(tmp_path):
     alone = plot(empty, "--out", out)
     assert alone.code == 1 and alone.stderr.strip().splitlines()[-1] == (
         f"error: no run directory with TensorBoard event files in {empty}")
+    # inside a folder of runs, a run that never trained (its config.json, no events) is named too
+    runs = tmp_path / "runs"
+    make_run(runs / "trained")
+    (runs / "failed").mkdir()
+    (runs / "failed" / "config.json").write_text("{}")
+    result = plot(runs, "--out", out)
+    assert result.code == 0 and result.stdout.strip().endswith("for 1 run(s)"), result.stderr
+    assert result.stderr.strip().splitlines() == [f"skipped {runs / 'failed'}: no TensorBoard event files (a run "
+                                                   "that never trained?)"]
+
+
+def test_a_regression_run_draws_its_rmse(tmp_path):
+    writer = SummaryWriter(str(tmp_path / "reg"))
+    for step in range(1, 11):
+        writer.add_scalar("train/loss", 1.0 / step, step)
+        writer.add_scalar("val/rmse", 2.0 / step, step)
+    writer.close()
+    result = plot(tmp_path / "reg", "--out", tmp_path / "reg.png")
+    assert result.code == 0 and result.stdout.strip() == f"wrote {tmp_path / 'reg.png'}: loss, rmse for 1 run(s)"
 
 
 def test_without_arguments_every_run_under_runs_goes_into_curves_png(tmp_path):
@@ -127,3 +146,14 @@ def test_usage_errors_exit_2_naming_the_option(tmp_path):
     assert not_png.code == 2 and "argument --out: " in not_png.stderr and ".png" in not_png.stderr
     unknown = plot(run, "--colour", "red")
     assert unknown.code == 2 and "--colour" in unknown.stderr
+
+
+def test_ctrl_c_is_exit_130_in_one_line(tmp_path, capsys, monkeypatch):
+    from scripts import plot_runs
+
+    def interrupted(*args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(plot_runs, "plot", interrupted)
+    assert plot_runs.main([str(make_run(tmp_path / "a")), "--out", str(tmp_path / "x.png")]) == 130
+    assert capsys.readouterr().err == f"error: interrupted; {tmp_path / 'x.png'} not written\n"
