@@ -604,7 +604,9 @@ def main(
         print(sample_text(model, vocab, prompt, sample_tokens, temperature, top_k, seed,
                           next(model.parameters()).device))
         return
-    if warmup_steps is None:  # a short run still reaches its peak rate, and decays from it
+    replayed = ctx.get_parameter_source("warmup_steps").name == "DEFAULT_MAP"  # from a --config file
+    if warmup_steps is None or replayed and ctx.get_parameter_source("steps").name == "COMMANDLINE":
+        # the default, for a run of other --steps than the replayed one too: a short run still reaches its peak
         warmup_steps = options["warmup_steps"] = min(100, steps // 10)
     elif warmup_steps >= steps:
         raise typer.BadParameter(f"must be below --steps {steps}: the whole run would be warm-up, never at --lr",

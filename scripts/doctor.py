@@ -302,16 +302,16 @@ def main(argv: list[str] | None = None) -> int:
     try:
         recipe_path = Path(recipe.__file__).resolve()
         known = recipe_options(recipe)
+        # as many epochs as the steps measured need (--max-steps ends each run): its speed, not its schedule
+        length = ["--epochs", "1000000"] if "--epochs" in known else []
         with tempfile.TemporaryDirectory(prefix="doctor.") as folder:
             work = Path(folder)
-            observed, config, profile, unit = live_run(recipe, options, 30, work)
+            observed, config, profile, unit = live_run(recipe, [*options, *length], 30, work)
             step_ms = sum(profile.get("ms_per_step", {}).values()) or 50.0
             window = args.window or max(3, min(200, round(1000 / step_ms)))
             steps = 3 * window  # the first window (start-up, compiling) is left out of the throughput
             found, rows = alternatives(known, options, config, wanted)
             variants = {"as given": options} | {name: [*options, *extra] for name, (extra, _) in found.items()}
-            # as many epochs as the measured steps need (--max-steps ends the run): speed, not the schedule
-            length = ["--epochs", "1000000"] if "--epochs" in known else []
             measured = side_by_side(recipe_path, {name: [*variant, *length] for name, variant in variants.items()},
                                     args.rounds, steps, window, work)
             faster = [n for n, (_, changes) in found.items() if not changes and clearly_faster(measured[n])]

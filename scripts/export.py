@@ -501,12 +501,15 @@ def replace_dir(new: Path, out_dir: Path) -> None:
                 os.replace(old, out_dir)  # the earlier export stays
                 raise
             shutil.rmtree(old, ignore_errors=True)
-        elif out_dir.is_dir():  # empty ("." of an empty folder, say): the files move in, and the folder stays
-            for path in new.iterdir():
-                os.replace(path, out_dir / path.name)
-            new.rmdir()
         else:
-            os.replace(new, out_dir)
+            try:
+                os.replace(new, out_dir)  # a rename over an empty folder (or none) is one step
+            except OSError:
+                if not out_dir.is_dir():
+                    raise
+                for path in new.iterdir():  # "." (an empty folder that cannot be renamed): the files move in
+                    os.replace(path, out_dir / path.name)
+                new.rmdir()
     except OSError as err:  # "." or a mount point, say: a folder that cannot be renamed
         raise ExportError(f"cannot replace {out_dir}: {err.strerror or err}; choose a new folder") from None
 

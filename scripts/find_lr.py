@@ -149,7 +149,10 @@ def range_test(recipe, options: list[str], rates: list[float], work: Path) -> tu
             group["lr"] = rates[min(taken[0], len(rates) - 1)]
         taken[0] += 1
 
-    length = ["--steps", str(len(rates))] if "--steps" in recipe_options(recipe) else ["--epochs", "1000000"]
+    known = recipe_options(recipe)
+    length = ["--steps", str(len(rates))] if "--steps" in known else ["--epochs", "1000000"]
+    if "--warmup-steps" in known:  # the ramp sets every rate itself: a warm-up is moot (and longer than the ramp)
+        options, length = without(options, "--warmup-steps"), [*length, "--warmup-steps", "0"]
     run_dir = work / "run"
     run_dir.mkdir()  # ours: the recipe does not remove a folder it did not make, so a diverged run's events stay
     args = [*options, *length, "--max-steps", str(len(rates)), "--log-every", "1", "--run-dir", str(run_dir)]

@@ -6,8 +6,8 @@
     python scripts/plot_runs.py runs/mnist_onecycle   # a folder of runs: each run in it
 
 Quantities, each drawn when some run logged it: loss (train/loss solid, val/loss dashed), accuracy
-(val/acc, train/acc) or a regression's rmse (val/rmse), bits per byte or character (val/bits_per_byte,
-val/bits_per_char), the learning rate (train/lr), and throughput (perf/samples_per_s or perf/tokens_per_s).
+(val/acc, train/acc) or a regression's rmse (val/rmse), bits per byte, character or token (val/bits_per_*),
+the learning rate (train/lr), and throughput (perf/samples_per_s or perf/tokens_per_s).
 The PNG is small (a few tens of KB) so that it can go into an issue or a README.
 
 A folder without event files is skipped with one line (a run that never trained); a folder that holds run
@@ -25,7 +25,7 @@ QUANTITIES = [
     ("loss", "loss", [("train/loss", "-"), ("val/loss", "--")]),
     ("accuracy", "accuracy", [("train/acc", "-"), ("val/acc", "--")]),
     ("rmse", "rmse", [("train/rmse", "-"), ("val/rmse", "--")]),  # a regression's
-    ("bits", "bits per byte or char", [("train/bits_per_*", "-"), ("val/bits_per_*", "--")]),
+    ("bits", "bits per byte, char or token", [("train/bits_per_*", "-"), ("val/bits_per_*", "--")]),
     ("learning rate", "lr", [("train/lr", "-")]),
     ("throughput", "per second", [("perf/*_per_s", "-")]),  # samples or tokens: eager vs compiled, fp32 vs bf16
 ]
@@ -50,7 +50,8 @@ def run_folders(paths: list[Path]) -> list[Path]:
         if has_events(path) or not inside:
             found.append(path)
         else:  # a folder of runs: each one, and a note of each run in it that never trained (config.json only)
-            found += inside + sorted(d.parent for d in path.glob("**/config.json") if not has_events(d.parent))
+            found += inside + sorted(d.parent for d in path.glob("**/config.json") if not has_events(d.parent) and
+                                     '"recipe":' in d.read_text(errors="replace"))
     kept = [d for d in found if has_events(d)]
     for skipped in (d for d in found if d not in kept):
         print(f"skipped {skipped}: no TensorBoard event files (a run that never trained?)", file=sys.stderr)
@@ -93,8 +94,8 @@ def plot(run_dirs: list[Path], out: Path) -> list[str]:
     runs = [(label, read_scalars(d)) for label, d in zip(labels(run_dirs), run_dirs, strict=True)]
     present = [q for q in QUANTITIES if any(matching(s, tag) for _, s in runs for tag, _ in q[2])]
     if not present:
-        raise PlotError("none of the runs logged train/loss, val/loss, an accuracy or rmse, bits per byte or char, "
-                        "or train/lr")
+        raise PlotError("none of the runs logged train/loss, val/loss, an accuracy or rmse, bits per byte, char or "
+                        "token, or train/lr")
 
     import matplotlib
 

@@ -124,6 +124,18 @@ def test_an_ejected_copy_is_measured_like_the_recipe(tmp_path, capsys, monkeypat
     assert copy.splitlines()[-2] == recipe.splitlines()[-2]  # the same suggestion: the same training
 
 
+def test_a_warm_up_longer_than_the_ramp_is_left_out_of_it(tmp_path, capsys, monkeypatch):
+    """The ramp sets every rate itself: a training command's --warmup-steps 500 must not refuse a 20-step ramp."""
+    monkeypatch.chdir(tmp_path)
+    options = ["--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--block-size", "16", "--batch-size", "4",
+               "--eval-batches", "1", "--sample-tokens", "4", "--peak-flops", "1e11", "--warmup-steps", "500"]
+    assert find_lr.main(["tiny_transformer", *options, "--ramp-steps", "20", "--to", "1",
+                         "--plot", str(tmp_path / "tt.png")]) == 0, capsys.readouterr().err
+    out = capsys.readouterr().out
+    assert "20 steps from 1.0e-07 to 1.0e+00 (ran every step" in out
+    assert "--warmup-steps 500 --lr " in out.splitlines()[-1]  # the command suggested keeps the user's warm-up
+
+
 def test_ctrl_c_during_the_ramp_is_exit_130_in_one_line(tmp_path, capsys, monkeypatch):
     from common import cli
 

@@ -268,6 +268,14 @@ def test_a_replay_with_another_batch_size_takes_it_over_the_recorded_global_batc
     assert replay.code == 0, replay.stderr
     config = json.loads((tmp_path / "replay" / "config.json").read_text())
     assert (config["batch_size"], config["grad_accum"], config["global_batch"]) == (4, 2, 8)
+    assert config["warmup_steps"] == 1  # as replayed: it was given
+    # a warm-up the first run derived from its --steps is derived again for the replay's
+    derived = run_inprocess(RECIPE, "--text", text_file, *SMALL, "--steps", 2, "--eval-every", 2, "--peak-flops",
+                            1e11, "--run-dir", tmp_path / "derived")
+    assert derived.code == 0 and json.loads((tmp_path / "derived" / "config.json").read_text())["warmup_steps"] == 0
+    longer = run_inprocess(RECIPE, "--config", tmp_path / "derived" / "config.json", "--steps", 30, "--max-steps", 1,
+                           "--run-dir", tmp_path / "longer")
+    assert longer.code == 0 and json.loads((tmp_path / "longer" / "config.json").read_text())["warmup_steps"] == 3
     both = run_inprocess(RECIPE, "--config", tmp_path / "first" / "config.json", "--batch-size", 4, "--global-batch",
                          8, "--run-dir", tmp_path / "both")
     assert both.code == 2 and "--global-batch sets it for you" in both.stderr
