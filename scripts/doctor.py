@@ -39,7 +39,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from scripts.find_lr import NOT_TRAINING, first_given, load_recipe, recipe_options, run_quietly  # noqa: E402
+from scripts.find_lr import (  # noqa: E402
+    NOT_TRAINING,
+    first_given,
+    load_recipe,
+    long_enough,
+    recipe_options,
+    run_quietly,
+)
 from scripts.find_lr import FinderError as DoctorError  # noqa: E402 - the same one-line error
 
 ALTERNATIVES = ["bf16", "compile", "workers", "batch"]
@@ -302,14 +309,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         recipe_path = Path(recipe.__file__).resolve()
         known = recipe_options(recipe)
-        # as many epochs as the steps measured need (--max-steps ends each run): its speed, not its schedule
-        length = ["--epochs", "1000000"] if "--epochs" in known else []
         with tempfile.TemporaryDirectory(prefix="doctor.") as folder:
             work = Path(folder)
-            observed, config, profile, unit = live_run(recipe, [*options, *length], 30, work)
+            # each run as long as the steps measured (--max-steps ends it), however short its own options make it
+            observed, config, profile, unit = live_run(recipe, [*options, *long_enough(known, 30)], 30, work)
             step_ms = sum(profile.get("ms_per_step", {}).values()) or 50.0
             window = args.window or max(3, min(200, round(1000 / step_ms)))
             steps = 3 * window  # the first window (start-up, compiling) is left out of the throughput
+            length = long_enough(known, steps)
             found, rows = alternatives(known, options, config, wanted)
             variants = {"as given": options} | {name: [*options, *extra] for name, (extra, _) in found.items()}
             measured = side_by_side(recipe_path, {name: [*variant, *length] for name, variant in variants.items()},
@@ -363,7 +370,8 @@ def main(argv: list[str] | None = None) -> int:
         print("recommended: as given; no alternative was faster in every round by 1.1x or more\n  "
               f"{shlex.join(['python', name, *options])}")
     if args.json:
-        report = {"recipe": recipe_path.stem, "options": options, "rows": table, "window": window,
+        report = {"recipe": recipe_path.stem, "options": options, "measured_with": length, "rows": table,
+                  "window": window,
                   "speedups": measured, "recommended": recommended if chosen else options,
                   "recommended_options": chosen}
         try:

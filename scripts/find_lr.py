@@ -58,7 +58,7 @@ def load_recipe(name: str):
         raise FinderError(f"cannot read {path} as Python: {err}") from None
     if not any(isinstance(node, ast.FunctionDef) and node.name == "main" for node in tree.body):
         raise FinderError(f"{path} is not a recipe: it defines no main()")
-    spec = importlib.util.spec_from_file_location(f"recipe_{path.stem}", path)
+    spec = importlib.util.spec_from_file_location(f"measured_{path.stem}", path)  # a name of its own: no clash
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # an ejected copy's dataclasses look their module up there
     try:
@@ -149,13 +149,10 @@ def range_test(recipe, options: list[str], rates: list[float], work: Path) -> tu
             group["lr"] = rates[min(taken[0], len(rates) - 1)]
         taken[0] += 1
 
-    known = recipe_options(recipe)
-    length = ["--steps", str(len(rates))] if "--steps" in known else ["--epochs", "1000000"]
-    if "--warmup-steps" in known:  # the ramp sets every rate itself: a warm-up is moot (and longer than the ramp)
-        options, length = without(options, "--warmup-steps"), [*length, "--warmup-steps", "0"]
     run_dir = work / "run"
     run_dir.mkdir()  # ours: the recipe does not remove a folder it did not make, so a diverged run's events stay
-    args = [*options, *length, "--max-steps", str(len(rates)), "--log-every", "1", "--run-dir", str(run_dir)]
+    args = [*options, *long_enough(recipe_options(recipe), len(rates)), "--max-steps", str(len(rates)), "--log-every",
+            "1", "--run-dir", str(run_dir)]
     handle = register_optimizer_step_pre_hook(set_rate)
     try:
         code, message = run_quietly(recipe, args)
@@ -169,6 +166,17 @@ def range_test(recipe, options: list[str], rates: list[float], work: Path) -> tu
     steps = sorted(s for s in losses if s <= len(rates))
     ending = "diverged" if code else "ran every step"
     return [rates[s - 1] for s in steps], [losses[s] for s in steps], ending
+
+
+def long_enough(known: set[str], steps: int) -> list[str]:
+    """Options (after the user's, so they win) that let a recipe whose options are ``known`` run ``steps`` steps,
+    however short a run its own options make: what is measured is its steps, not its schedule (the warm-up of a
+    run of --steps cannot outlast it)."""
+    if "--epochs" in known:
+        return ["--epochs", "1000000"]
+    if "--steps" in known:
+        return ["--steps", str(steps), *(["--warmup-steps", "0"] if "--warmup-steps" in known else [])]
+    return []
 
 
 def recipe_options(recipe) -> set[str]:

@@ -103,7 +103,7 @@ def test_a_folder_without_events_is_skipped_with_one_line(tmp_path):
     runs = tmp_path / "runs"
     make_run(runs / "trained")
     (runs / "failed").mkdir()
-    (runs / "failed" / "config.json").write_text("{}")
+    (runs / "failed" / "config.json").write_text('{"recipe": "mnist_onecycle"}')
     result = plot(runs, "--out", out)
     assert result.code == 0 and result.stdout.strip().endswith("for 1 run(s)"), result.stderr
     assert result.stderr.strip().splitlines() == [f"skipped {runs / 'failed'}: no TensorBoard event files (a run "

@@ -211,7 +211,8 @@ def test_predict_writes_one_prediction_per_row_with_unseen_categories(run_inproc
     (tmp_path / "taken").mkdir()
     failed = run_inprocess(RECIPE, "--predict", new, "--resume", run_dir / "checkpoints" / "best.pt", "--output",
                            tmp_path / "taken")
-    assert failed.code == 1 and failed.stderr.startswith(f"error: cannot write {tmp_path / 'taken'}: Is a directory")
+    assert failed.code == 1 and failed.stderr == f"error: --output {tmp_path / 'taken'} is a directory; give the " \
+        "path of the file to write\n"
     assert not list(tmp_path.glob(".*.tmp")) and not list((tmp_path / "taken").iterdir())
 
     # on new rows whose labels we know (hidden from --predict), the predictions are the trained model's
