@@ -208,10 +208,14 @@ def measured_peak(device: torch.device, dtype: torch.dtype, where: str) -> tuple
     """``measure_matmul_flops``, the best of 5 (another job on the machine only ever lowers a figure), measured once
     per machine, dtype, thread count and torch version and cached in ~/.cache/torch-recipes/peak_flops.json: MFU
     of two runs then differs only by their speed, not by how busy the machine was at each one's start."""
-    if where == "cpu":  # the CPU's model: another machine (a different cloud instance) is measured anew
+    if where == "cpu":  # another machine (a different cloud instance) is measured anew
         models = re.findall(r"model name\s*:\s*(.+)", Path("/proc/cpuinfo").read_text()) if Path(
             "/proc/cpuinfo").is_file() else []
-        where = f"{models[0] if models else platform.processor() or 'cpu'}, {torch.get_num_threads()} threads"
+        # A virtual machine's model name may be only "AMD EPYC", with or without AVX-512 and bf16 units (bf16
+        # 4x fp32 on one, 0.01x on another): the vector units are part of the machine
+        units = [torch.backends.cpu.get_cpu_capability(), *sorted(cpu_flags() & {"avx512_bf16", "amx_bf16"})]
+        where = (f"{models[0] if models else platform.processor() or 'cpu'} ({', '.join(units)}), "
+                 f"{torch.get_num_threads()} threads")
     key = f"{where} | {dtype} | torch {torch.__version__}"
     cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "torch-recipes" / "peak_flops.json"
     try:

@@ -88,3 +88,21 @@ def test_a_measured_peak_is_measured_once_per_machine_and_then_read_back(monkeyp
     again, cached = device_peak_flops(torch.device("cpu"), torch.float32)
     assert again == 3.0e11 and f"(cached in {tmp_path / 'torch-recipes' / 'peak_flops.json'})" in cached
     assert source in cached and f"{torch.get_num_threads()} threads" in cached
+
+
+def test_a_cpu_with_other_vector_units_under_the_same_name_is_measured_anew(monkeypatch, tmp_path):
+    """Cloud CPUs may all be named "AMD EPYC": one with AVX-512 BF16 must not lend its bf16 peak to one without."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(runtime, "cpu_flags", lambda: {"avx2", "avx512f", "avx512_bf16"})
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    monkeypatch.setattr(runtime, "measure_matmul_flops", lambda device, dtype: 4.0e11)
+    flops, source = device_peak_flops(torch.device("cpu"), torch.bfloat16)
+    assert flops == 4.0e11 and "(AVX512, avx512_bf16)" in source
+    monkeypatch.setattr(runtime, "cpu_flags", lambda: {"avx2"})
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    monkeypatch.setattr(runtime, "measure_matmul_flops", lambda device, dtype: 1.0e9)
+    flops, source = device_peak_flops(torch.device("cpu"), torch.bfloat16)
+    assert flops == 1.0e9 and "(AVX2)" in source and "cached" not in source
+    monkeypatch.setattr(runtime, "cpu_flags", lambda: {"avx2", "avx512f", "avx512_bf16"})
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    assert device_peak_flops(torch.device("cpu"), torch.bfloat16)[0] == 4.0e11  # each machine's figure kept
