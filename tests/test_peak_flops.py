@@ -1,6 +1,8 @@
 """The peak FLOP/s that MFU is judged by: datasheet figures by GPU name (faked here, on a CPU), the
 measured fallback, and the source said with the figure."""
 
+import time
+
 import pytest
 import torch
 
@@ -106,3 +108,21 @@ def test_a_cpu_with_other_vector_units_under_the_same_name_is_measured_anew(monk
     monkeypatch.setattr(runtime, "cpu_flags", lambda: {"avx2", "avx512f", "avx512_bf16"})
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
     assert device_peak_flops(torch.device("cpu"), torch.bfloat16)[0] == 4.0e11  # each machine's figure kept
+
+
+def test_an_emulated_dtype_is_measured_in_one_product_and_fewer_readings(monkeypatch, tmp_path):
+    """bf16 on a CPU without AVX-512 BF16 runs a 1024^3 product in seconds: that product is the measurement, and
+    the peak takes the readings begun within 3 s, not five (a first run waited half a minute before its first step)."""
+    products = []
+
+    def slow_matmul(a, b, out):
+        products.append(a.shape)
+        time.sleep(1.1)
+
+    monkeypatch.setattr(torch, "matmul", slow_matmul)
+    flops = measure_matmul_flops(torch.device("cpu"), torch.float32, 64)
+    assert len(products) == 1 and 0.5 * 2 * 64**3 / 1.1 < flops <= 2 * 64**3 / 1.1
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    products.clear()
+    device_peak_flops(torch.device("cpu"), torch.float32)
+    assert len(products) == 3  # readings begun within 3 s: one product each
