@@ -217,9 +217,8 @@ def measured_peak(device: torch.device, dtype: torch.dtype, where: str) -> tuple
             "/proc/cpuinfo").is_file() else []
         # A virtual machine's model name may be only "AMD EPYC", with or without AVX-512 and bf16 units (bf16
         # 4x fp32 on one, 0.01x on another): the vector units are part of the machine
-        units = [torch.backends.cpu.get_cpu_capability(), *sorted(cpu_flags() & {"avx512_bf16", "amx_bf16"})]
-        where = (f"{models[0] if models else platform.processor() or 'cpu'} ({', '.join(units)}), "
-                 f"{torch.get_num_threads()} threads")
+        units = f"{torch.backends.cpu.get_cpu_capability()}; {native_bf16(device) or 'no native bf16'}"
+        where = f"{models[0] if models else platform.processor() or 'cpu'} ({units}), {torch.get_num_threads()} threads"
     key = f"{where} | {dtype} | torch {torch.__version__}"
     cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "torch-recipes" / "peak_flops.json"
     try:
