@@ -388,6 +388,13 @@ def warmup_cosine(optimizer, warmup_steps: int, total_steps: int, min_lr_ratio: 
     return torch.optim.lr_scheduler.SequentialLR(optimizer, [warmup, cosine], milestones=[warmup_steps])
 
 
+def seed_dropout(seed: int, rank: int, step: int) -> None:
+    """Seed dropout's masks for this rank's share of ``step``. Each rank draws its own: from one stream, every rank
+    would drop the same units in its rows. And they follow from (seed, rank, step) alone, as the batches do, so a
+    resumed run draws the masks it would have drawn without the interruption."""
+    torch.manual_seed(zlib.crc32(f"{seed}:{rank}:{step}".encode()))
+
+
 def sample_text(model: GPT, vocab: str | object | None, prompt: str, tokens: int, temperature: float, top_k: int | None,
                 seed: int, device: torch.device, use_cache: bool = True) -> str:
     model = unwrap(model)  # generation changes the sequence length every token: no compiled graph for it
@@ -647,7 +654,7 @@ def main(
     attention = resolve_attention(attention, device, precision)
     config |= {"precision": precision, "precision_reason": why, "attention_used": attention}
     # The same seed on every rank: every rank builds the same initial weights (FSDP shards them as they are,
-    # DDP checks they agree), and draws the same validation batches.
+    # DDP checks they agree), and draws the same validation batches. Dropout is seeded per rank (seed_dropout).
     seed_everything(seed)
 
     # --init-from: a GPT-2 folder in Hugging Face's format gives the model's shape, its weights and its tokens (a
@@ -768,6 +775,8 @@ def main(
         # Under DDP and FSDP each rank's mean loss is averaged across the ranks with the gradients, so the
         # step's gradient is that of the mean over the whole global batch.
         optimizer.zero_grad(set_to_none=True)  # here, not after the step: the memory account sees gradients
+        if model_config.dropout:
+            seed_dropout(seed, rank, step)
         step_loss = torch.zeros((), device=device)
         x, y = (t.to(device, non_blocking=True) for t in next(batches))  # this rank's rows of the step
         for i, (x_micro, y_micro) in enumerate(zip(x.chunk(grad_accum), y.chunk(grad_accum), strict=True)):

@@ -340,6 +340,25 @@ def test_resumed_run_ends_with_the_same_weights(run_inprocess, text_file, tmp_pa
                         load_weights(tmp_path / "cut" / "checkpoints" / "last.pt"))
 
 
+def test_each_rank_draws_its_own_dropout_masks_from_the_seed_and_the_step(run_inprocess, text_file, tmp_path,
+                                                                           monkeypatch):
+    """With one stream on every rank, each rank would drop the same units in its rows; drawn from (seed, rank,
+    step), the masks differ between ranks and a resumed run draws those it would have drawn."""
+    def mask(rank: int, step: int) -> torch.Tensor:
+        tt.seed_dropout(0, rank, step)
+        return torch.nn.functional.dropout(torch.ones(64), 0.5) > 0
+
+    assert torch.equal(mask(0, 3), mask(0, 3))
+    assert not torch.equal(mask(0, 3), mask(1, 3)) and not torch.equal(mask(0, 3), mask(0, 4))
+    calls, seed_dropout = [], tt.seed_dropout
+    monkeypatch.setattr(tt, "seed_dropout", lambda *args: calls.append(args) or seed_dropout(*args))
+    for dropout in (0.1, 0.0):
+        result = run_inprocess(RECIPE, "--text", text_file, *SMALL, "--steps", 3, "--eval-every", 3, "--seed", 7,
+                               "--dropout", dropout, "--peak-flops", 1e11, "--run-dir", tmp_path / str(dropout))
+        assert result.code == 0, result.stderr
+    assert calls == [(7, 0, 0), (7, 0, 1), (7, 0, 2)]  # every step of the run with dropout, none without
+
+
 def test_validation_runs_in_micro_batches_no_larger_than_training(run_inprocess, text_file, tmp_path, monkeypatch):
     """--grad-accum lowers a step's memory; evaluation must not then run grad_accum x the rows in one forward."""
     rows = []
