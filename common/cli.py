@@ -89,7 +89,8 @@ Resume = Annotated[str | None, typer.Option(callback=resume_target, help="Contin
                                             "'auto': the newest one in --run-dir, else start fresh.")]
 CheckpointEvery = Annotated[int | None, typer.Option(min=1, help="Also save checkpoints/last.pt every N steps.")]
 LogEvery = Annotated[int | None, typer.Option(min=1, help="Print a line (and read the losses back from the device) "
-                                              "every N steps [default: a tenth of an epoch, at most 50].")]
+                                              "every N steps [default: a tenth of an epoch, or of the evaluation "
+                                              "interval, at most 50].")]
 Profile = Annotated[int | None, typer.Option(min=1, help="Profile N training steps after a warm-up: a trace in "
                                              "--run-dir and a table of where a step's time goes.")]
 EMADecay = Annotated[float | None, typer.Option("--ema", callback=ema_decay, help="Also keep an average of the "
