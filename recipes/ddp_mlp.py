@@ -51,7 +51,7 @@ from common.loop import batches_left, epochs_left, to_device, train_step
 from common.profile import StepProfiler
 from common.rundir import already_finished, open_run_dir
 from common.runlog import RunLog, log_interval
-from common.runtime import from_rank_0, resolve_device, resolve_precision, seed_everything
+from common.runtime import autocast, from_rank_0, resolve_device, resolve_precision, seed_everything
 from common.stop import StopRequest
 
 RECIPE = "ddp_mlp"
@@ -124,14 +124,16 @@ def stop_agreed(stop: StopRequest, device: torch.device) -> bool:
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, loader, device: torch.device) -> dict[str, float]:
-    """Loss and accuracy over the whole test set: each rank scores its own shard, then one all-reduce adds the
-    sums of every rank, so every digit counts exactly once and every rank gets the same figures."""
+def evaluate(model: nn.Module, loader, device: torch.device, precision: str) -> dict[str, float]:
+    """Loss and accuracy over the whole test set, in the precision the model trains in: each rank scores its own
+    shard, then one all-reduce adds the sums of every rank, so every digit counts exactly once and every rank gets
+    the same figures."""
     model.eval()
     totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, digits
     for batch in loader:
         images, labels = to_device(batch, device)
-        logits = model(images)
+        with autocast(device, precision):
+            logits = model(images).float()
         totals += torch.stack([nn.functional.cross_entropy(logits, labels, reduction="sum"),
                                (logits.argmax(1) == labels).sum(), torch.tensor(len(labels), device=device)])
     if dist.is_initialized():
@@ -249,7 +251,7 @@ def main(
                 from_rank_0(partial(checkpoints.save, step))  # every rank waits for it, and shares its error
                 if stopping:
                     stop.exit(step, run.path)
-        val = evaluate(model, val_loader, device)  # every rank scores its shard; the sums are all-reduced
+        val = evaluate(model, val_loader, device, precision)  # every rank scores its shard; the sums are all-reduced
         log.eval(step, val=val)
         if best.improved(val["acc"], step):  # every rank decides alike: the figures are the whole group's
             from_rank_0(partial(checkpoints.save, step, "best.pt"))
@@ -260,7 +262,7 @@ def main(
     # The test set, once, with the weights that best.pt holds: the model a user deploys is the one scored.
     best_path = run.path / "checkpoints" / "best.pt"
     load_model_state(model, load_checkpoint(best_path, RECIPE)["model"], best_path)
-    test = evaluate(model, test_loader, device)
+    test = evaluate(model, test_loader, device, precision)
     log.finish(step, best.metrics() | {"test_loss": test["loss"], "test_acc": test["acc"], "world_size": world_size})
     if dist.is_initialized():
         leave_process_group()

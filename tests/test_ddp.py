@@ -249,7 +249,23 @@ def test_the_test_set_is_scored_with_the_weights_best_pt_holds(run_inprocess, mn
     for name in ("best.pt", "last.pt"):
         model = recipe.MLP(torch.load(run_dir / "checkpoints" / name, weights_only=True)["config"]["hidden"])
         model.load_state_dict(load_weights(run_dir / "checkpoints" / name))
-        scores[name] = real(model, test_loader, torch.device("cpu"))
+        scores[name] = real(model, test_loader, torch.device("cpu"), "fp32")
     assert (metrics["test_acc"], metrics["test_loss"]) == pytest.approx((scores["best.pt"]["acc"],
                                                                          scores["best.pt"]["loss"]))
     assert metrics["test_loss"] != pytest.approx(scores["last.pt"]["loss"])
+
+
+def test_evaluation_runs_in_the_precision_the_model_trains_in():
+    """Like every recipe's evaluation: the figures are those of the model as it runs (bf16 autocast here)."""
+    recipe = load_recipe("ddp_mlp")
+    torch.manual_seed(0)
+    model = recipe.MLP(64)
+    images, labels = torch.randn(256, 784), torch.randint(10, (256,))
+    loader = [(images, labels)]
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        bf16_loss = torch.nn.functional.cross_entropy(model(images).float(), labels).item()
+    fp32_loss = torch.nn.functional.cross_entropy(model(images), labels).item()
+    assert bf16_loss != pytest.approx(fp32_loss, abs=1e-6)
+    cpu = torch.device("cpu")
+    assert recipe.evaluate(model, loader, cpu, "bf16")["loss"] == pytest.approx(bf16_loss, abs=1e-6)
+    assert recipe.evaluate(model, loader, cpu, "fp32")["loss"] == pytest.approx(fp32_loss, abs=1e-6)
