@@ -260,7 +260,7 @@ def status_text(r: dict) -> str:
         return f"skipped: {r['note']}"
     if r["status"] == "running":
         return "did not finish: the check was stopped during this run"
-    return f"failed: {r['error']}"
+    return f"failed: {r['error']}" + (f"; {r['note']}" if r["note"] else "")
 
 
 def markdown_table(rows: list[dict]) -> str:

@@ -145,13 +145,17 @@ def test_failed_and_hung_runs_become_rows_that_say_why(tmp_path):
     rows = [read_run(["ddp_mlp", "torchrun", "1", "6.0", str(tmp_path / "none"), str(tmp_path / "ddp.err"), "x", ""]),
             read_run(["mnist_onecycle", "fp16", "1", "3.0", str(tmp_path / "none"), str(tmp_path / "oom.err"), "x"]),
             read_run(["tiny_transformer", "bf16-compile", "124", "180.2", str(tmp_path / "none"), "", "x"]),
-            read_run(["tabular_mlp", "bf16", "0", "2.0", str(tmp_path / "none"), "", "x"])]
-    assert [r["status"] for r in rows] == ["failed"] * 4
+            read_run(["tabular_mlp", "bf16", "0", "2.0", str(tmp_path / "none"), "", "x"]),
+            read_run(["tiny_transformer", "bf16-compile", "137", "32.0", str(tmp_path / "none"), "", "x",
+                      "cut off by the check's 240 s budget: GPU_CHECK_BUDGET gives it more"])]
+    assert [r["status"] for r in rows] == ["failed"] * 5
     statuses = [cells(line)[-1] for line in markdown_table(rows).splitlines()[2:]]
     assert statuses == [r"failed: exit 1: Error: Invalid value for '--hidden': must be >= 1 \| 0",
                         "failed: exit 1: torch.OutOfMemoryError: CUDA out of memory.",
                         "failed: timed out after 180 s",
-                        f"failed: exit 0 but no {tmp_path / 'none' / 'metrics.json'}"]
+                        f"failed: exit 0 but no {tmp_path / 'none' / 'metrics.json'}",
+                        "failed: timed out after 32 s; cut off by the check's 240 s budget: GPU_CHECK_BUDGET gives it "
+                        "more"]
 
 
 def test_notes_and_skips_become_statuses(tmp_path):
