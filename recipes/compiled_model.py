@@ -302,7 +302,7 @@ def show_traps(seed: int, backend: str) -> dict:
     seed_everything(seed)
     sizes = [256, 256, 192, 128, 256, 64]
     print(f"Trap 1: the batch size changes along {sizes} (e.g. a last, smaller batch).")
-    print("| dynamic | graphs compiled (forward + backward) | seconds |\n|---|---|---|")
+    print("| dynamic | graphs compiled (forward; each has its backward) | seconds |\n|---|---|---|")
     recompiles = {}
     for dynamic in (False, None, True):
         graphs, seconds = count_graphs(GatedMLP(16, 2), sizes, dynamic=dynamic, backend=backend)

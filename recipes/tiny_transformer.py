@@ -9,7 +9,7 @@ optimizer step; gradient clipping and accumulation; an ``IterableDataset`` of ra
 correct with worker processes; validation in bits per byte; sampling with temperature and top-k; tokens/s
 and model FLOP utilisation (MFU).
 
-Scaling it out under ``torchrun`` (the README's "Scaling the transformer" has the commands): ``--parallel
+Scaling it out under ``torchrun`` (docs/scaling.md's "Scaling the transformer" has the commands): ``--parallel
 ddp`` replicates the model and averages gradients (``no_sync`` on all micro-batches but the last);
 ``--parallel fsdp`` shards parameters, gradients and optimizer state with FSDP2's ``fully_shard`` per block
 over a device mesh, in bf16 with fp32 gradient reduction under ``--precision bf16``, and checkpoints with

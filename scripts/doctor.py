@@ -48,6 +48,7 @@ from scripts.find_lr import (  # noqa: E402
     run_quietly,
 )
 from scripts.find_lr import FinderError as DoctorError  # noqa: E402 - the same one-line error
+from scripts.plot_runs import write_atomically  # noqa: E402
 
 ALTERNATIVES = ["bf16", "compile", "workers", "batch"]
 OWN_OPTIONS = ("--run-dir", "--resume", "--max-steps", "--log-every", "--profile")
@@ -303,8 +304,9 @@ def main(argv: list[str] | None = None) -> int:
         recipe = load_recipe(args.recipe)
     except DoctorError as err:  # no such recipe, or a file that is not one
         parser.error(f"argument RECIPE: {err}")
-    if args.json is not None and not args.json.parent.is_dir():  # found now, not after minutes of measuring
-        print(f"error: cannot write --json {args.json}: {args.json.parent} is not a folder", file=sys.stderr)
+    if args.json is not None and (args.json.is_dir() or not args.json.parent.is_dir()):  # now, not after minutes
+        why = "it is a folder" if args.json.is_dir() else f"{args.json.parent} is not a folder"
+        print(f"error: cannot write --json {args.json}: {why}", file=sys.stderr)
         return 1
     try:
         recipe_path = Path(recipe.__file__).resolve()
@@ -362,8 +364,10 @@ def main(argv: list[str] | None = None) -> int:
     name = f"recipes/{recipe_path.name}" if recipe_path.parent == ROOT / "recipes" else str(recipe_path)
     if chosen:
         if chosen != faster:
-            print(f"together, {' and '.join(faster)} measured {spread(measured['together'])}, not clearly faster: "
-                  "the best of them alone")
+            together = measured["together"]  # its figures, or why it could not run
+            how = f"failed ({together})" if isinstance(together, str) else \
+                f"measured {spread(together)}, not clearly faster"
+            print(f"together, {' and '.join(faster)} {how}: the best of them alone")
         print(f"recommended ({spread(measured['recommended'])} the throughput as given):\n  "
               f"{shlex.join(['python', name, *recommended])}")
     else:
@@ -375,7 +379,7 @@ def main(argv: list[str] | None = None) -> int:
                   "speedups": measured, "recommended": recommended if chosen else options,
                   "recommended_options": chosen}
         try:
-            args.json.write_text(json.dumps(report, indent=2) + "\n")
+            write_atomically(args.json, (json.dumps(report, indent=2) + "\n").encode())
         except OSError as err:
             print(f"error: cannot write --json {args.json}: {err.strerror or err}", file=sys.stderr)
             return 1

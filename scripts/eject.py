@@ -158,7 +158,10 @@ def is_bootstrap(node: ast.stmt) -> bool:
 
 
 def parse(path: Path, label: str) -> Source:
-    text = path.read_text(encoding="utf-8")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise EjectError(f"{label} is not a Python file in UTF-8") from None
     try:
         tree = ast.parse(text, filename=label)
     except SyntaxError as err:

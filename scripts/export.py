@@ -318,7 +318,10 @@ def export(exportable: Exportable, out: Path) -> dict[str, float]:
     dynamic = tuple(exportable.dynamic[name] for name in names)
     with quiet():
         program = torch.export.export(model, example, dynamic_shapes=dynamic)
-        torch.export.save(program, out / "model.pt2")
+        # into memory first: a failed write (a full disk) inside torch.export.save aborts the process in C++
+        buffer = io.BytesIO()
+        torch.export.save(program, buffer)
+        (out / "model.pt2").write_bytes(buffer.getvalue())
         # From the exported program: the ONNX graph is the same one, not a second trace of the model.
         # external_data=False: one self-contained file (these models are far below ONNX's 2 GB limit).
         torch.onnx.export(program, example, out / "model.onnx", dynamo=True, external_data=False,
@@ -386,6 +389,8 @@ FORMATS = {"graph": "model.pt2, model.onnx, model.json", "hf": "a GPT-2 folder f
 def export_checkpoint(checkpoint: Path, out_dir: Path, overwrite: bool = False, format: str = "graph") -> dict:
     """Export ``checkpoint`` into ``out_dir`` (written whole or not at all) in ``format`` (see FORMATS); returns
     model.json's contents (for ``hf``, the same facts, not written)."""
+    if out_dir.is_symlink():  # the folder it names is replaced; the link stays
+        out_dir = Path(os.path.realpath(out_dir))
     if out_dir.exists() and not out_dir.is_dir():
         raise ExportError(f"OUT_DIR {out_dir} is a file, not a folder")
     if out_dir.is_dir() and any(out_dir.iterdir()) and not overwrite:

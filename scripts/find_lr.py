@@ -32,6 +32,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # the recipes import common/ from the clone
 
+from scripts.plot_runs import save_png  # noqa: E402
 
 # options that make a recipe do something other than train (compare runs, count compiler traps, predict,
 # cross-validate, only sample): no training steps for the range test or the doctor to measure
@@ -97,7 +98,10 @@ def until_divergence(smooth: list[float], factor: float = 4.0) -> int:
     return len(smooth)
 
 
-def steepest(smooth: list[float], skip_start: int = 10) -> int | None:
+SETTLING = 10  # points the smoothed loss needs before its slope means anything
+
+
+def steepest(smooth: list[float], skip_start: int = SETTLING) -> int | None:
     """The index where the smoothed loss falls fastest per step of log rate (the rates are log-spaced, so per
     index), leaving out the first ``skip_start`` points (the average is still settling) and everything from its
     lowest point on: past it the loss is diverging, and a dip between two spikes there is no place to train."""
@@ -221,8 +225,7 @@ def plot(rates: list[float], losses: list[float], smooth: list[float], suggestio
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, format="png")
+    save_png(fig, out)
     plt.close(fig)
 
 
@@ -261,6 +264,10 @@ def main(argv: list[str] | None = None) -> int:
         kept = until_divergence(smooth)
         rates, losses, smooth = rates[:kept], losses[:kept], smooth[:kept]
         best = steepest(smooth)
+        if best is None and len(smooth) < SETTLING + 3:
+            at = rates[-1] if rates else args.start
+            raise FinderError(f"the loss diverged after {len(losses)} steps, at {at:g}: too few to find its slope; "
+                              "start lower (--from) or give more --ramp-steps")
         if best is None:
             raise FinderError(f"the loss did not fall over {len(losses)} steps from {args.start:g} to "
                               f"{rates[-1] if rates else args.end:g}: try a wider range (--from, --to) or more "

@@ -17,6 +17,8 @@ no run is left to plot, 2 on a usage error.
 
 import argparse
 import fnmatch
+import io
+import os
 import sys
 from pathlib import Path
 
@@ -133,10 +135,26 @@ def plot(run_dirs: list[Path], out: Path) -> list[str]:
                    ncols=1 + len(entries) // 16)
     else:
         fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, format="png")
+    save_png(fig, out)
     plt.close(fig)
     return [title for title, _, _ in present]
+
+
+def save_png(fig, out: Path) -> None:
+    """``fig`` as a PNG at ``out``, written whole or not at all (an earlier file survives a full disk)."""
+    png = io.BytesIO()
+    fig.savefig(png, format="png")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    write_atomically(out, png.getvalue())
+
+
+def write_atomically(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        tmp.write_bytes(data)
+        os.replace(tmp, path)  # readers see the old file or the new one, never half of one
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -98,13 +98,21 @@ def run_inprocess(capsys):
     return run
 
 
-def run_subprocess(args: list, timeout: float = 300, env: dict | None = None, cwd: Path = ROOT) -> Result:
-    """Run a command (e.g. ["recipes/x.py", ...] is run with this Python) as a separate process."""
+def run_subprocess(args: list, timeout: float = 300, env: dict | None = None, cwd: Path = ROOT,
+                   max_file_bytes: int | None = None) -> Result:
+    """Run a command (e.g. ["recipes/x.py", ...] is run with this Python) as a separate process. ``max_file_bytes``:
+    no file it writes may grow past this (RLIMIT_FSIZE; Python ignores SIGXFSZ, so a write fails as on a full disk)."""
     command = [str(a) for a in args]
     if command[0].endswith(".py"):
         command = [sys.executable, *command]
+
+    def limit_file_size():
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_FSIZE, (max_file_bytes, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+
     proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=cwd,
-                          env={**os.environ, **(env or {})})
+                          env={**os.environ, **(env or {})}, preexec_fn=limit_file_size if max_file_bytes else None)
     return Result(proc.returncode, proc.stdout, proc.stderr)
 
 

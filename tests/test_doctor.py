@@ -129,6 +129,8 @@ def test_the_recipes_own_usage_errors_exit_2_and_an_unwritable_json_is_found_bef
     assert doctor.main(["mixed_precision", "--json", str(tmp_path / "afile" / "x.json")]) == 1
     assert capsys.readouterr().err == f"error: cannot write --json {tmp_path / 'afile' / 'x.json'}: " \
                                       f"{tmp_path / 'afile'} is not a folder\n"
+    assert doctor.main(["mixed_precision", "--json", str(tmp_path)]) == 1
+    assert capsys.readouterr().err == f"error: cannot write --json {tmp_path}: it is a folder\n"
     with pytest.raises(SystemExit):
         doctor.main(["--help"])
     assert "and the rules of PyTorch's Performance Tuning Guide checked against the live run." in \
@@ -141,7 +143,7 @@ def test_a_recipe_that_fails_as_given_is_one_line(tmp_path, capsys):
     assert err.startswith("error: the recipe fails as given: ") and "missing.csv" in err and err.count("\n") == 1
 
 
-def stub_measurements(monkeypatch, alone: dict[str, list[float]], together: list[float] | None = None) -> None:
+def stub_measurements(monkeypatch, alone: dict[str, list[float]], together: list[float] | str | None = None) -> None:
     """The doctor's live run and side-by-side runs replaced by fixed figures: --compile and --num-workers 1 apply,
     measured ``alone`` each, and ``together`` when both are measured at once."""
     live = (doctor.Observed(steps=30), {"device_used": "cpu", "precision": "fp32"},
@@ -164,6 +166,9 @@ def stub_measurements(monkeypatch, alone: dict[str, list[float]], together: list
     # each faster alone, slower together: the best one alone, never the combination
     ({"--compile": [1.3, 1.2, 1.25], "--num-workers 1": [1.2, 1.15, 1.3]}, [0.8, 0.85, 0.9], ["--compile"],
      "together, --compile and --num-workers 1 measured 0.85x (0.80-0.90), not clearly faster"),
+    # the combination fails in its own process (out of memory, say): its message, and the best one alone
+    ({"--compile": [1.3, 1.2, 1.25], "--num-workers 1": [1.2, 1.15, 1.3]}, "error: out of memory", ["--compile"],
+     "together, --compile and --num-workers 1 failed (error: out of memory): the best of them alone"),
     ({"--compile": [1.3, 1.2, 1.25], "--num-workers 1": [1.2, 1.15, 1.3]}, [1.4, 1.5, 1.45],
      ["--compile", "--num-workers 1"], "recommended (1.45x (1.40-1.50) the throughput as given)"),
 ])

@@ -247,6 +247,7 @@ cli.run_recipe(main)
         (["{tmp}/built.py", "{tmp}/out.py"], 1, "at built.py:8 (NameError: name 'MNIST_MEAN' is not defined)"),
         (["{tmp}/waits.py", "{tmp}/out.py"], 1, "at waits.py:3 (EOFError: EOF when reading a line)"),
         (["mnist_onecycle", "{tmp}"], 1, "is a folder; give the path of the script to write"),
+        (["{tmp}/latin.py", "{tmp}/out.py"], 1, "latin.py is not a Python file in UTF-8"),  # was a traceback
     ],
 )
 def test_bad_input_is_a_one_line_error(args, code, message, tmp_path):
@@ -258,6 +259,7 @@ def test_bad_input_is_a_one_line_error(args, code, message, tmp_path):
     (tmp_path / "built.py").write_text(BUILT_AT_IMPORT_RECIPE)
     (tmp_path / "waits.py").write_text('"""Asks at import."""\n\nANSWER = input("data folder? ")\n\n'
                                        'if __name__ == "__main__":\n    print(ANSWER)\n')
+    (tmp_path / "latin.py").write_bytes(b'"""A caf\xe9 in Latin-1."""\n\nif __name__ == "__main__":\n    pass\n')
     result = run_subprocess(["scripts/eject.py", *(arg.format(tmp=tmp_path) for arg in args)])
     assert result.code == code, result.stderr
     assert result.stderr.startswith("error: ") and result.stderr.count("\n") == 1, result.stderr

@@ -11,7 +11,7 @@ from pathlib import Path
 import onnxruntime
 import pytest
 import torch
-from conftest import RECIPES, ROOT, load_recipe, smoke_args
+from conftest import RECIPES, ROOT, load_recipe, run_subprocess, smoke_args
 
 from common.checkpoint import load_model_state
 from scripts import export
@@ -170,6 +170,28 @@ def test_overwrite_replaces_an_earlier_export(checkpoints, tmp_path, capsys):
     assert json.loads((out / "model.json").read_text())["recipe"] == "compiled_model"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no temporary folder left
     assert "done: exported" in capsys.readouterr().out
+
+
+def test_overwrite_through_a_link_replaces_the_folder_it_names_and_keeps_the_link(checkpoints, tmp_path):
+    real, link = tmp_path / "real", tmp_path / "link"
+    assert export.main([str(checkpoints["ddp_mlp"]), str(real)]) == 0
+    link.symlink_to(real)
+    assert export.main([str(checkpoints["compiled_model"]), str(link), "--overwrite"]) == 0
+    assert link.is_symlink() and json.loads((real / "model.json").read_text())["recipe"] == "compiled_model"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link", "real"]  # no temporary folder or link left
+
+
+def test_a_full_disk_is_one_line_and_the_earlier_export_stays(checkpoints, tmp_path):
+    """The disk fills (here: a file-size limit) while model.pt2 is written: torch.export.save writing to the file
+    itself aborted the process in C++ (exit 134, a stack dump); now one line, and the earlier export is whole."""
+    out = tmp_path / "out"
+    assert export.main([str(checkpoints["mixed_precision"]), str(out)]) == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    result = run_subprocess(["scripts/export.py", checkpoints["mixed_precision"], out, "--overwrite"],
+                            max_file_bytes=len(before["model.pt2"]) // 2)
+    assert result.code == 1 and result.stderr == f"error: cannot write {out}: File too large\n", result.stderr
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 
 
 def test_overwrite_never_replaces_a_folder_that_is_not_an_export(checkpoints, tmp_path, capsys):

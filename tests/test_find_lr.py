@@ -2,9 +2,11 @@
 
 import math
 import re
+import sys
 import textwrap
 
 import pytest
+from conftest import run_subprocess
 
 from scripts import find_lr
 
@@ -145,3 +147,29 @@ def test_ctrl_c_during_the_ramp_is_exit_130_in_one_line(tmp_path, capsys, monkey
     monkeypatch.setattr(cli, "run_recipe", interrupted)
     assert find_lr.main(["mixed_precision", "--plot", str(tmp_path / "x.png")]) == 130
     assert capsys.readouterr().err == "error: interrupted; nothing written\n" and not (tmp_path / "x.png").exists()
+
+
+def test_a_loss_that_diverges_before_the_smoothing_settles_says_so(tmp_path, capsys, monkeypatch):
+    """From 0.3 the ramp passes 0.70, where gradient descent diverges here, within a few steps: too few points for a
+    slope, and the advice is a lower start, not a wider range (which was the message, and made it worse)."""
+    (tmp_path / "least_squares.py").write_text(textwrap.dedent(LEAST_SQUARES))
+    monkeypatch.chdir(tmp_path)
+    args = [str(tmp_path / "least_squares.py"), "--from", "0.3", "--to", "1e6", "--ramp-steps", "20",
+            "--plot", str(tmp_path / "lr.png")]
+    assert find_lr.main(args) == 1
+    err = capsys.readouterr().err
+    assert re.fullmatch(r"error: the loss diverged after \d steps, at [\d.e+]+: too few to find its slope; start lower "
+                        r"\(--from\) or give more --ramp-steps\n", err), err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["least_squares.py"]  # no plot, no run left behind
+
+
+def test_a_failed_write_of_the_plot_leaves_the_earlier_one_as_it_was(tmp_path):
+    """The disk fills (here: a file-size limit) while the PNG is written: the earlier plot stays whole."""
+    out = tmp_path / "lr.png"
+    draw = ("import sys; from pathlib import Path; sys.path.insert(0, '.'); from scripts import find_lr; "
+            f"find_lr.plot([1e-3, 1e-2, 1e-1], [2.0, 1.0, 3.0], [2.0, 1.5, 2.0], 1e-2, '--lr', Path({str(out)!r}))")
+    assert run_subprocess([sys.executable, "-c", draw]).code == 0
+    before = out.read_bytes()
+    result = run_subprocess([sys.executable, "-c", draw], max_file_bytes=len(before) // 2)
+    assert result.code == 1 and "OSError: [Errno 27] File too large" in result.stderr, result.stderr
+    assert out.read_bytes() == before and [p.name for p in tmp_path.iterdir()] == ["lr.png"]

@@ -85,6 +85,18 @@ def test_bad_input_is_one_error_line(tmp_path):
                                                  f"{tmp_path / 'afile'} is a file, not a folder\n"
 
 
+def test_a_failed_write_leaves_the_earlier_png_as_it_was(tmp_path):
+    """The disk fills (here: a file-size limit) while the figure is written: one error line, the earlier PNG whole,
+    no temporary file left."""
+    good, out = make_run(tmp_path / "good"), tmp_path / "curves.png"
+    assert plot(good, "--out", out).code == 0
+    before = out.read_bytes()
+    result = run_subprocess([sys.executable, "scripts/plot_runs.py", good, "--out", out], timeout=120,
+                            max_file_bytes=len(before) // 2)
+    assert result.code == 1 and result.stderr == f"error: cannot write {out}: File too large\n", result.stderr
+    assert out.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == ["curves.png", "good"]
+
+
 def test_a_folder_without_events_is_skipped_with_one_line(tmp_path):
     """A run that failed before it trained leaves a folder without event files: it is skipped, not an error."""
     good, empty = make_run(tmp_path / "good"), tmp_path / "empty"
