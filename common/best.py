@@ -67,6 +67,11 @@ class EarlyStopping:
 
     def exhausted(self, improved: bool) -> bool:
         self.since_best = 0 if improved else self.since_best + 1
+        return self.stopped
+
+    @property
+    def stopped(self) -> bool:
+        """Whether the evaluations so far used the patience up (also in a run resumed after its early stop)."""
         return self.since_best >= self.evaluations
 
     def state_dict(self) -> dict:

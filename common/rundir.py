@@ -174,7 +174,8 @@ def already_finished(run: RunFolder, checkpoint: dict | None, *, max_steps: int 
     except (OSError, ValueError, KeyError, TypeError):  # no checkpoint or metrics (yet), or not ours
         return False
     if done and launched_as_rank_0():
-        why = ("stopped early by --patience" if step < end else
-               "a larger --max-steps goes on with it" if end < schedule else "its schedule is done")
-        print(f"already finished: step {step} of {end}; nothing trained, {run.path} left as it was ({why})", flush=True)
+        why = ("stopped early by --patience" if step < end else "its schedule is done" if step >= schedule else
+               "a larger --max-steps goes on with it")  # (a smaller one than the run's is no reason)
+        print(f"already finished: step {step} of {min(schedule, max(end, step))}; nothing trained, {run.path} left as "
+              f"it was ({why})", flush=True)
     return done

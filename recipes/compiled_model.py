@@ -157,8 +157,9 @@ def train(epochs: int, max_steps: int | None, batch_size: int, lr: float, sample
             step += 1
             log.train(step, stats, lr=current_lr, items=len(batch[-1]))
             profiler.step()
-            # mid-epoch checkpoints (an epoch's last step is saved after its evaluation)
-            if step % steps_per_epoch and (stop.requested or checkpoint_every and step % checkpoint_every == 0):
+            # mid-epoch checkpoints (an epoch's last step, and the run's, are saved after the evaluation)
+            mid_epoch = step % steps_per_epoch and step < total_steps
+            if mid_epoch and (stop.requested or checkpoint_every and step % checkpoint_every == 0):
                 checkpoints.save(step)
                 if stop.requested:
                     stop.exit(step, resume_dir)

@@ -245,9 +245,11 @@ def main(
             step += 1
             log.train(step, stats, lr=current_lr, items=batch_size * world_size)
             profiler.step()
-            # mid-epoch checkpoints (an epoch's last step is saved after its evaluation), rank 0 writing them
+            # mid-epoch checkpoints (an epoch's last step, and the run's, are saved after the evaluation), rank 0
+            # writing them
             stopping = step % every == 0 and stop_agreed(stop, device)
-            if step % steps_per_epoch and (stopping or checkpoint_every and step % checkpoint_every == 0):
+            mid_epoch = step % steps_per_epoch and step < total_steps
+            if mid_epoch and (stopping or checkpoint_every and step % checkpoint_every == 0):
                 from_rank_0(partial(checkpoints.save, step))  # every rank waits for it, and shares its error
                 if stopping:
                     stop.exit(step, run.path)

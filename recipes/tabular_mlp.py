@@ -766,8 +766,8 @@ def train(csv_path: Path | None, target: str, task: str, val_frac: float, cv: in
             metrics["rmse"] = math.sqrt(metrics["loss"]) * spec["target_std"]
         return metrics
 
-    stopped_early = False
-    for epoch in epochs_left(step, steps_per_epoch, total_steps):
+    stopped_early = early_stop.stopped and step < total_steps  # killed after its early stop's checkpoint: done
+    for epoch in () if stopped_early else epochs_left(step, steps_per_epoch, total_steps):
         train_loader.sampler.set_epoch(epoch)
         for batch in batches_left(train_loader, step, total_steps):
             current_lr = scheduler.get_last_lr()[0]
@@ -778,8 +778,8 @@ def train(csv_path: Path | None, target: str, task: str, val_frac: float, cv: in
             profiler.step()
             if step % steps_per_epoch == 0:
                 scheduler.step()  # a per-epoch schedule: once, after the epoch's last optimizer step
-            # mid-epoch checkpoints (an epoch's last step is saved after its evaluation)
-            elif stop.requested or checkpoint_every and step % checkpoint_every == 0:
+            # mid-epoch checkpoints (an epoch's last step, and the run's, are saved after the evaluation)
+            elif step < total_steps and (stop.requested or checkpoint_every and step % checkpoint_every == 0):
                 checkpoints.save(step)
                 if stop.requested:
                     stop.exit(step, resume_dir)
@@ -796,11 +796,11 @@ def train(csv_path: Path | None, target: str, task: str, val_frac: float, cv: in
             (run.path / "checkpoints" / f"best-step{old}.pt").unlink(missing_ok=True)
         stopped_early = early_stop.exhausted(improved) and step < total_steps
         checkpoints.save(step)
-        if stop.requested:
-            stop.exit(step, resume_dir)
-        if stopped_early:
+        if stopped_early:  # before a stop request: the run is over, and metrics.json is to say so
             log.print(f"stopping early: no better score in {patience} evaluations (the best: step {best.step})")
             break
+        if stop.requested:
+            stop.exit(step, resume_dir)
 
     # The test set, once, with the weights that best.pt holds: the model a user deploys is the one scored.
     test = {}

@@ -121,6 +121,41 @@ def test_patience_stops_after_n_evaluations_without_a_better_score(run_inprocess
     assert "(stopped early by --patience)" in again.stdout and "--max-steps" not in again.stdout
 
 
+def test_an_early_stop_holds_through_a_stop_signal_and_a_kill_after_its_checkpoint(run_inprocess, table_csv, tmp_path,
+                                                                                  monkeypatch):
+    """SIGTERM during the evaluation that stops the run early: it finishes (it trained on, exit 143, before); killed
+    after that evaluation's checkpoint but before metrics.json: relaunched, it trains nothing more."""
+    import os
+    import signal
+
+    from conftest import load_recipe
+
+    scores = iter([0.5, 0.9, 0.7, 0.8, 0.85])  # no better score after step 14: the 5th evaluation (step 35) stops
+
+    def evaluate(*args, **kwargs):
+        score = next(scores, 0.1)
+        if score == 0.85:
+            os.kill(os.getpid(), signal.SIGTERM)  # a scheduler's stop, while that evaluation runs
+        return {"loss": 1.0, "acc": score}
+
+    monkeypatch.setattr(load_recipe("tabular_mlp"), "evaluate", evaluate)
+    run_dir = tmp_path / "run"
+    args = ["--csv", table_csv, "--target", "label", "--epochs", 6, "--batch-size", 32, "--patience", 3,
+            "--run-dir", run_dir, "--resume", "auto"]
+    result = run_inprocess("tabular_mlp", *args)
+    assert result.code == 0, result.stderr
+    assert "stopping early: no better score in 3 evaluations (the best: step 14)" in result.stdout
+    assert (read_metrics(run_dir)["steps"], read_metrics(run_dir)["stopped_early"]) == (35, True)
+    trained = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)["model"]
+
+    (run_dir / "metrics.json").unlink()  # as if killed between the early stop's checkpoint and the end of the run
+    again = run_inprocess("tabular_mlp", *args)
+    assert again.code == 0, again.stderr
+    metrics = read_metrics(run_dir)
+    assert (metrics["steps"], metrics["stopped_early"], metrics["best_step"]) == (35, True, 14)
+    assert_same_weights(torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)["model"], trained)
+
+
 @pytest.mark.parametrize(("recipe", "option", "value", "text"), [
     ("mnist_onecycle", "--ema", "1.0", "must be between 0 and 1"),
     ("mnist_onecycle", "--ema", "0", "must be between 0 and 1"),

@@ -389,6 +389,41 @@ def test_relaunching_a_finished_run_trains_nothing_and_keeps_its_results(recipe,
     assert metrics["train_loss"] == first["train_loss"] and not {"samples_per_s", "tokens_per_s"} & metrics.keys()
 
 
+# each cut by --max-steps 3 part-way through its first epoch
+@pytest.mark.parametrize("recipe", ["mixed_precision", "compiled_model", "mnist_onecycle", "ddp_mlp", "tabular_mlp"])
+def test_a_stop_at_the_last_step_of_a_cut_run_evaluates_first_and_resumes_to_the_same_end(recipe, run_inprocess,
+                                                                                          request, tmp_path,
+                                                                                          monkeypatch):
+    """The cut's evaluation comes before its checkpoint, as an epoch's does: stopped there, the run had saved the
+    step unevaluated, and its resume finished without scores or best.pt (or, with a test set, failed for want of
+    best.pt)."""
+    from common.runlog import RunLog
+
+    args = [*smoke_args(recipe, request), "--max-steps", 3]
+    assert run_inprocess(recipe, *args, "--run-dir", tmp_path / "whole").code == 0
+    train = RunLog.train
+
+    def stopped_at_the_last_step(self, step, stats, **kwargs):
+        train(self, step, stats, **kwargs)
+        if step == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(RunLog, "train", stopped_at_the_last_step)
+    run_dir = tmp_path / "stopped"
+    assert run_inprocess(recipe, *args, "--run-dir", run_dir).code == 143
+    assert torch.load(run_dir / "checkpoints" / "best.pt", weights_only=True)["step"] == 3
+    monkeypatch.undo()
+    resumed = run_inprocess(recipe, *args, "--run-dir", run_dir, "--resume", "auto")
+    assert resumed.code == 0, resumed.stderr
+    whole, metrics = read_metrics(tmp_path / "whole"), read_metrics(run_dir)
+    assert metrics["steps"] == 3 and metrics["best_step"] == 3
+    assert {k: v for k, v in metrics.items() if k.startswith(("val_", "test_", "best_"))} == \
+        {k: v for k, v in whole.items() if k.startswith(("val_", "test_", "best_"))}
+    for name in ("last.pt", "best.pt"):
+        assert_same_weights(torch.load(run_dir / "checkpoints" / name, weights_only=True)["model"],
+                            torch.load(tmp_path / "whole" / "checkpoints" / name, weights_only=True)["model"])
+
+
 @pytest.mark.parametrize(("every", "expected"), [
     (7, [7, 14, 15, 21, 28, 30]),  # every 7 steps, and at the end of each epoch
     (5, [5, 10, 15, 20, 25, 30]),  # an epoch's last step once, after its evaluation: a resume never skips one

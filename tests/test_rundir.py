@@ -61,6 +61,8 @@ def test_the_same_process_may_open_a_run_directory_again_once_its_command_has_en
             "--resume", "auto"]
     assert run_inprocess("mixed_precision", *args).code == 0
     assert "already finished" in run_inprocess("mixed_precision", *args).stdout  # the lock went with the command
+    smaller = run_inprocess("mixed_precision", *args, "--max-steps", 1).stdout  # below the step the run ended at
+    assert smaller.startswith("already finished: step 2 of 2;") and "(its schedule is done)" in smaller
     cut = ["--epochs", 2, *args[2:-4], "--max-steps", 3, "--run-dir", tmp_path / "cut", "--resume", "auto"]
     assert run_inprocess("mixed_precision", *cut).code == 0
     again = run_inprocess("mixed_precision", *cut).stdout  # cut short by --max-steps: how to go on
