@@ -13,6 +13,7 @@ import os
 import re
 import signal
 import sys
+import threading
 import time
 from collections.abc import Callable
 from contextlib import ExitStack
@@ -174,7 +175,7 @@ def launched_as_rank_0() -> bool:
 
 
 def run_recipe(main: Callable[..., object], argv: list[str] | None = None) -> None:
-    """Run ``main`` as a one-command Typer CLI: exit 0 on success, 2 on usage errors, 1 on RecipeError. Under
+    """Run ``main`` as a one-command Typer CLI: exit 0 on success, 2 on usage errors, 1 on RecipeError or OSError. Under
     torchrun every rank meets the same errors and rank 0 alone prints them. The process group (if any) is
     destroyed on every way out, so no rank is left waiting on a dead one."""
     app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, rich_markup_mode=None)
@@ -184,6 +185,10 @@ def run_recipe(main: Callable[..., object], argv: list[str] | None = None) -> No
     # SIGTERM before a StopRequest listens (while data loads, say): exit 143 through the clean-ups, as Ctrl-C does,
     # so that a run directory this run made and never used is removed (the default action leaves it)
     sigterm = signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    # A background thread's OSError (TensorBoard's writer on a full disk) reaches this thread at its next write, and
+    # is reported below in one line; the thread's own traceback would only repeat it.
+    excepthook = threading.excepthook
+    threading.excepthook = lambda args: None if issubclass(args.exc_type, OSError) else excepthook(args)
     try:
         with ExitStack() as cleanup:
             running = RUNNING.set(Command(options, cleanup, sys.argv[1:] if argv is None else argv))
@@ -193,8 +198,9 @@ def run_recipe(main: Callable[..., object], argv: list[str] | None = None) -> No
                 RUNNING.reset(running)
         if type(status) is int and status:  # typer returns (not raises) an Exit's status, Ctrl-C's 130 among them
             sys.exit(status)
-    except RecipeError as err:
-        message = " ".join(str(err).split())  # one line, however it was built
+    except (RecipeError, OSError) as err:  # OSError: a full disk, say, where no piece of the run had more to say
+        message = " ".join(str(err).split()) if isinstance(err, RecipeError) else \
+            f"{err.strerror or err}{f': {err.filename}' if err.filename else ''} (the checkpoints written are intact)"
         if not quiet:
             print(f"error: {message}", file=sys.stderr, flush=True)
         if "TORCHELASTIC_ERROR_FILE" in os.environ:  # torchrun's report of the failure quotes it (not a link)
@@ -211,5 +217,6 @@ def run_recipe(main: Callable[..., object], argv: list[str] | None = None) -> No
         sys.exit(getattr(err, "exit_code", 2))
     finally:
         signal.signal(signal.SIGTERM, sigterm)
+        threading.excepthook = excepthook
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()

@@ -58,9 +58,14 @@ class StepProfiler:
                 self.table[phase].append(ms)
         if not self.write:
             return
+        traces = set(self.run_dir.glob("*.pt.trace.json"))
         tensorboard_trace_handler(str(self.run_dir))(profiler)
+        for unfinished in self.run_dir.glob("*.pt.trace.json.tmp"):  # its C++ writer fails silently (a full disk)
+            unfinished.unlink(missing_ok=True)
+        trace = f"trace in {self.run_dir}" if set(self.run_dir.glob("*.pt.trace.json")) - traces else \
+            f"the trace could not be written in {self.run_dir}"
         medians = {phase: statistics.median(v) for phase, v in self.table.items()}
-        lines = [f"profile of {len(steps)} steps (trace in {self.run_dir}): milliseconds per step, median",
+        lines = [f"profile of {len(steps)} steps ({trace}): milliseconds per step, median",
                  "  " + "  ".join(f"{phase:>9}" for phase in PHASES) + f"  {'total':>9}",
                  "  " + "  ".join(f"{ms:9.2f}" for ms in medians.values()) + f"  {sum(medians.values()):9.2f}",
                  "top operators by self time:"]

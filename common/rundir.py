@@ -4,6 +4,7 @@ its first checkpoint; whether the run in it has finished; JSON files written ato
     run = open_run_dir(RECIPE, run_dir, resume)   # run.path; run.resume_from: the checkpoint to go on from
 """
 
+import contextlib
 import json
 import os
 import shutil
@@ -152,7 +153,8 @@ def write_json(path: Path, data: dict) -> None:
         tmp.write_text(json.dumps(data, indent=2) + "\n")
         os.replace(tmp, path)  # readers see the old file or the new one, never half of one
     except OSError as err:  # a full disk, say: the checkpoints already written are intact
-        tmp.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # a disk turned read-only refuses even this (and holds no new file)
+            tmp.unlink(missing_ok=True)
         raise RecipeError(f"could not write {path}: {err.strerror or err}") from None
 
 

@@ -164,7 +164,7 @@ class ShardedCheckpointer:
                 dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=tmp)
         except (OSError, CheckpointException) as err:  # DCP wraps a rank's OSError in its BaseException
             from_rank_0(lambda: shutil.rmtree(tmp, ignore_errors=True))
-            raise not_written(final, failure(err), self.last_step) from None
+            raise not_written(final, failure(err), self.last_step or self.files.last_step) from None
         from_rank_0(lambda: self.complete(state, tmp, final))  # no rank goes on before it is complete
         self.last_good, self.last_step = final, step
 
@@ -178,7 +178,7 @@ class ShardedCheckpointer:
             fsync_dir(self.dcp_dir)
         except OSError as err:
             shutil.rmtree(tmp, ignore_errors=True)
-            raise not_written(final, err, self.last_step) from None
+            raise not_written(final, err, self.last_step or self.files.last_step) from None
         prune(self.dcp_dir, self.best.step)
 
     def restore(self, checkpoint: dict) -> int:
@@ -205,9 +205,10 @@ class ShardedCheckpointer:
             to_single_file(final, self.files.folder / "last.pt", self.files.recipe)
             if best.is_dir():  # the same folder as last.pt's: converted again, cheap
                 to_single_file(best, self.files.folder / "best.pt", self.files.recipe)
-        except OSError as err:  # a full disk, say: the sharded checkpoints are what counts, and they are whole
-            raise RecipeError(f"could not write the single-file checkpoints in {self.files.folder}: "
-                              f"{err.strerror or err}; the sharded checkpoints in {self.dcp_dir} are intact") from None
+        except (OSError, RuntimeError) as err:  # a full disk, say (which torch.save to a path raises as RuntimeError)
+            why = err.strerror if isinstance(err, OSError) and err.strerror else f"the write failed ({err})"
+            raise RecipeError(f"could not write the single-file checkpoints in {self.files.folder}: {why}; the "
+                              f"sharded checkpoints in {self.dcp_dir} are intact") from None
 
 
 def prune(dcp_dir: Path, best_step: int) -> None:

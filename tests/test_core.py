@@ -749,3 +749,17 @@ def test_the_training_data_checksum_tells_other_data_apart():
     assert checksum(changed, labels) != same  # one pixel
     assert checksum(images, labels.flip(0)) != same  # the same labels in another order
     assert checksum(images[:, 0].transpose(1, 2), labels) != checksum(images[:, 0], labels)  # a view: its values
+
+
+def test_a_disk_turned_read_only_under_a_json_file_is_one_error(tmp_path, monkeypatch):
+    """Writing metrics.json where the disk turned read-only: removing the temporary file fails too (EROFS, even for a
+    file that was never made), which was a traceback in place of the one-line error."""
+    from common.rundir import write_json
+
+    def read_only(*args, **kwargs):
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    monkeypatch.setattr(Path, "write_text", read_only)
+    monkeypatch.setattr(Path, "unlink", read_only)
+    with pytest.raises(RecipeError, match=r"^could not write .*metrics.json: Read-only file system$"):
+        write_json(tmp_path / "metrics.json", {"steps": 1})

@@ -389,6 +389,22 @@ def test_relaunching_a_finished_run_trains_nothing_and_keeps_its_results(recipe,
     assert metrics["train_loss"] == first["train_loss"] and not {"samples_per_s", "tokens_per_s"} & metrics.keys()
 
 
+def test_a_full_disk_under_tensorboard_is_one_line_and_the_run_resumes(tmp_path):
+    """TensorBoard's writer thread meets the full disk (a file-size limit here: the event file outgrows this small
+    model's checkpoints) and the main thread at its next write: one line, not the thread's traceback and then the
+    main thread's; the checkpoints are whole, and the run resumes to its end."""
+    run_dir = tmp_path / "run"
+    args = ["recipes/mixed_precision.py", "--samples", 4096, "--width", 1, "--depth", 1, "--epochs", 20,
+            "--batch-size", 128, "--device", "cpu", "--log-every", 1, "--run-dir", run_dir]
+    result = run_subprocess(args, max_file_bytes=48 * 1024)
+    assert result.code == 1 and result.stderr == "error: File too large (the checkpoints written are intact)\n", \
+        result.stderr
+    assert 0 < torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)["step"] < 640
+    resumed = run_subprocess([*args, "--resume", "auto"])
+    assert resumed.code == 0, resumed.stderr
+    assert read_metrics(run_dir)["steps"] == 640
+
+
 # each cut by --max-steps 3 part-way through its first epoch
 @pytest.mark.parametrize("recipe", ["mixed_precision", "compiled_model", "mnist_onecycle", "ddp_mlp", "tabular_mlp"])
 def test_a_stop_at_the_last_step_of_a_cut_run_evaluates_first_and_resumes_to_the_same_end(recipe, run_inprocess,

@@ -390,23 +390,29 @@ def test_pruning_keeps_the_last_complete_checkpoints_and_the_best_one(tmp_path):
                                                           "step-000007"]
 
 
-def test_a_full_disk_at_the_single_file_copies_is_one_line_and_leaves_the_sharded_checkpoints(
-        run_inprocess, corpus_txt, tmp_path, monkeypatch):
-    import errno
+TORCH_WRITE_FAILED = "[enforce fail at inline_container.cc:672] . unexpected pos 64 vs 0"
 
+
+@pytest.mark.parametrize(("where", "error", "why"), [
+    ("to_single_file", OSError(28, "No space left on device"), "No space left on device"),
+    # torch.save to a path (dcp_to_torch_save's) says only this of a full disk: it was a traceback
+    ("dcp_to_torch_save", RuntimeError(TORCH_WRITE_FAILED), f"the write failed ({TORCH_WRITE_FAILED})"),
+])
+def test_a_full_disk_at_the_single_file_copies_is_one_line_and_leaves_the_sharded_checkpoints(
+        where, error, why, run_inprocess, corpus_txt, tmp_path, monkeypatch):
     import common.sharded
 
     def full(*args, **kwargs):
-        raise OSError(errno.ENOSPC, "No space left on device")
+        raise error
 
-    monkeypatch.setattr(common.sharded, "to_single_file", full)
+    monkeypatch.setattr(common.sharded, where, full)
     run_dir = tmp_path / "run"
     result = run_inprocess("tiny_transformer", "--text", corpus_txt, *TINY, "--parallel", "fsdp", "--batch-size", 8,
                            "--run-dir", run_dir)
     assert result.code == 1 and "Traceback" not in result.stderr
     assert result.stderr.strip().splitlines() == [
-        f"error: could not write the single-file checkpoints in {run_dir / 'checkpoints'}: No space left on device; "
-        f"the sharded checkpoints in {run_dir / 'checkpoints' / 'dcp'} are intact"]
+        f"error: could not write the single-file checkpoints in {run_dir / 'checkpoints'}: {why}; the sharded "
+        f"checkpoints in {run_dir / 'checkpoints' / 'dcp'} are intact"]
     assert (run_dir / "checkpoints" / "dcp" / "step-000006" / ".metadata").is_file()
 
 
@@ -441,7 +447,8 @@ def test_a_compiled_fsdp_run_resumes_from_its_own_sharded_checkpoint(run_inproce
     assert "resumed at step 3" in resumed.stdout and read_metrics(tmp_path / "run")["steps"] == 6
 
 
-def test_a_full_disk_during_a_sharded_save_is_one_line_and_leaves_no_partial_folder(run_inprocess, corpus_txt,
+@pytest.mark.parametrize("resumed", [False, True])
+def test_a_full_disk_during_a_sharded_save_is_one_line_and_leaves_no_partial_folder(resumed, run_inprocess, corpus_txt,
                                                                                      tmp_path, monkeypatch):
     """dcp.save wraps a rank's OSError in its CheckpointException, a BaseException that ``except OSError`` misses."""
     import errno
@@ -457,10 +464,13 @@ def test_a_full_disk_during_a_sharded_save_is_one_line_and_leaves_no_partial_fol
                                                                    traceback.StackSummary())})
         return real_save(state, checkpoint_id=checkpoint_id)
 
-    monkeypatch.setattr(sharded.dcp, "save", full_at_step_6)
     run_dir = tmp_path / "run"
-    result = run_inprocess("tiny_transformer", "--text", corpus_txt, *TINY, "--parallel", "fsdp", "--batch-size", 8,
-                           "--run-dir", run_dir)
+    args = ["--text", corpus_txt, *TINY, "--parallel", "fsdp", "--batch-size", 8, "--run-dir", run_dir]
+    if resumed:  # the step-3 checkpoint is the one this launch resumed from (it said "no earlier checkpoint")
+        assert run_inprocess("tiny_transformer", *args, "--max-steps", 3).code == 0
+        args += ["--resume", "auto"]
+    monkeypatch.setattr(sharded.dcp, "save", full_at_step_6)
+    result = run_inprocess("tiny_transformer", *args)
     assert result.code == 1 and "Traceback" not in result.stderr
     assert result.stderr.strip().splitlines() == [
         f"error: could not write checkpoint {run_dir / 'checkpoints' / 'dcp' / 'step-000006'}: No space left on "
