@@ -119,9 +119,14 @@ def load_mnist(data_dir: Path, *, train: bool) -> tuple[torch.Tensor, torch.Tens
     except Exception as err:  # torchvision signals malformed IDX files with assorted exception types
         raise RecipeError(f"MNIST files in {raw} are corrupt ({type(err).__name__}: {err}); delete them to "
                           "download again") from None
+    data, labels = dataset.data, dataset.targets  # well-formed IDX files may still not be MNIST's
+    labelled = len(labels) == len(data) and (not len(labels) or 0 <= labels.min() <= labels.max() <= 9)
+    if data.shape[1:] != (28, 28) or not labelled:
+        raise RecipeError(f"MNIST files in {raw} hold {len(data)} images of {tuple(data.shape[1:])} pixels and "
+                          f"{len(labels)} labels, not 28x28 digits labelled 0-9; delete them to download again")
     # uint8 (N, 28, 28) -> float32 (N, 1, 28, 28): a channel axis for the convolutions, values standardised
-    images = (dataset.data.unsqueeze(1).float() / 255 - MNIST_MEAN) / MNIST_STD
-    return images, dataset.targets
+    images = (data.unsqueeze(1).float() / 255 - MNIST_MEAN) / MNIST_STD
+    return images, labels
 
 
 def download(url: str, dest: Path, md5: str) -> Path:

@@ -5,6 +5,7 @@ import math
 import urllib.error
 import urllib.request
 
+import numpy as np
 import pytest
 import torch
 from conftest import assert_same_weights, load_recipe, load_weights, read_hparams, read_metrics, read_scalars
@@ -148,6 +149,30 @@ def test_offline_without_data_names_the_files_and_folder(run_inprocess, tmp_path
     result = run_inprocess(RECIPE, "--data-dir", "rel", "--run-dir", tmp_path / "run")
     assert result.code == 1 and str(tmp_path / "rel" / "MNIST" / "raw") in result.stderr
     assert not (tmp_path / "rel").exists()
+
+
+def more_labels(images, labels):
+    return images, np.concatenate([labels, labels[:16]])
+
+
+@pytest.mark.parametrize("recipe", [RECIPE, "ddp_mlp"])
+@pytest.mark.parametrize(("damage", "shown"), [
+    (more_labels, "hold 96 images of (28, 28) pixels and 112 labels"),  # was an IndexError, or fewer images dropped
+    (lambda images, labels: (images, labels * 25), "hold 96 images of (28, 28) pixels and 96 labels"),  # up to 225
+    (lambda images, labels: (np.pad(images, ((0, 0), (2, 2), (2, 2))), labels), "of (32, 32) pixels"),
+])
+def test_well_formed_files_that_are_not_mnist_are_one_line(recipe, damage, shown, run_inprocess, tmp_path):
+    """Valid IDX files of the wrong shape, count or labels: a traceback mid-run (or a silent run on other data)."""
+    from conftest import synthetic_digits
+
+    from benchmarks.mnist_files import write_mnist
+
+    raw = write_mnist(tmp_path / "data", damage(*synthetic_digits(96, seed=1)), synthetic_digits(40, seed=2))
+    result = run_inprocess(recipe, "--data-dir", tmp_path / "data", "--max-steps", 2, "--run-dir", tmp_path / "run")
+    assert result.code == 1 and result.stderr.startswith(f"error: MNIST files in {raw.resolve()} hold "), result.stderr
+    assert shown in result.stderr and result.stderr.count("\n") == 1
+    assert result.stderr.endswith(", not 28x28 digits labelled 0-9; delete them to download again\n")
+    assert not (tmp_path / "run").exists()
 
 
 def test_finetune_starts_from_the_backbone_with_its_own_learning_rate(run_inprocess, mnist_dir, tmp_path):
