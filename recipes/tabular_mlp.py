@@ -112,6 +112,12 @@ def read_table(path: Path) -> pa.Table:
     if nested:  # Parquet: lists, structs and maps are no single value per cell
         raise cli.RecipeError(f"{path}: column {', '.join(nested)} holds lists or records, not one number or word per "
                               "cell; drop or flatten it")
+    for i, field in enumerate(table.schema):  # Parquet: bytes are words only in UTF-8
+        if pa.types.is_binary(field.type) or pa.types.is_large_binary(field.type):
+            try:
+                table = table.set_column(i, field.name, table[i].cast(pa.string()))
+            except pa.ArrowInvalid:
+                raise cli.RecipeError(f"{path}: column {field.name!r} holds bytes that are not UTF-8 text") from None
     return table
 
 
@@ -154,7 +160,7 @@ def numbers(column: pa.ChunkedArray | pa.Array, strict: bool) -> np.ndarray | No
     """The column as float64, NaN where missing or not finite (inf is no more a value than "NaN" is). A
     cell that is not a number: None if ``strict`` (the column is not numeric), else NaN (a missing value)."""
     if pa.types.is_integer(column.type) or pa.types.is_floating(column.type):  # Parquet: numbers already
-        values = column.cast(pa.float64()).to_numpy()  # null -> NaN
+        values = column.cast(pa.float64(), safe=False).to_numpy()  # null -> NaN; an int64 ID past 2**53: rounded
     else:
         indices, words = distinct(column)
         try:
@@ -224,6 +230,8 @@ def encode(spec: dict, table: pa.Table, *, with_target: bool = True):
     numeric = np.zeros((table.num_rows, len(spec["numeric"])), dtype=np.float32)
     for j, (name, (mean, std)) in enumerate(spec["numeric"].items()):
         values = (numbers(table[name], strict=False) - mean) / std
+        if np.isnan(values).all() and numbers(table[name], strict=True) is None:  # words, and not one number
+            raise cli.RecipeError(f"column {name!r} holds no numbers, but it did in training: another table's column?")
         numeric[:, j] = np.where(np.isnan(values), 0.0, values)  # a missing number: the training mean
     categorical = np.zeros((table.num_rows, len(spec["categorical"])), dtype=np.int32)
     for j, (name, vocabulary) in enumerate(spec["categorical"].items()):
@@ -481,6 +489,8 @@ def predict(checkpoint_path: Path, table_path: Path, output: Path, device: torch
     spec = checkpoint["features"]
     model = model_from_checkpoint(checkpoint, checkpoint_path).to(device).eval()
     table = read_table(table_path)
+    if taken := [name for name in ("prediction", "probability") if name in table.column_names]:
+        raise cli.RecipeError(f"{table_path} already has a column {taken[0]!r}, which the output adds; rename it")
     numeric, categorical = (torch.from_numpy(a) for a in encode(spec, table, with_target=False)[:2])
     # in slices: the activations of a million rows at once would not fit in memory
     out = torch.cat([model(x.to(device), c.to(device)).float().cpu()
@@ -712,6 +722,9 @@ def train(csv_path: Path | None, target: str, task: str, val_frac: float, cv: in
         num_embedding = auto_embedding(spec["task"], len(train_rows))
     config["num_embedding_used"] = num_embedding
     arrays = encode(spec, table)  # every row at once, then split: the statistics are the training split's
+    if classification and (arrays[2].take(val_rows) < 0).all():  # every class unseen in training: no score to take
+        raise cli.RecipeError(f"no validation row's {target!r} is a class seen in training ({len(spec['classes'])} "
+                              "classes): an ID column? choose another --target")
     train_set = TabularDataset(*(a.take(train_rows, axis=0) for a in arrays))  # take: 4x faster than a[rows]
     val_set = TabularDataset(*(a.take(val_rows, axis=0) for a in arrays))
     del table, arrays  # the text columns are no longer needed

@@ -280,6 +280,11 @@ def test_adult_offline_suggests_csv(run_inprocess, tmp_path, monkeypatch):
                                                     "'label': add the columns to predict it from"),
         ("lists.parquet", pa.table({"a": [1.0, 2.0] * 20, "tags": [[1, 2], []] * 20, "label": ["x", "y"] * 20}),
          "lists.parquet: column 'tags' (list<element: int64>) holds lists or records, not one number or word per cell"),
+        # were tracebacks: bytes that are no text, and a target that is an ID (it said "diverged ... lower --lr")
+        ("bytes.parquet", pa.table({"a": pa.array([b"caf\xe9", b"x"] * 20, pa.binary()), "label": ["x", "y"] * 20}),
+         "bytes.parquet: column 'a' holds bytes that are not UTF-8 text"),
+        ("ids.csv", "a,label\n" + "".join(f"{i % 7},id{i}\n" for i in range(100)),
+         "no validation row's 'label' is a class seen in training (80 classes): an ID column? choose another --target"),
     ],
 )
 def test_bad_csv_is_a_one_line_error(run_inprocess, tmp_path, name, content, message):
@@ -385,6 +390,24 @@ def test_predict_on_a_table_without_the_models_columns_is_a_one_line_error(run_i
     assert result.code == 1
     assert result.stderr == "error: the table lacks column(s) the model was trained on: income, colour, city\n"
     assert not (tmp_path / "other.predictions.csv").exists()
+    for header, row, message in [  # a column the output would add twice; a numeric column of words (two swapped)
+        ("age,income,colour,city,prediction", "30,1.5,red,paris,x",
+         "already has a column 'prediction', which the output adds; rename it"),
+        ("income,age,colour,city", "30,red,1.5,paris", "column 'age' holds no numbers, but it did in training"),
+    ]:
+        other.write_text(f"{header}\n{row}\n{row}\n")
+        result = run_inprocess(RECIPE, "--predict", other, "--resume", run_dir / "checkpoints" / "last.pt")
+        assert result.code == 1 and result.stderr.count("\n") == 1 and message in result.stderr, result.stderr
+        assert not (tmp_path / "other.predictions.csv").exists()
+
+
+def test_a_parquet_id_past_2_to_the_53_trains(run_inprocess, tmp_path):
+    """An int64 column of big IDs: a float64 cannot hold them exactly, which was a traceback (ArrowInvalid)."""
+    path = tmp_path / "ids.parquet"
+    pq.write_table(pa.table({"id": pa.array([2**62 + i for i in range(60)], pa.int64()), "x": [0.0, 1.0] * 30,
+                             "label": ["a", "b"] * 30}), path)
+    result = run_inprocess(RECIPE, "--csv", path, "--target", "label", "--max-steps", 1, "--run-dir", tmp_path / "run")
+    assert result.code == 0, result.stderr
 
 
 def write_as(csv_path, path):
