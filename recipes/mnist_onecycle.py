@@ -98,7 +98,7 @@ def mnist_datasets(data_dir: Path, val_size: int | None, seed: int) -> list[Tens
     operation, with no per-image decoding or PIL.
     """
     images, labels = load_mnist(data_dir, train=True)
-    val_size = min(5000, len(labels) // 12) if val_size is None else val_size  # 5,000 of 60,000; less of less
+    val_size = max(1, min(5000, len(labels) // 12)) if val_size is None else val_size  # 5,000 of 60,000; less of less
     if not 0 < val_size < len(labels):
         raise typer.BadParameter(f"must be below {len(labels)}, the number of training digits", param_hint="--val-size")
     order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(seed))

@@ -112,12 +112,12 @@ def read_table(path: Path) -> pa.Table:
     if nested:  # Parquet: lists, structs and maps are no single value per cell
         raise cli.RecipeError(f"{path}: column {', '.join(nested)} holds lists or records, not one number or word per "
                               "cell; drop or flatten it")
-    for i, field in enumerate(table.schema):  # Parquet: bytes are words only in UTF-8
-        if pa.types.is_binary(field.type) or pa.types.is_large_binary(field.type):
+    for i, column in enumerate(table.column_names):  # Parquet: bytes are words only in UTF-8
+        if pa.types.is_binary(table[i].type) or pa.types.is_large_binary(table[i].type):
             try:
-                table = table.set_column(i, field.name, table[i].cast(pa.string()))
+                table = table.set_column(i, column, table[i].cast(pa.string()))
             except pa.ArrowInvalid:
-                raise cli.RecipeError(f"{path}: column {field.name!r} holds bytes that are not UTF-8 text") from None
+                raise cli.RecipeError(f"{path}: column {column!r} holds bytes that are not UTF-8 text") from None
     return table
 
 
@@ -484,7 +484,8 @@ def lbfgs_step(model, optimizer, loss_fn, micro_batches, *, device, **_) -> Step
 
 @torch.no_grad()
 def predict(checkpoint_path: Path, table_path: Path, output: Path, device: torch.device) -> int:
-    """Write ``output`` (CSV): the rows of ``table_path`` with the model's prediction appended to each."""
+    """Write ``output`` (CSV, or Parquet if so named): the rows of ``table_path`` with the model's prediction appended
+    to each."""
     checkpoint = load_checkpoint(checkpoint_path, RECIPE)
     spec = checkpoint["features"]
     model = model_from_checkpoint(checkpoint, checkpoint_path).to(device).eval()
@@ -505,7 +506,7 @@ def predict(checkpoint_path: Path, table_path: Path, output: Path, device: torch
     tmp = output.with_name(f".{output.name}.tmp")  # whole or not at all: an earlier file survives a failure
     try:
         with open(tmp, "wb") as f:
-            pacsv.write_csv(table, f)
+            pq.write_table(table, f) if output.suffix.lower() == ".parquet" else pacsv.write_csv(table, f)
         tmp.replace(output)
     except OSError as err:
         tmp.unlink(missing_ok=True)
@@ -611,7 +612,8 @@ def main(
         Path | None, typer.Option("--predict", help="Only predict: rows of this table (as --csv), with the model "
                                                     "from --resume; written as CSV.")
     ] = None,
-    output: Annotated[Path | None, typer.Option(help="Predictions file [default: PREDICT.predictions.csv].")] = None,
+    output: Annotated[Path | None, typer.Option(help="Predictions file, CSV (Parquet if named .parquet) "
+                                                    "[default: PREDICT.predictions.csv].")] = None,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="With --predict: replace the --output file if it "
                                                                 "exists.")] = False,
     seed: cli.Seed = 0,

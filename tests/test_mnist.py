@@ -175,6 +175,18 @@ def test_well_formed_files_that_are_not_mnist_are_one_line(recipe, damage, shown
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize("recipe", [RECIPE, "ddp_mlp"])
+def test_a_set_too_small_to_train_on_says_so_not_blaming_an_option_not_given(recipe, run_inprocess, tmp_path):
+    from conftest import synthetic_digits
+
+    from benchmarks.mnist_files import write_mnist
+
+    write_mnist(tmp_path / "data", synthetic_digits(3, seed=1), synthetic_digits(3, seed=2))
+    result = run_inprocess(recipe, "--data-dir", tmp_path / "data", "--run-dir", tmp_path / "run")
+    assert result.code == 1 and result.stderr.count("\n") == 1, result.stderr  # was exit 2, "--val-size: ..."
+    assert "is larger than the training set (2 samples)" in result.stderr
+
+
 def test_finetune_starts_from_the_backbone_with_its_own_learning_rate(run_inprocess, mnist_dir, tmp_path):
     mnist = load_recipe(RECIPE)
     assert run_inprocess(RECIPE, "--epochs", 1, "--batch-size", 32, "--data-dir", mnist_dir,

@@ -201,6 +201,10 @@ def test_predict_writes_one_prediction_per_row_with_unseen_categories(run_inproc
     assert {row["prediction"] for row in rows} <= {"yes", "no"}
     assert all(0.5 <= float(row["probability"]) <= 1 for row in rows)
     assert "purple" in {row["colour"] for row in rows}
+    # named .parquet, the output is Parquet (it was CSV whatever the name), with the same predictions
+    assert run_inprocess(RECIPE, "--predict", new, "--resume", run_dir / "checkpoints" / "best.pt", "--output",
+                         tmp_path / "new.parquet").code == 0
+    assert pq.read_table(tmp_path / "new.parquet").column("prediction").to_pylist() == [r["prediction"] for r in rows]
     # --output naming the table itself would replace the user's rows: refused, the table as it was
     before = new.read_bytes()
     same = run_inprocess(RECIPE, "--predict", new, "--resume", run_dir / "checkpoints" / "best.pt", "--output",
