@@ -102,6 +102,13 @@ def test_keep_best_changed_on_a_resume_keeps_files_and_kept_steps_alike(before, 
     assert files == (set() if after == 1 else {28, 35, 42}) and kept == ({42} if after == 1 else files)
 
 
+def patience_run(table_csv, run_dir) -> list:
+    """Seven steps an epoch, six epochs, and --patience 3: with scores that stop improving after step 14, the run stops
+    early at step 35."""
+    return ["--csv", table_csv, "--target", "label", "--epochs", 6, "--batch-size", 32, "--patience", 3, "--run-dir",
+            run_dir, "--resume", "auto"]
+
+
 def test_patience_stops_after_n_evaluations_without_a_better_score(run_inprocess, table_csv, tmp_path, monkeypatch):
     from conftest import load_recipe
 
@@ -109,8 +116,7 @@ def test_patience_stops_after_n_evaluations_without_a_better_score(run_inprocess
     monkeypatch.setattr(load_recipe("tabular_mlp"), "evaluate",
                         lambda *args, **kwargs: {"loss": 1.0, "acc": next(scores, 0.1)})
     run_dir = tmp_path / "run"
-    args = ["--csv", table_csv, "--target", "label", "--epochs", 6, "--batch-size", 32, "--patience", 3,
-            "--run-dir", run_dir, "--resume", "auto"]
+    args = patience_run(table_csv, run_dir)
     result = run_inprocess("tabular_mlp", *args)
     assert result.code == 0, result.stderr
     assert "stopping early: no better score in 3 evaluations (the best: step 14)" in result.stdout
@@ -140,8 +146,7 @@ def test_an_early_stop_holds_through_a_stop_signal_and_a_kill_after_its_checkpoi
 
     monkeypatch.setattr(load_recipe("tabular_mlp"), "evaluate", evaluate)
     run_dir = tmp_path / "run"
-    args = ["--csv", table_csv, "--target", "label", "--epochs", 6, "--batch-size", 32, "--patience", 3,
-            "--run-dir", run_dir, "--resume", "auto"]
+    args = patience_run(table_csv, run_dir)
     result = run_inprocess("tabular_mlp", *args)
     assert result.code == 0, result.stderr
     assert "stopping early: no better score in 3 evaluations (the best: step 14)" in result.stdout
