@@ -245,8 +245,7 @@ def main(
             step += 1
             log.train(step, stats, lr=current_lr, items=batch_size * world_size)
             profiler.step()
-            # mid-epoch checkpoints (an epoch's last step, and the run's, are saved after the evaluation), rank 0
-            # writing them
+            # mid-epoch checkpoints, which rank 0 writes (an epoch's last step, and the run's, follow the evaluation)
             stopping = step % every == 0 and stop_agreed(stop, device)
             mid_epoch = step % steps_per_epoch and step < total_steps
             if mid_epoch and (stopping or checkpoint_every and step % checkpoint_every == 0):
