@@ -1,7 +1,7 @@
 """What each recipe and the core cost, measured side by side in one run.
 
-    python benchmarks/run.py --mnist-dir DIR --adult-csv FILE --out benchmark.json  # all 16 items: about an hour
-    python benchmarks/run.py --only 1,2,3,4,5,6,7,8,9,10,11 ...  # without item 12: about 5 minutes
+    python benchmarks/run.py --mnist-dir DIR --adult-csv FILE --out benchmark.json  # all 16: 25-40 minutes on 2 cores
+    python benchmarks/run.py --only 1,2,3,4,5,6,7,8,9,10,11 ...  # the short items, not 12-16: about 5 minutes
     python benchmarks/run.py --quick --out quick.json  # every item, tiny sizes: checks the script runs
     python benchmarks/run.py --device cuda ...         # the recipes on a GPU (default: cpu, even there)
 
