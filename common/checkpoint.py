@@ -122,9 +122,12 @@ def check_same_run(checkpoint: dict, source: Path, config: dict, may_change: set
     changed = [f"{option_name(key)} {saved.get(key)} there, {config.get(key)} here"
                for key in sorted(saved.keys() | config.keys())
                if key not in MAY_CHANGE | may_change and saved.get(key) != config.get(key)]
-    if changed:
+    if changed:  # a process count is no option: say how to launch as many
+        processes = saved.get("world_size")
+        launch = f" in {processes} process(es) (torchrun --nproc_per_node={processes})" if any(
+            entry.startswith("world size") for entry in changed) else ""
         raise RecipeError(f"checkpoint {source} was started with other options ({'; '.join(changed)}): resume "
-                          "with the options it was started with, or start afresh in another --run-dir")
+                          f"with the options it was started with{launch}, or start afresh in another --run-dir")
 
 
 def resume_checkpoint(run: RunFolder, recipe: str, config: dict, may_change: set[str] = frozenset(),
