@@ -194,6 +194,13 @@ def run_recipe(main: Callable[..., object], argv: list[str] | None = None) -> No
             running = RUNNING.set(Command(options, cleanup, sys.argv[1:] if argv is None else argv))
             try:
                 status = app(args=argv, standalone_mode=False)
+            except RuntimeError as err:  # a collective whose other end died (killed, out of memory): not a bug here
+                in_a_group = dist.is_available() and dist.is_initialized()
+                if not in_a_group or not (isinstance(err, dist.DistError) or "by peer" in str(err)):
+                    raise
+                reason = re.sub(r"^\[[^]]*\]\s*", "", str(err).strip().split("\n")[0]).split(". ")[0]
+                raise RecipeError(f"another process of this run stopped ({reason}): torchrun's report names it; with "
+                                  "--max-restarts the group resumes from the last checkpoint") from None
             finally:
                 RUNNING.reset(running)
         if type(status) is int and status:  # typer returns (not raises) an Exit's status, Ctrl-C's 130 among them

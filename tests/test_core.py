@@ -740,6 +740,35 @@ def test_ctrl_c_before_training_exits_130_not_0(raised, code, tmp_path):
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # as it was before the command
 
 
+@pytest.mark.parametrize("peer_lost", [True, False])
+def test_a_collective_whose_peer_died_is_one_line_and_any_other_runtime_error_a_traceback(peer_lost, tmp_path,
+                                                                                          capsys):
+    """Under torchrun, a worker killed (or out of memory) leaves the others failing in their next collective: that is
+    one line on the survivors, not their tracebacks; a RuntimeError of any other kind is a bug and keeps its own."""
+    import torch.distributed as dist
+
+    from common.cli import run_recipe
+
+    gloo = ("[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:561] Connection closed by peer [127.0.0.1]:21633. "
+            "This is typically caused by a remote worker crashing.")
+
+    def main(run_dir: Path = Path("unused")):
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+        raise RuntimeError(gloo if peer_lost else "mat1 and mat2 shapes cannot be multiplied")
+
+    if not peer_lost:
+        with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):
+            run_recipe(main, [])
+        assert not dist.is_initialized()  # destroyed on this way out too
+        return
+    with pytest.raises(SystemExit) as exit_:
+        run_recipe(main, [])
+    assert exit_.value.code == 1 and not dist.is_initialized()
+    assert capsys.readouterr().err == ("error: another process of this run stopped (Connection closed by peer "
+                                       "[127.0.0.1]:21633): torchrun's report names it; with --max-restarts the group "
+                                       "resumes from the last checkpoint\n")
+
+
 def test_the_training_data_checksum_tells_other_data_apart():
     images, labels = torch.rand(64, 1, 28, 28), torch.randint(10, (64,))
     same = checksum(images.clone(), labels.clone())
