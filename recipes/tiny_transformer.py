@@ -608,8 +608,10 @@ def main(
             raise typer.BadParameter("--sample-only needs a checkpoint file, or else an --init-from folder (one of "
                                      "them)", param_hint="--resume")
         model, vocab = trained_model(Path(resume) if resume else None, init_from, resolve_device(device))
-        print(sample_text(model, vocab, prompt, sample_tokens, temperature, top_k, seed,
-                          next(model.parameters()).device))
+        device = next(model.parameters()).device
+        text = sample_text(model, vocab, prompt, sample_tokens, temperature, top_k, seed, device)
+        if cli.launched_as_rank_0():  # under torchrun every process samples the same text: printed once
+            print(text)
         return
     replayed = ctx.get_parameter_source("warmup_steps").name == "DEFAULT_MAP"  # from a --config file
     if warmup_steps is None or replayed and ctx.get_parameter_source("steps").name == "COMMANDLINE":

@@ -229,7 +229,7 @@ def test_warmup_then_cosine_schedule():
     assert scheduler.get_last_lr()[0] == pytest.approx(1e-4)  # ends at min_lr_ratio x peak
 
 
-def test_smoke_run_and_sampling_from_the_checkpoint(run_inprocess, text_file, tmp_path):
+def test_smoke_run_and_sampling_from_the_checkpoint(run_inprocess, text_file, tmp_path, monkeypatch):
     run_dir = tmp_path / "run"
     result = run_inprocess(RECIPE, "--text", text_file, *SMALL, "--steps", 12, "--eval-every", 6,
                            "--warmup-steps", 2, "--peak-flops", 1e11, "--run-dir", run_dir)
@@ -256,6 +256,10 @@ def test_smoke_run_and_sampling_from_the_checkpoint(run_inprocess, text_file, tm
                            "--prompt", "def ", "--sample-tokens", 30)
     assert sample.code == 0, sample.stderr
     assert sample.stdout.startswith("def ") and len(sample.stdout.encode()) >= 30
+    monkeypatch.setenv("RANK", "1")  # as torchrun starts the second process: the same text, not printed twice
+    again = run_inprocess(RECIPE, "--sample-only", "--resume", run_dir / "checkpoints" / "last.pt",
+                          "--prompt", "def ", "--sample-tokens", 30)
+    assert again.code == 0 and again.stdout == "", again.stderr
 
 
 def test_a_replay_with_another_batch_size_takes_it_over_the_recorded_global_batch(run_inprocess, text_file, tmp_path):
