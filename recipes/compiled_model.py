@@ -103,7 +103,8 @@ def train(epochs: int, max_steps: int | None, batch_size: int, lr: float, sample
     # every option: config.json, and what a resume must match (a run of a --compare replays as one run)
     config = cli.as_config({k: v for k, v in locals().items() if k != "compare_compiled"})
     run = open_run_dir(RECIPE, run_dir, resume)  # never over another run's checkpoints; one run at a time in it
-    checkpoint = resume_checkpoint(run, RECIPE, config)
+    # how it compiles (or whether) changes the speed, not the training: a resume may change it
+    checkpoint = resume_checkpoint(run, RECIPE, config, may_change={"mode", "dynamic", "fullgraph", "backend"})
     if already_finished(run, checkpoint, epochs=epochs, max_steps=max_steps):
         return {}
     seed_everything(seed)
@@ -171,25 +172,25 @@ def train(epochs: int, max_steps: int | None, batch_size: int, lr: float, sample
         if stop.requested:
             stop.exit(step, resume_dir)
 
-    metrics = timing(step_seconds)
+    metrics = timing(step_seconds, compiled=compile)
     if step_seconds:  # none when resumed at the last step, only to finish
         log.print(f"first step {metrics['first_step_s']:.2f} s, then " + (f"{metrics['step_ms']:.1f} ms per step" if
                   "step_ms" in metrics else "too few steps to time a steady step"))
     return log.finish(step, best.metrics() | metrics)
 
 
-def timing(step_seconds: list[float], warmup: int = 3) -> dict[str, float]:
+def timing(step_seconds: list[float], compiled: bool = True, warmup: int = 3) -> dict[str, float]:
     """Steady state: the median step after ``warmup`` steps. The first step is where compilation happens
     (a backward graph is compiled at the first backward), so its excess over steady state is the cost."""
     if len(step_seconds) <= warmup:  # no steady step to compare with: only the first is known
         return {"first_step_s": step_seconds[0]} if step_seconds else {}
     step_s = statistics.median(step_seconds[warmup:])
-    return {"step_ms": 1000 * step_s, "first_step_s": step_seconds[0],
-            "compile_s": max(0.0, sum(step_seconds[:warmup]) - warmup * step_s)}
+    compile_s = max(0.0, sum(step_seconds[:warmup]) - warmup * step_s)
+    return {"step_ms": 1000 * step_s, "first_step_s": step_seconds[0]} | ({"compile_s": compile_s} if compiled else {})
 
 
 def measure_speed(device: torch.device, width: int, depth: int, batch_size: int, repeats: int = 5,
-                  block: int = 10, **compile_options) -> dict:
+                  block: int = 10, precision: str = "fp32", **compile_options) -> dict:
     """Steady-state seconds per step, eager against compiled: two copies of one model fed the same batches;
     after the compiled one's first (compiling) step, blocks of ``block`` steps interleaved (eager, compiled,
     eager, ...) ``repeats`` times, so that a machine whose load drifts slows both alike. Compile time, apart:
@@ -198,6 +199,7 @@ def measure_speed(device: torch.device, width: int, depth: int, batch_size: int,
     models = {"eager": GatedMLP(width, depth).to(device)}
     models["compiled"] = torch.compile(copy.deepcopy(models["eager"]), **compile_options)
     optimizers = {k: torch.optim.AdamW(m.parameters(), lr=1e-3, weight_decay=0.01) for k, m in models.items()}
+    scalers = {k: torch.amp.GradScaler(device.type, enabled=precision == "fp16") for k in models}
     data = synthetic_classification(batch_size * 4, N_FEATURES, N_CLASSES, seed=0)
     batches = list(zip(data.tensors[0].split(batch_size), data.tensors[1].split(batch_size), strict=True))
     done, losses = {"eager": 0, "compiled": 0}, {}
@@ -206,7 +208,8 @@ def measure_speed(device: torch.device, width: int, depth: int, batch_size: int,
         started = time.perf_counter()
         for _ in range(n):
             stats = train_step(models[name], optimizers[name], nn.CrossEntropyLoss(),
-                               [batches[done[name] % len(batches)]], device=device)
+                               [batches[done[name] % len(batches)]], device=device, precision=precision,
+                               scaler=scalers[name])
             done[name] += 1
         losses[name] = stats.loss.item()  # waits for the device: the block's work is done
         return (time.perf_counter() - started) / n
@@ -224,7 +227,8 @@ def compare(options: dict, run_dir: Path, repeats: int = 5, block: int = 10) -> 
     """Speed from ``measure_speed`` (interleaved, repeated); then eager and compiled each train the same seeded
     run, whose curves and final losses show that compiling changes the speed, not the training."""
     device = resolve_device(options["device"])
-    speed = measure_speed(device, options["width"], options["depth"], options["batch_size"], repeats, block,
+    precision = resolve_precision(options["precision"], device)[0]  # the training runs' own: both timed in it
+    speed = measure_speed(device, options["width"], options["depth"], options["batch_size"], repeats, block, precision,
                           mode=options["mode"], dynamic=options["dynamic"], fullgraph=options["fullgraph"],
                           backend=options["backend"])
     runs = {name: train(**options | {"compile": compiled, "run_dir": run_dir / name})
@@ -238,12 +242,14 @@ def compare(options: dict, run_dir: Path, repeats: int = 5, block: int = 10) -> 
         print(f"| {name} | {spread(ms)} | {options['batch_size'] / statistics.median(seconds):,.0f} | "
               f"{spread(speedup)}x | {compile_s} | {runs[name].get('train_loss', math.nan):.5f} |")
     wide = [name for name, v in speed["seconds"].items() if max(v) > 1.25 * min(v)]
-    print(f"speed: median (min-max) of {repeats} interleaved blocks of {block} steps after the compiling step"
+    print(f"speed in {precision}: median (min-max) of {repeats} interleaved blocks of {block} steps after the "
+          "compiling step"
           + (f"; warning: {', '.join(wide)} varied by over 25% between blocks: the machine is busy, so compare "
              "with care or rerun" if wide else ""))
     speedup = statistics.median([e / c for e, c in zip(eager, speed["seconds"]["compiled"], strict=True)])
     loss_diff = abs(runs["eager"]["train_loss"] - runs["compiled"]["train_loss"])
-    write_json(run_dir / "metrics.json", {"recipe": RECIPE, "speedup": speedup, "compile_s": speed["compile_s"],
+    write_json(run_dir / "metrics.json", {"recipe": RECIPE, "precision": precision, "speedup": speedup,
+                                          "compile_s": speed["compile_s"],
                                           "loss_diff": loss_diff, "repeats": repeats, "block": block, **speed,
                                           "eager": runs["eager"], "compiled": runs["compiled"]})
     print(f"done: speedup={speedup:.2f} compile_s={speed['compile_s']:.1f} loss_diff={loss_diff:.2e} "
@@ -341,7 +347,7 @@ def main(
     compile: cli.Compile = False,
     mode: Annotated[
         Literal["default", "reduce-overhead", "max-autotune"],
-        typer.Option(help="reduce-overhead: CUDA graphs; max-autotune: search kernels (slow to compile)."),
+        typer.Option(help="reduce-overhead: CUDA graphs (CUDA only); max-autotune: search kernels (slow to compile)."),
     ] = "default",
     dynamic: Annotated[
         bool | None,
@@ -350,7 +356,8 @@ def main(
     fullgraph: Annotated[bool, typer.Option("--fullgraph", help="Fail on a graph break instead of splitting.")] = False,
     backend: Annotated[str, typer.Option(help="Compiler backend: inductor, aot_eager, eager, ...")] = "inductor",
     compare_compiled: Annotated[bool, typer.Option("--compare", help="Train eager and compiled; compare.")] = False,
-    traps: Annotated[bool, typer.Option("--traps", help="Count recompilations and graph breaks, then exit.")] = False,
+    traps: Annotated[bool, typer.Option(
+        "--traps", help="Count recompilations and graph breaks on the CPU, then exit.")] = False,
     seed: cli.Seed = 0,
     device: cli.Device = "auto",
     precision: cli.Precision = "fp32",
@@ -372,13 +379,22 @@ def main(
     if mode != "default" and backend != "inductor":  # other backends ignore it, with a warning
         raise typer.BadParameter(f"{mode} is Inductor's: it needs --backend inductor, not {backend}",
                                  param_hint="--mode")
-    if traps:
+    if mode == "reduce-overhead" and (kind := resolve_device(device).type) != "cuda":  # ~100x slower elsewhere
+        raise typer.BadParameter(f"captures CUDA graphs, which a {kind} has not: use default or max-autotune",
+                                 param_hint="--mode")
+    if traps:  # a demonstration on the CPU: the other options would be silently ignored
+        if unused := [name for name in options if name not in ("backend", "seed") and cli.option_given(name)]:
+            raise typer.BadParameter(f"counts compilations on the CPU, with --backend and --seed only: not "
+                                     f"{', '.join(map(cli.option_name, unused))}", param_hint="--traps")
         show_traps(seed, backend)
     elif compare_compiled:
         if resume is not None:
             raise typer.BadParameter("--compare always starts fresh runs", param_hint="--resume")
         compare(options, open_run_dir(RECIPE, run_dir, None, resumable=False).path)
     else:
+        if not compile and (unused := [n for n in ("mode", "dynamic", "fullgraph", "backend") if cli.option_given(n)]):
+            raise typer.BadParameter("sets how torch.compile compiles: add --compile (or --compare)",
+                                     param_hint=cli.option_name(unused[0]))
         train(**options)
 
 

@@ -153,6 +153,8 @@ def test_a_compiled_run_too_short_for_a_steady_step_reports_no_step_time_or_comp
     assert compiled.timing([], warmup=3) == {}
     assert compiled.timing([5.0, 1.0, 2.0, 1.5], warmup=3) == {"step_ms": 1500.0, "first_step_s": 5.0,
                                                                 "compile_s": 3.5}
+    # an eager run compiles nothing: its slow first step is no compile time
+    assert compiled.timing([5.0, 1.0, 2.0, 1.5], compiled=False) == {"step_ms": 1500.0, "first_step_s": 5.0}
 
 
 def test_compare_times_the_precisions_interleaved_and_warns_of_a_busy_machine(run_inprocess, tmp_path, monkeypatch):
@@ -284,3 +286,48 @@ def test_compiled_compare_warns_when_the_blocks_disagree(run_inprocess, tmp_path
     assert table["compiled"][3] == "2.0 s"
     assert "warning: compiled varied by over 25% between blocks: the machine is busy" in result.stdout
     assert "eager varied" not in result.stdout  # 10 to 11 ms: within 25%
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--mode", "max-autotune"], "Invalid value for --mode: sets how torch.compile compiles: add --compile (or "
+                                 "--compare)"),
+    (["--fullgraph"], "Invalid value for --fullgraph: sets how torch.compile compiles"),
+    (["--backend", "eager"], "Invalid value for --backend: sets how torch.compile compiles"),
+    (["--compile", "--mode", "reduce-overhead", "--device", "cpu"], "Invalid value for --mode: captures CUDA graphs, "
+                                                                    "which a cpu has not: use default or max-autotune"),
+    (["--traps", "--device", "cpu"], "Invalid value for --traps: counts compilations on the CPU, with --backend and "
+                                     "--seed only: not --device"),
+    (["--traps", "--resume", "x.pt", "--epochs", 2], "with --backend and --seed only: not --epochs, --resume")])
+def test_compile_options_that_would_be_ignored_are_usage_errors(run_inprocess, tmp_path, args, message):
+    """Without --compile the compile options do nothing; --traps uses none but two; reduce-overhead's CUDA graphs
+    make a CPU step ~100x slower: each was accepted and silently ignored (or slow), now refused."""
+    traps = "--traps" in args  # which runs nothing, so needs no sizes or folder
+    result = run_inprocess("compiled_model", *args, *([] if traps else [*CM_SMALL, "--run-dir", tmp_path / "run"]))
+    assert result.code == 2 and message in " ".join(result.stderr.split()), result.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_an_eager_run_resumes_compiled_and_reports_no_compile_time(run_inprocess, tmp_path):
+    """How a run compiles is how fast it runs, not what it trains: a resume may change it, to the same weights."""
+    common = [*CM_SMALL, "--epochs", 2]
+    assert run_inprocess("compiled_model", *common, "--run-dir", tmp_path / "full").code == 0
+    assert "compile_s" not in read_metrics(tmp_path / "full")  # nothing was compiled
+    assert run_inprocess("compiled_model", *common, "--max-steps", 3, "--run-dir", tmp_path / "cut").code == 0
+    resumed = run_inprocess("compiled_model", *common, "--compile", "--backend", "eager", "--dynamic", "--resume",
+                            "auto", "--run-dir", tmp_path / "cut")
+    assert resumed.code == 0 and "resumed at step 3" in resumed.stdout, resumed.stderr
+    assert_same_weights(load_weights(tmp_path / "full" / "checkpoints" / "last.pt"),
+                        load_weights(tmp_path / "cut" / "checkpoints" / "last.pt"))
+
+
+def test_compare_times_both_models_in_the_precision_asked_for(run_inprocess, tmp_path, monkeypatch):
+    """--compare --precision bf16 timed its speed table in fp32 (only its training runs were bf16)."""
+    recipe, precisions = load_recipe("compiled_model"), []
+    step = recipe.train_step
+    monkeypatch.setattr(recipe, "train_step", lambda *args, **kwargs: precisions.append(kwargs.get("precision")) or
+                        step(*args, **kwargs))
+    result = run_inprocess("compiled_model", "--compare", *CM_SMALL, "--epochs", 1, "--backend", "eager",
+                           "--precision", "bf16", "--run-dir", tmp_path / "cmp")
+    assert result.code == 0, result.stderr
+    assert len(precisions) > 100 and set(precisions) == {"bf16"}  # 2 x (1 + 5 x 10) timed steps, 2 x 4 trained
+    assert read_metrics(tmp_path / "cmp")["precision"] == "bf16" and "speed in bf16: median" in result.stdout
