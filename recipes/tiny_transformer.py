@@ -830,8 +830,8 @@ def main(
             save()
             if stop_agreed(stop, device):
                 stop_saved()
-        elif step % every == 0 and stop_agreed(stop, device):  # between evaluations: on Ctrl-C or SIGTERM,
-            save()
+        elif (step % every == 0 or not dist.is_initialized()) and stop_agreed(stop, device):  # Ctrl-C, SIGTERM
+            save()  # at once in one process; torchrun's ranks agree on a stop every --log-every steps
             stop_saved()
         elif checkpoint_every and step % checkpoint_every == 0:  # or every --checkpoint-every steps
             save()

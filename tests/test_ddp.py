@@ -270,3 +270,24 @@ def test_evaluation_runs_in_the_precision_the_model_trains_in():
     cpu = torch.device("cpu")
     assert recipe.evaluate(model, loader, cpu, "bf16")["loss"] == pytest.approx(bf16_loss, abs=1e-6)
     assert recipe.evaluate(model, loader, cpu, "fp32")["loss"] == pytest.approx(fp32_loss, abs=1e-6)
+
+
+def test_one_process_stops_at_the_step_it_was_signalled_not_at_the_next_log_line(run_inprocess, mnist_dir, tmp_path,
+                                                                                  monkeypatch):
+    """Only torchrun's ranks must agree on a stop (every --log-every steps); plain python read its flag only there
+    too, so with a long --log-every a SIGTERM waited for the epoch's end."""
+    recipe, steps = load_recipe("ddp_mlp"), []
+    step = recipe.train_step
+
+    def step_then_ctrl_c(*args, **kwargs):
+        steps.append(1)
+        if len(steps) == 3:
+            signal.raise_signal(signal.SIGINT)  # as a Ctrl-C during the third step
+        return step(*args, **kwargs)
+
+    monkeypatch.setattr(recipe, "train_step", step_then_ctrl_c)
+    result = run_inprocess("ddp_mlp", "--data-dir", mnist_dir, "--batch-size", 16, "--epochs", 1, "--log-every", 100,
+                           *SMALL, "--run-dir", tmp_path / "run")
+    assert result.code == 130, result.stderr
+    assert "interrupted at step 3; checkpoint saved" in result.stdout
+    assert torch.load(tmp_path / "run" / "checkpoints" / "last.pt", weights_only=True)["step"] == 3

@@ -3,6 +3,7 @@
 import itertools
 import json
 import math
+import signal
 
 import pytest
 import torch
@@ -10,6 +11,7 @@ from conftest import assert_same_weights, load_recipe, load_weights, read_metric
 
 from common.checkpoint import load_checkpoint, load_model_state, save_checkpoint
 from common.data import make_loader
+from common.loop import StepStats
 
 RECIPE = "tiny_transformer"
 tt = load_recipe(RECIPE)
@@ -456,3 +458,23 @@ def test_auto_attention_is_einsum_only_under_16_bit_autocast_on_a_cpu(run_inproc
         assert f"parameters, {expected} attention | " in result.stdout
         state = torch.load(tmp_path / precision / "checkpoints" / "last.pt", weights_only=True)
         assert state["model_config"]["attention"] == expected and state["config"]["attention"] == "auto"
+
+
+def test_one_process_stops_at_the_step_it_was_signalled_not_at_the_next_log_line(run_inprocess, text_file, tmp_path,
+                                                                                  monkeypatch):
+    """Only torchrun's ranks must agree on a stop (every --log-every steps); one process read its flag only there
+    too, so with a long --log-every a SIGTERM was honoured minutes late."""
+    made = []
+
+    def stats_then_ctrl_c(*args):
+        made.append(1)
+        if len(made) == 3:
+            signal.raise_signal(signal.SIGINT)  # as a Ctrl-C during the third step
+        return StepStats(*args)
+
+    monkeypatch.setattr(tt, "StepStats", stats_then_ctrl_c)
+    result = run_inprocess(RECIPE, "--text", text_file, *SMALL, "--steps", 40, "--eval-every", 40, "--log-every", 40,
+                           "--run-dir", tmp_path / "run")
+    assert result.code == 130, result.stderr
+    assert "interrupted at step 3; checkpoint saved" in result.stdout
+    assert torch.load(tmp_path / "run" / "checkpoints" / "last.pt", weights_only=True)["step"] == 3
