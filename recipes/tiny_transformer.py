@@ -395,6 +395,16 @@ def seed_dropout(seed: int, rank: int, step: int) -> None:
     torch.manual_seed(zlib.crc32(f"{seed}:{rank}:{step}".encode()))
 
 
+def utf8_text(value: str) -> str:
+    """--prompt: text typed in another encoding than UTF-8 reaches Python as lone surrogates, which no vocabulary
+    encodes: refused before training, not when the first sample is drawn."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise typer.BadParameter(f"{value!r} is not UTF-8 text (the terminal's encoding?)") from None
+    return value
+
+
 def sample_text(model: GPT, vocab: str | object | None, prompt: str, tokens: int, temperature: float, top_k: int | None,
                 seed: int, device: torch.device, use_cache: bool = True) -> str:
     model = unwrap(model)  # generation changes the sequence length every token: no compiled graph for it
@@ -559,11 +569,15 @@ def main(
     eval_every: Annotated[int, typer.Option(min=1, help="Evaluate and sample every N steps.")] = 200,
     eval_batches: Annotated[int, typer.Option(min=1, help="Fixed validation batches per evaluation.")] = 20,
     sample_tokens: Annotated[int, typer.Option(min=1, help="Tokens per text sample.")] = 300,
-    temperature: Annotated[float, typer.Option(min=0.01, help="Sampling temperature (<1: safer).")] = 0.8,
+    temperature: Annotated[float, typer.Option(callback=cli.checked(lambda v: 0.01 <= v < math.inf, "a finite "
+                                               "number >= 0.01"), help="Sampling temperature (<1: safer).")] = 0.8,
     top_k: Annotated[int | None, typer.Option(min=1, help="Sample only from the k likeliest tokens.")] = 50,
-    prompt: Annotated[str, typer.Option(help="Text the samples continue.")] = "",
-    sample_only: Annotated[bool, typer.Option("--sample-only", help="Only generate, from --resume.")] = False,
-    peak_flops: Annotated[float | None, typer.Option(min=1.0, help="Peak FLOP/s for MFU [default: measured].")] = None,
+    prompt: Annotated[str, typer.Option(callback=utf8_text, help="Text the samples continue.")] = "",
+    sample_only: Annotated[bool, typer.Option("--sample-only", help="Only generate, from --resume or --init-from; "
+                                              "the training options are not used.")] = False,
+    peak_flops: Annotated[float | None, typer.Option(callback=cli.checked(lambda v: 1 <= v < math.inf, "a finite "
+                                                     "number >= 1"), help="Peak FLOP/s for MFU [default: measured].")
+                          ] = None,
     seed: cli.Seed = 0,
     device: cli.Device = "auto",
     precision: cli.Precision = "auto",

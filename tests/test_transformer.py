@@ -478,3 +478,17 @@ def test_one_process_stops_at_the_step_it_was_signalled_not_at_the_next_log_line
     assert result.code == 130, result.stderr
     assert "interrupted at step 3; checkpoint saved" in result.stdout
     assert torch.load(tmp_path / "run" / "checkpoints" / "last.pt", weights_only=True)["step"] == 3
+
+
+@pytest.mark.parametrize(("option", "value", "message"), [
+    ("--prompt", "a\udcffb", "'a\\udcffb' is not UTF-8 text"),  # bytes of another encoding, as Python gets them
+    ("--temperature", "inf", "must be a finite number >= 0.01, got inf"),
+    ("--peak-flops", "inf", "must be a finite number >= 1, got inf")])
+def test_a_prompt_not_in_utf8_and_infinite_sampling_settings_are_usage_errors(run_inprocess, text_file, tmp_path,
+                                                                              option, value, message):
+    """A --prompt of another encoding trained to the first sample, then failed in a traceback that removed the
+    run; --temperature inf sampled uniformly, --peak-flops inf wrote Infinity (not JSON) and an MFU of 0."""
+    result = run_inprocess(RECIPE, "--text", text_file, *SMALL, "--steps", 2, option, value, "--run-dir",
+                           tmp_path / "run")
+    assert result.code == 2 and f"Invalid value for '{option}': {message}" in result.stderr, result.stderr
+    assert not (tmp_path / "run").exists()
