@@ -44,13 +44,17 @@ class StepProfiler:
 
     def stop(self) -> None:
         if self.profiler is not None:
-            self.profiler.stop()
-            self.profiler = None
+            # Steps still to profile: the open one would hold whatever followed the loop (the evaluation, the
+            # sampling). report() sees None and keeps none of them.
+            profiler, self.profiler = self.profiler, None
+            profiler.stop()
             if not self.table and self.write:
                 print(f"profile: the run ended before {self.steps} steps could be profiled after the warm-up")
 
     def report(self, profiler: torch.profiler.profile) -> None:
         """The steps are done: the trace, and the table of phases and operators."""
+        if self.profiler is None:  # the run ended first (see stop)
+            return
         steps = [e for e in profiler.events() if e.name.startswith("ProfilerStep") and e.cpu_parent is None]
         self.table = {phase: [] for phase in PHASES}
         for step in steps:

@@ -34,15 +34,21 @@ def test_profiled_steps_give_a_trace_and_a_table_and_train_as_always(run_inproce
                         load_weights(tmp_path / "profiled" / "checkpoints" / "last.pt"))
 
 
-def test_a_run_too_short_to_profile_says_so(run_inprocess, tmp_path):
-    result = run_inprocess("mixed_precision", *ARGS, "--max-steps", 2, "--profile", 4, "--run-dir", tmp_path)
+@pytest.mark.parametrize("max_steps", [2, 5])  # in the warm-up; after it, with 2 of the 4 steps profiled
+def test_a_run_too_short_to_profile_says_so(run_inprocess, tmp_path, max_steps):
+    """A profile cut short by the run's end held, in its open step, the evaluation and the end of the run, printed
+    as a training step: none is kept."""
+    result = run_inprocess("mixed_precision", *ARGS, "--max-steps", max_steps, "--profile", 4, "--run-dir", tmp_path)
     assert result.code == 0, result.stderr
     assert "profile: the run ended before 4 steps could be profiled after the warm-up" in result.stdout
+    assert "profile of" not in result.stdout and not (tmp_path / "profile.json").exists()
+    assert not list(tmp_path.glob("*.pt.trace.json"))
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_every_recipe_profiles_its_steps(recipe, run_inprocess, request, tmp_path):
     more = [] if recipe in ("tabular_mlp", "tiny_transformer") else ["--max-steps", 6]  # 3 warm-up steps, then 2
+    more += ["--samples", 1024] if recipe in ("mixed_precision", "compiled_model") else []  # 4 steps were too few
     more += ["--steps", 6] if recipe == "tiny_transformer" else []
     result = run_inprocess(recipe, *smoke_args(recipe, request), *more, "--profile", 2, "--run-dir", tmp_path)
     assert result.code == 0, result.stderr
