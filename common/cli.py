@@ -21,6 +21,7 @@ from contextvars import ContextVar
 from pathlib import Path
 from typing import Annotated, Literal, NamedTuple
 
+import torch
 import torch.distributed as dist
 import typer
 
@@ -194,13 +195,17 @@ def run_recipe(main: Callable[..., object], argv: list[str] | None = None) -> No
             running = RUNNING.set(Command(options, cleanup, sys.argv[1:] if argv is None else argv))
             try:
                 status = app(args=argv, standalone_mode=False)
-            except RuntimeError as err:  # a collective whose other end died (killed, out of memory): not a bug here
-                in_a_group = dist.is_available() and dist.is_initialized()
-                if not in_a_group or not (isinstance(err, dist.DistError) or "by peer" in str(err)):
+            except RuntimeError as err:  # two that the machine causes, not a bug: its memory, another process's end
+                reason = re.sub(r"^\[[^]]*\]\s*", "", str(err).strip().split("\n")[0])
+                if isinstance(err, torch.OutOfMemoryError) or re.search("out of memory|can't allocate", reason, re.I):
+                    size = re.search(r"tried to allocate ([\d.]+ ?\w+)", reason, re.I)
+                    raise RecipeError(f"out of memory{f' (allocating {size[1]} more)' if size else ''}; try a smaller "
+                                      "--batch-size or model") from None
+                if not (dist.is_available() and dist.is_initialized()) or not (
+                        isinstance(err, dist.DistError) or "by peer" in reason):  # a collective whose other end died
                     raise
-                reason = re.sub(r"^\[[^]]*\]\s*", "", str(err).strip().split("\n")[0]).split(". ")[0]
-                raise RecipeError(f"another process of this run stopped ({reason}): torchrun's report names it; with "
-                                  "--max-restarts the group resumes from the last checkpoint") from None
+                raise RecipeError(f"another process of this run stopped ({reason.split('. ')[0]}): torchrun's report "
+                                  "names it; with --max-restarts the group resumes from the last checkpoint") from None
             finally:
                 RUNNING.reset(running)
         if type(status) is int and status:  # typer returns (not raises) an Exit's status, Ctrl-C's 130 among them

@@ -769,6 +769,26 @@ def test_a_collective_whose_peer_died_is_one_line_and_any_other_runtime_error_a_
                                        "resumes from the last checkpoint\n")
 
 
+def test_out_of_memory_is_one_line_saying_what_to_shrink(run_inprocess, tmp_path, capsys):
+    """A model or batch too big for the machine is a runtime problem its user caused: one line, not a traceback."""
+    from common.cli import run_recipe
+
+    result = run_inprocess("mixed_precision", "--width", 10**8, "--run-dir", tmp_path / "run")  # 314 GB of weights
+    assert result.code == 1 and not (tmp_path / "run").exists()
+    assert result.stderr == ("error: out of memory (allocating 313600000000 bytes more); try a smaller --batch-size or "
+                             "model\n")
+
+    def main(run_dir: Path = Path("unused")):  # as a GPU says it
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 MiB. GPU 0 has a total capacity of "
+                                     "79.15 GiB of which 3.31 MiB is free.")
+
+    with pytest.raises(SystemExit) as exit_:
+        run_recipe(main, [])
+    assert exit_.value.code == 1
+    assert capsys.readouterr().err == "error: out of memory (allocating 20.00 MiB more); try a smaller --batch-size " \
+                                      "or model\n"
+
+
 def test_the_training_data_checksum_tells_other_data_apart():
     images, labels = torch.rand(64, 1, 28, 28), torch.randint(10, (64,))
     same = checksum(images.clone(), labels.clone())
