@@ -76,9 +76,6 @@ def open_run_dir(recipe: str, run_dir: Path | None, resume: str | None,
             raise RecipeError(f"{run_dir} holds {what}, which this command would not continue but start afresh "
                               "beside: resume it with the options it was started with (--cv or not), or choose another "
                               "--run-dir")
-        if own is not None and last is None:  # a sharded run's checkpoints, say, resumed without --parallel fsdp
-            raise RecipeError(f"{run_dir} holds checkpoints ({own}), but none that this command continues from: resume "
-                              "it with the options it was started with, or choose another --run-dir")
     created = [d for d in [run_dir, *run_dir.parents] if not d.exists()]  # runs/ and runs/RECIPE/ too, if new
     try:
         run_dir.mkdir(parents=True, exist_ok=True)

@@ -213,16 +213,3 @@ def test_a_finished_checkpoint_continued_in_another_folder_is_one_line(run_inpro
     assert result.stderr == (f"error: checkpoint {last} is at step 2, where this run ends: nothing is left to train "
                              f"in {tmp_path / 'more'} (use the checkpoint as it is: export it, predict or sample)\n")
     assert not (tmp_path / "more").exists()
-
-
-def test_resume_auto_where_only_checkpoints_of_another_kind_are_is_refused_not_started_afresh(tmp_path):
-    """A killed FSDP run leaves only checkpoints/dcp/step-N (no last.pt): relaunched without --parallel fsdp, the
-    command finds nothing it continues from, and must not train from step 0 over that run's config.json."""
-    run_dir = tmp_path / "run"
-    (run_dir / "checkpoints" / "dcp" / "step-000050").mkdir(parents=True)
-    (run_dir / "checkpoints" / "dcp" / "step-000050" / "trainer.pt").write_bytes(b"shards beside")
-    (run_dir / "config.json").write_text('{"recipe": "tiny_transformer", "parallel": "fsdp"}')
-    with pytest.raises(RecipeError, match=r"run holds checkpoints \(.*step-000050/trainer.pt\), but none that this "
-                                          "command continues from: resume it with the options it was started with"):
-        open_run_dir("tiny_transformer", run_dir, "auto")
-    assert json.loads((run_dir / "config.json").read_text())["parallel"] == "fsdp"
