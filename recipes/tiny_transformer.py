@@ -654,11 +654,12 @@ def main(
     options.update(batch_size=batch_size, global_batch=global_batch, parallel=parallel,
                    checkpoint_format="sharded (--parallel fsdp)" if sharded else "single file")
     config = cli.as_config(options)  # every option as resolved: config.json, and what a resume must match
-    last_checkpoint = last_sharded if sharded else last_file  # what --resume auto continues from
+    last_checkpoint = last_sharded if sharded else last_file  # the last good checkpoint, which a divergence names
     # Rank 0 names, checks and locks the run directory (every rank must use that one) and finds the checkpoint;
     # every rank then reads the same checkpoint. Only rank 0 writes files, but under FSDP every rank its shards.
-    run = from_rank_0(lambda: open_run_dir(RECIPE, run_dir, resume,
-                                           partial(last_sharded, warn=True) if sharded else last_file))
+    # --resume auto looks for step folders in either format: a sharded run relaunched without --parallel fsdp is
+    # then refused for its format (below), not started afresh over it
+    run = from_rank_0(lambda: open_run_dir(RECIPE, run_dir, resume, partial(last_sharded, warn=sharded)))
     checkpoint = resume_checkpoint(run, RECIPE, config, load=load_trainer_state, may_change={
         "eval_batches", "sample_tokens", "temperature", "top_k", "prompt", "peak_flops", "batch_size", "grad_accum",
         "parallel", "activation_checkpointing", "attention"})

@@ -249,6 +249,7 @@ def test_bad_input_to_a_sharded_run(run_inprocess, corpus_txt, tmp_path):
     torch.save({**trainer, "recipe": "ddp_mlp"}, step / "trainer.pt")
     foreign = run_inprocess("tiny_transformer", *args, "--run-dir", tmp_path / "foreign", "--resume", step)
     assert foreign.code == 1 and "written by recipe 'ddp_mlp', not 'tiny_transformer'" in foreign.stderr
+    torch.save(trainer, step / "trainer.pt")  # its own again
     # a folder that is no checkpoint at all
     empty = run_inprocess("tiny_transformer", *args, "--run-dir", tmp_path / "empty", "--resume", tmp_path)
     assert empty.code == 1 and "is not a complete sharded checkpoint" in empty.stderr
@@ -256,6 +257,15 @@ def test_bad_input_to_a_sharded_run(run_inprocess, corpus_txt, tmp_path):
     single = run_inprocess("tiny_transformer", *args[:-4], "--batch-size", 8, "--max-steps", 3, "--parallel", "none",
                            "--run-dir", run_dir, "--resume", "auto")
     assert single.code == 1 and "checkpoint format sharded (--parallel fsdp) there, single file here" in single.stderr
+    # so too when the run was killed before it left last.pt (only its step folders are there): it trained from step 0
+    # over them, its config.json rewritten
+    for name in ("last.pt", "best.pt"):
+        (run_dir / "checkpoints" / name).unlink()
+    config = (run_dir / "config.json").read_bytes()
+    killed = run_inprocess("tiny_transformer", *args[:-4], "--batch-size", 8, "--max-steps", 3, "--parallel", "auto",
+                           "--run-dir", run_dir, "--resume", "auto")
+    assert killed.code == 1 and "checkpoint format sharded (--parallel fsdp) there, single file here" in killed.stderr
+    assert (run_dir / "config.json").read_bytes() == config and not (run_dir / "checkpoints" / "last.pt").exists()
     # what sharded runs do not keep, and a global batch that does not split: usage errors naming the option
     unbatched = [a for i, a in enumerate(args) if "--batch-size" not in args[i - 1: i + 1]]
     for given, option, why in [([*args, "--precision", "fp16"], "--precision", "use bf16 with --parallel fsdp"),
