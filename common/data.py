@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, Sampler, TensorDataset
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, TensorDataset
 
 from common.cli import RecipeError
 from common.rundir import remove_empty
@@ -63,7 +63,7 @@ def built_batch(batch):
     return batch  # the DataLoader's collate step, when ``__getitems__`` has already built the batch
 
 
-def _ignore_stop_signals(worker_id: int) -> None:
+def ignore_stop_signals(worker_id: int) -> None:
     # Ctrl-C, and a scheduler's SIGTERM, reach the whole process group; the main process saves a checkpoint and
     # stops the workers (a worker killed by the signal instead would end the run in a traceback after the save).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -75,18 +75,14 @@ def make_loader(dataset: Dataset, batch_size: int | None, *, train: bool, seed: 
                 collate_fn: Callable | None = None) -> DataLoader:
     """A DataLoader for training (shuffled, also on CPU; full batches only) or evaluation (in order). Training
     shuffles with a seeded one-replica ``DistributedSampler`` unless ``sampler`` is given (DDP's sharded one), in
-    a ``ResumableSampler``: call ``loader.sampler.set_epoch(epoch)`` every epoch. An IterableDataset yields whole
-    batches in its own order. ``collate_fn``: e.g. ``built_batch`` for batches a ``__getitems__`` built (a plain
-    TensorDataset gets both, as ``TensorBatches``)."""
-    worker_init_fn = _ignore_stop_signals if num_workers > 0 else None
+    a ``ResumableSampler``: call ``loader.sampler.set_epoch(epoch)`` every epoch. ``collate_fn``: e.g.
+    ``built_batch`` for batches a ``__getitems__`` built (a plain TensorDataset gets both, as ``TensorBatches``)."""
+    worker_init_fn = ignore_stop_signals if num_workers > 0 else None
     # Its own generator for worker seeds: every new iterator draws one, and drawing from the global RNG
     # instead would shift the dropout masks of a resumed run.
     generator = torch.Generator().manual_seed(seed)
     if type(dataset) is TensorDataset and collate_fn is None:
         dataset, collate_fn = TensorBatches(*dataset.tensors), built_batch
-    if isinstance(dataset, IterableDataset):
-        return DataLoader(dataset, batch_size=None, num_workers=num_workers, pin_memory=device.type == "cuda",
-                          generator=generator, worker_init_fn=worker_init_fn)
     if train:
         # DistributedSampler's rule, a permutation seeded by seed + epoch, is what makes an epoch resumable
         sampler = ResumableSampler(sampler if sampler is not None else

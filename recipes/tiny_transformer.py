@@ -56,12 +56,12 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import checkpoint
-from torch.utils.data import IterableDataset, get_worker_info
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from common import cli, hf_gpt2, hf_tokens
 from common.best import BestScore
 from common.checkpoint import Checkpointer, load_model_state, resume_checkpoint
-from common.data import checksum, make_loader
+from common.data import checksum, ignore_stop_signals
 from common.loop import StepStats, evaluate
 from common.profile import StepProfiler
 from common.resources import format_account, memory_account, reset_peak_memory, with_peaks
@@ -767,7 +767,11 @@ def main(
     # Batch i of the stream is step i's global batch, of which this rank takes its rows: the stream's position
     # follows from the step, so a resumed run draws the batches it had not reached, at any world size.
     train_stream = RandomWindows(train_tokens, block_size, global_batch, seed, start=step, rows=rows)
-    batches = iter(make_loader(train_stream, None, train=True, seed=seed, num_workers=num_workers, device=device))
+    # batch_size=None: the stream yields whole batches. The loader's own generator seeds its workers: the global
+    # RNG's, drawn at every new iterator, would shift the dropout masks of a resumed run.
+    batches = iter(DataLoader(train_stream, batch_size=None, num_workers=num_workers, pin_memory=device.type == "cuda",
+                              generator=torch.Generator().manual_seed(seed),
+                              worker_init_fn=ignore_stop_signals if num_workers else None))  # the main process saves
     log.start(step, config, device, world_size)
     source = text.resolve() if text else "the Python standard library"
     log.print(f"{len(train_tokens):,} train / {len(val_tokens):,} val tokens of {source} | vocab "
