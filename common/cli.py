@@ -142,7 +142,7 @@ def as_config(options: dict) -> dict:
 class Command(NamedTuple):
     """The recipe command that runs now (``run_recipe`` sets it, as click keeps its current context)."""
 
-    options: dict[str, str]  # parameter -> option, e.g. csv_path -> --csv: for messages about options
+    flags: dict[str, list[str]]  # parameter -> its flags: csv_path -> [--csv], dynamic -> [--dynamic, --no-dynamic]
     cleanup: ExitStack  # what to release when the command ends, however it ends
     argv: list[str]  # its arguments
 
@@ -151,17 +151,17 @@ RUNNING: ContextVar[Command | None] = ContextVar("RUNNING", default=None)
 
 
 def option_given(param: str) -> bool:
-    """Whether the running command's ``param`` is on its command line, not left at its default; outside one, True."""
+    """Whether the running command's ``param`` is on its command line (``--no-X`` too), not left at its default or
+    replayed by --config; outside a command, True."""
     if (command := RUNNING.get()) is None:
         return True
-    flag = command.options[param]
-    return any(arg == flag or arg.startswith(f"{flag}=") for arg in command.argv)
+    return any(arg.split("=")[0] in command.flags[param] for arg in command.argv)
 
 
 def option_name(param: str) -> str:
     """The option behind a parameter of the running command; a derived setting's name as words."""
     command = RUNNING.get()
-    return command.options[param] if command and param in command.options else param.replace("_", " ")
+    return command.flags[param][0] if command and param in command.flags else param.replace("_", " ")
 
 
 def on_exit(release: Callable[[], None]) -> None:
@@ -181,7 +181,7 @@ def run_recipe(main: Callable[..., object], argv: list[str] | None = None) -> No
     destroyed on every way out, so no rank is left waiting on a dead one."""
     app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, rich_markup_mode=None)
     app.command()(main)
-    options = {param.name: param.opts[0] for param in typer.main.get_command(app).params}
+    flags = {param.name: [*param.opts, *param.secondary_opts] for param in typer.main.get_command(app).params}
     quiet = not launched_as_rank_0()
     # SIGTERM before a StopRequest listens (while data loads, say): exit 143 through the clean-ups, as Ctrl-C does,
     # so that a run directory this run made and never used is removed (the default action leaves it)
@@ -192,18 +192,19 @@ def run_recipe(main: Callable[..., object], argv: list[str] | None = None) -> No
     threading.excepthook = lambda args: None if issubclass(args.exc_type, OSError) else excepthook(args)
     try:
         with ExitStack() as cleanup:
-            running = RUNNING.set(Command(options, cleanup, sys.argv[1:] if argv is None else argv))
+            running = RUNNING.set(Command(flags, cleanup, sys.argv[1:] if argv is None else argv))
             try:
                 status = app(args=argv, standalone_mode=False)
             except RuntimeError as err:  # two that the machine causes, not a bug: its memory, another process's end
                 reason = re.sub(r"^\[[^]]*\]\s*", "", str(err).strip().split("\n")[0])
                 if isinstance(err, torch.OutOfMemoryError) or re.search("out of memory|can't allocate", reason, re.I):
-                    size = re.search(r"tried to allocate ([\d.]+ ?\w+)", reason, re.I)
-                    raise RecipeError(f"out of memory{f' (allocating {size[1]} more)' if size else ''}; try a smaller "
+                    if size := re.search(r"tried to allocate ([\d.]+) ?(\w+)", reason, re.I):  # N bytes (CPU), 2.00 GiB
+                        size = f"{float(size[1]) / 2**30:,.1f} GiB" if size[2] == "bytes" else f"{size[1]} {size[2]}"
+                    raise RecipeError(f"out of memory{f' (allocating {size} more)' if size else ''}; try a smaller "
                                       "--batch-size or model") from None
-                if not (dist.is_available() and dist.is_initialized()) or not (
-                        isinstance(err, dist.DistError) or "by peer" in reason):  # a collective whose other end died
-                    raise
+                if not (dist.is_available() and dist.is_initialized()) or not (  # a collective whose other end died
+                        isinstance(err, dist.DistNetworkError) or re.search("by peer|Broken pipe", reason)):
+                    raise  # a timeout, say: ranks out of step, a bug whose traceback shows where
                 raise RecipeError(f"another process of this run stopped ({reason.split('. ')[0]}): torchrun's report "
                                   "names it; with --max-restarts the group resumes from the last checkpoint") from None
             finally:

@@ -292,6 +292,8 @@ def test_compiled_compare_warns_when_the_blocks_disagree(run_inprocess, tmp_path
     (["--mode", "max-autotune"], "Invalid value for --mode: sets how torch.compile compiles: add --compile (or "
                                  "--compare)"),
     (["--fullgraph"], "Invalid value for --fullgraph: sets how torch.compile compiles"),
+    (["--no-dynamic"], "Invalid value for --dynamic: sets how torch.compile compiles"),
+    (["--mode=max-autotune"], "Invalid value for --mode: sets how torch.compile compiles"),
     (["--backend", "eager"], "Invalid value for --backend: sets how torch.compile compiles"),
     (["--compile", "--mode", "reduce-overhead", "--device", "cpu"], "Invalid value for --mode: captures CUDA graphs, "
                                                                     "which a cpu has not: use default or max-autotune"),
