@@ -124,8 +124,8 @@ def check_same_run(checkpoint: dict, source: Path, config: dict, may_change: set
                if key not in MAY_CHANGE | may_change and saved.get(key) != config.get(key)]
     if changed:  # a process count is no option: say how to launch as many
         processes = saved.get("world_size")
-        launch = f" in {processes} process(es) (torchrun --nproc_per_node={processes})" if any(
-            entry.startswith("world size") for entry in changed) else ""
+        launch = "" if processes == config.get("world_size") else " in one process (plain python)" if processes == 1 \
+            else f" in {processes} processes in all (torchrun's --nnodes x --nproc_per_node)"
         raise RecipeError(f"checkpoint {source} was started with other options ({'; '.join(changed)}): resume "
                           f"with the options it was started with{launch}, or start afresh in another --run-dir")
 

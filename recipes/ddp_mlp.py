@@ -247,7 +247,7 @@ def main(
             profiler.step()
             # mid-epoch checkpoints, which rank 0 writes (an epoch's last step, and the run's, follow the evaluation)
             # Ctrl-C or SIGTERM: at once in one process; under torchrun the ranks agree on it every --log-every steps
-            stopping = (step % every == 0 or not dist.is_initialized()) and stop_agreed(stop, device)
+            stopping = (step % every == 0 or world_size == 1) and stop_agreed(stop, device)
             mid_epoch = step % steps_per_epoch and step < total_steps
             if mid_epoch and (stopping or checkpoint_every and step % checkpoint_every == 0):
                 from_rank_0(partial(checkpoints.save, step))  # every rank waits for it, and shares its error

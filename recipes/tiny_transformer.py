@@ -849,7 +849,7 @@ def main(
             save()
             if stop_agreed(stop, device):
                 stop_saved()
-        elif (step % every == 0 or not dist.is_initialized()) and stop_agreed(stop, device):  # Ctrl-C, SIGTERM
+        elif (step % every == 0 or world_size == 1) and stop_agreed(stop, device):  # Ctrl-C, SIGTERM
             save()  # at once in one process; torchrun's ranks agree on a stop every --log-every steps
             stop_saved()
         elif checkpoint_every and step % checkpoint_every == 0:  # or every --checkpoint-every steps

@@ -205,8 +205,8 @@ def test_a_run_saved_by_two_processes_is_not_resumed_by_one(run_inprocess, mnist
     alone = run_inprocess("ddp_mlp", "--data-dir", mnist_dir, "--run-dir", run_dir, "--epochs", 2, "--batch-size",
                           32, *SMALL, "--resume", "auto")
     assert alone.code == 1 and alone.stderr.startswith("error: ") and len(alone.stderr.strip().splitlines()) == 1
-    assert "other options (world size 2 there, 1 here): resume with the options it was started with in 2 process(es) " \
-        "(torchrun --nproc_per_node=2), or start afresh" in alone.stderr
+    assert "other options (world size 2 there, 1 here): resume with the options it was started with in 2 processes " \
+        "in all (torchrun's --nnodes x --nproc_per_node), or start afresh" in alone.stderr
     assert (run_dir / "checkpoints" / "last.pt").read_bytes() == saved
 
 

@@ -195,7 +195,7 @@ def test_random_windows_targets_are_inputs_shifted_by_one():
 
 def stream(num_workers: int, seed: int = 0, start: int = 0, n: int = 8):
     dataset = tt.RandomWindows(torch.arange(1000, dtype=torch.int16), 8, 4, seed=seed, start=start)
-    loader = DataLoader(dataset, batch_size=None, num_workers=num_workers)  # as the recipe's loop builds it
+    loader = DataLoader(dataset, batch_size=None, num_workers=num_workers)  # the recipe's, less its seeds and signals
     return [x for x, _ in itertools.islice(loader, n)]
 
 
