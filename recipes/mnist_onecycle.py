@@ -170,13 +170,13 @@ def image_files(paths: list[Path]) -> list[Path]:
 
 
 def to_mnist_format(image: torch.Tensor) -> torch.Tensor:
-    """A (1, H, W) uint8 grayscale image of one digit -> (1, 28, 28) floats in [0, 1] framed like MNIST's.
+    """A (1, H, W) uint8 (or 16-bit) grayscale image of one digit -> (1, 28, 28) floats in [0, 1] framed like MNIST's.
 
     MNIST digits are white on black, their 20x20 bounding box centred in a 28x28 frame. A photo or scan of
     dark ink on white paper has a light border, so it is inverted first. A 28x28 image is taken to be framed
     already (as MNIST's own are, whatever the digit's place); a larger one is cropped to the digit's bounding
     box, scaled so that its longer side is 20 pixels (keeping its aspect ratio) and centred."""
-    x = image.float() / 255
+    x = image.float() / torch.iinfo(image.dtype).max  # 255, or 65,535 for a 16-bit PNG
     border = torch.cat([x[0, 0], x[0, -1], x[0, :, 0], x[0, :, -1]])
     if border.mean() > 0.5:  # light background: dark ink on paper
         x, border = 1 - x, 1 - border
@@ -204,7 +204,9 @@ def read_digit(path: Path) -> torch.Tensor:
     try:
         image = decode_image(read_file(str(path)), mode=ImageReadMode.GRAY)  # (1, H, W) uint8, any colour type
     except (RuntimeError, ValueError):
-        raise cli.RecipeError(f"{path} is not a readable PNG or JPEG image") from None
+        image = None
+    if image is None or image.shape[0] != 1:  # a GIF or WebP decodes, but in colour whatever was asked
+        raise cli.RecipeError(f"{path} is not a readable PNG or JPEG image")
     return to_mnist_format(image)
 
 
@@ -293,7 +295,7 @@ def main(
                                  param_hint="--backbone-lr-scale")
     config = cli.as_config(locals())  # every option: config.json, and what a resume must match
     run = open_run_dir(RECIPE, run_dir, resume)  # never over another run's checkpoints; one run at a time in it
-    checkpoint = resume_checkpoint(run, RECIPE, config, may_change={"finetune"})
+    checkpoint = resume_checkpoint(run, RECIPE, config)  # --finetune too: what a --config replay starts from
     if already_finished(run, checkpoint, epochs=epochs, max_steps=max_steps):
         return
     seed_everything(seed)

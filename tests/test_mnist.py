@@ -214,6 +214,20 @@ def test_finetune_starts_from_the_backbone_with_its_own_learning_rate(run_inproc
                                atol=0.05, rtol=0)
 
 
+def test_a_resume_keeps_the_finetune_it_started_with(run_inprocess, mnist_dir, tmp_path):
+    """--finetune changed or dropped on a resume loaded nothing, yet was recorded: a --config replay of the run then
+    trained from scratch (or from another backbone). Refused, naming the option."""
+    assert run_inprocess(RECIPE, "--data-dir", mnist_dir, "--width", 4, "--max-steps", 2, "--run-dir",
+                         tmp_path / "pretrained").code == 0
+    backbone = tmp_path / "pretrained" / "checkpoints" / "last.pt"
+    args = ["--data-dir", mnist_dir, "--width", 4, "--epochs", 2, "--run-dir", tmp_path / "run"]
+    assert run_inprocess(RECIPE, *args, "--finetune", backbone, "--max-steps", 2).code == 0
+    config = (tmp_path / "run" / "config.json").read_bytes()
+    dropped = run_inprocess(RECIPE, *args, "--resume", "auto")
+    assert dropped.code == 1 and f"(--finetune {backbone} there, None here)" in dropped.stderr, dropped.stderr
+    assert (tmp_path / "run" / "config.json").read_bytes() == config
+
+
 def test_a_backbone_rate_without_finetune_is_a_usage_error(run_inprocess, tmp_path):
     result = run_inprocess("mnist_onecycle", "--backbone-lr-scale", 0.5, "--run-dir", tmp_path / "run")
     assert result.code == 2 and "--backbone-lr-scale: sets the rate of the layers --finetune loads" in result.stderr
