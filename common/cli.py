@@ -8,7 +8,6 @@ traceback either way.
 
 import atexit
 import json
-import math
 import os
 import re
 import signal
@@ -42,9 +41,10 @@ def checked(accepts: Callable[[float], bool], rule: str) -> Callable[[float | No
     return check
 
 
-positive_float = checked(lambda v: 0 < v < math.inf, "a finite number > 0")
+FLOAT32_MAX = torch.finfo(torch.float32).max  # optimizers hold rates in float32 tensors: a larger one overflows
+positive_float = checked(lambda v: 0 < v <= FLOAT32_MAX, "a finite number > 0 (at most float32's 3.4e38)")
 clip_norm = checked(lambda v: v > 0, "> 0 (inf: no clipping)")
-finite_non_negative = checked(lambda v: 0 <= v < math.inf, "a finite number >= 0")
+finite_non_negative = checked(lambda v: 0 <= v <= FLOAT32_MAX, "a finite number >= 0 (at most float32's 3.4e38)")
 ema_decay = checked(lambda v: 0 < v < 1, "between 0 and 1 (e.g. 0.999)")
 decay_rate = checked(lambda v: 0 <= v < 1, "in [0, 1)")
 

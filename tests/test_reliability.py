@@ -464,11 +464,13 @@ def test_checkpoint_every_writes_at_those_steps(run_inprocess, tmp_path, monkeyp
 
 
 @pytest.mark.parametrize("recipe", ["mnist_onecycle", "tabular_mlp", "tiny_transformer"])
-@pytest.mark.parametrize("value", ["inf", "-0.5"])
+@pytest.mark.parametrize("value", ["inf", "-0.5", "1e40"])  # 1e40: finite, but past float32 (a traceback in SGD)
 def test_weight_decay_must_be_finite_and_not_negative(run_inprocess, recipe, value):
     result = run_inprocess(recipe, "--weight-decay", value)
     assert result.code == 2
     assert "'--weight-decay'" in result.stderr and "must be a finite number >= 0" in result.stderr
+    lr = run_inprocess(recipe, "--lr", "1e40")
+    assert lr.code == 2 and "must be a finite number > 0 (at most float32's 3.4e38), got 1e+40" in lr.stderr
 
 
 @pytest.mark.parametrize("recipe", ["mnist_onecycle", "ddp_mlp"])
