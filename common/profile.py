@@ -14,6 +14,7 @@ the same figures go into profile.json beside the trace.
 
 import os
 import statistics
+import sys
 from pathlib import Path
 
 import torch
@@ -49,7 +50,8 @@ class StepProfiler:
             profiler, self.profiler = self.profiler, None
             profiler.stop()
             if not self.table and self.write:
-                print(f"profile: the run ended before {self.steps} steps could be profiled after the warm-up")
+                print(f"profile: the run ended before {self.steps} steps could be profiled after the warm-up",
+                      file=sys.stderr)  # after the done: line, which stays stdout's last
 
     def report(self, profiler: torch.profiler.profile) -> None:
         """The steps are done: the trace, and the table of phases and operators."""

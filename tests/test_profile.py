@@ -40,7 +40,8 @@ def test_a_run_too_short_to_profile_says_so(run_inprocess, tmp_path, max_steps):
     as a training step: none is kept."""
     result = run_inprocess("mixed_precision", *ARGS, "--max-steps", max_steps, "--profile", 4, "--run-dir", tmp_path)
     assert result.code == 0, result.stderr
-    assert "profile: the run ended before 4 steps could be profiled after the warm-up" in result.stdout
+    assert "profile: the run ended before 4 steps could be profiled after the warm-up" in result.stderr
+    assert result.stdout.splitlines()[-1].startswith("done: ")  # still the last line of stdout
     assert "profile of" not in result.stdout and not (tmp_path / "profile.json").exists()
     assert not list(tmp_path.glob("*.pt.trace.json"))
 
