@@ -214,7 +214,8 @@ def fit_features(table: pa.Table, target: str, task: str, bins: int = 0) -> dict
             spec["rows_per_value"][name] = len(present) / n_values if n_values > 1 else 1.0
             if bins:  # distinct quantiles, each a value of the column: a 0/1 flag gets one bin, not many
                 edges = np.unique(np.quantile((present - mean) / std, np.linspace(0, 1, bins + 1), method="nearest"))
-                spec["bins"][name] = edges.tolist() if len(edges) > 1 else [edges[0], edges[0] + 1]
+                # plain floats (tolist()): a numpy scalar in a checkpoint is code that safe loading refuses
+                spec["bins"][name] = edges.tolist() if len(edges) > 1 else [float(edges[0]), float(edges[0]) + 1]
         elif name != target:  # index 0: a value never seen in training; index 1: missing
             vocabulary = sorted(set(distinct(table[name])[1].drop_null().to_pylist()))
             spec["categorical"][name] = ["<unseen>", "<missing>", *vocabulary]

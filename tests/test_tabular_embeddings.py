@@ -254,3 +254,17 @@ def test_auto_embedding_leaves_a_small_regression_as_numbers_and_the_model_follo
     assert result.code == 0, result.stderr
     rows = list(csv.DictReader((tmp_path / "p.csv").open()))
     assert len(rows) == 1 and math.isfinite(float(rows[0]["prediction"]))
+
+
+def test_a_constant_column_under_ple_leaves_checkpoints_that_load(run_inprocess, table_csv, tmp_path):
+    """A constant column gets one bin of two edges: they were numpy scalars, which weights_only loading refuses, so
+    the run could neither be resumed nor predict."""
+    lines = table_csv.read_text().splitlines()
+    constant = tmp_path / "constant.csv"
+    constant.write_text("\n".join([lines[0] + ",flag", *(line + ",1" for line in lines[1:])]) + "\n")
+    args = ["--csv", constant, *COMMON, "--epochs", 2, "--num-embedding", "ple", "--run-dir", tmp_path / "run"]
+    assert run_inprocess(RECIPE, *args, "--max-steps", 5).code == 0
+    state = torch.load(tmp_path / "run" / "checkpoints" / "last.pt", weights_only=True)
+    assert state["features"]["bins"]["flag"] == [0.0, 1.0]
+    resumed = run_inprocess(RECIPE, *args, "--resume", "auto")
+    assert resumed.code == 0 and "resumed at step 5" in resumed.stdout, resumed.stderr
