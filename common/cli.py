@@ -41,8 +41,9 @@ def checked(accepts: Callable[[float], bool], rule: str) -> Callable[[float | No
     return check
 
 
-FLOAT32_MAX = torch.finfo(torch.float32).max  # optimizers hold rates in float32 tensors: a larger one overflows
-positive_float = checked(lambda v: 0 < v <= FLOAT32_MAX, "a finite number > 0 (at most float32's 3.4e38)")
+# Optimizers hold rates in float32 tensors: near float32's 3.4e38 (Adam's lr / (1 - beta1) too) they overflow
+FLOAT32_MAX = torch.finfo(torch.float32).max
+positive_float = checked(lambda v: 0 < v <= 1e30, "a finite number > 0 (at most 1e30)")
 clip_norm = checked(lambda v: v > 0, "> 0 (inf: no clipping)")
 finite_non_negative = checked(lambda v: 0 <= v <= FLOAT32_MAX, "a finite number >= 0 (at most float32's 3.4e38)")
 ema_decay = checked(lambda v: 0 < v < 1, "between 0 and 1 (e.g. 0.999)")
