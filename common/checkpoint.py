@@ -144,8 +144,8 @@ def resume_checkpoint(run: RunFolder, recipe: str, config: dict, may_change: set
         raise RecipeError(f"{run.path} already holds checkpoints, and --resume {run.resume_from} is not its last one: "
                           "going on from it there would overwrite them. Continue that run with --resume auto, or go on "
                           f"from {run.resume_from} in another --run-dir")
-    if run.resumes_another_run:  # its best.pt stays there: this folder's best and kept ones are its own
-        checkpoint |= {"best": {"score": math.nan, "step": 0}, "kept": {"kept": []}}
+    if run.resumes_another_run:  # its best.pt stays there: this folder's best, kept ones and patience are its own
+        checkpoint |= {"best": {"score": math.nan, "step": 0}, "kept": {"kept": []}, "patience": {"since_best": 0}}
     return checkpoint
 
 

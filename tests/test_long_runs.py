@@ -127,6 +127,28 @@ def test_patience_stops_after_n_evaluations_without_a_better_score(run_inprocess
     assert "(stopped early by --patience)" in again.stdout and "--max-steps" not in again.stdout
 
 
+def test_a_run_going_on_from_another_folders_early_stop_has_patience_of_its_own(run_inprocess, table_csv, tmp_path,
+                                                                                monkeypatch):
+    """--resume OTHER/checkpoints/last.pt in a new --run-dir starts its own best score, kept steps and patience: it
+    trains on, rather than ending at once with no best.pt of its own (and, with Adult's test file, no folder)."""
+    from conftest import load_recipe
+
+    scores = iter([0.5, 0.9, 0.7, 0.8, 0.85, 0.6])
+    monkeypatch.setattr(load_recipe("tabular_mlp"), "evaluate",
+                        lambda *args, **kwargs: {"loss": 1.0, "acc": next(scores, 0.1)})
+    first = tmp_path / "first"
+    assert run_inprocess("tabular_mlp", *patience_run(table_csv, first)).code == 0
+    assert read_metrics(first)["stopped_early"] is True
+    args = patience_run(table_csv, tmp_path / "second")
+    args[args.index("auto")] = first / "checkpoints" / "last.pt"
+    result = run_inprocess("tabular_mlp", *args)
+    assert result.code == 0, result.stderr
+    metrics = read_metrics(tmp_path / "second")
+    assert (metrics["steps"], metrics["stopped_early"], metrics["best_step"], metrics["best_val_acc"]) == \
+        (42, False, 42, 0.6)
+    assert (tmp_path / "second" / "checkpoints" / "best.pt").is_file()
+
+
 def test_an_early_stop_holds_through_a_stop_signal_and_a_kill_after_its_checkpoint(run_inprocess, table_csv, tmp_path,
                                                                                   monkeypatch):
     """SIGTERM during the evaluation that stops the run early: it finishes (it trained on, exit 143, before); killed
