@@ -105,7 +105,8 @@ Patience = Annotated[int | None, typer.Option(min=1, help="Stop after N evaluati
 
 # Settings a recipe derives from its options and the machine (MFU's denominator, say): recorded, and free to differ
 # on a resume
-DERIVED_KEYS = {"precision_reason", "peak_flops_used", "peak_source", "attention_used", "num_embedding_used"}
+DERIVED_KEYS = {"precision_reason", "peak_flops_used", "peak_source", "attention_used", "num_embedding_used",
+                "lr_used"}
 # What config.json records beside the options: where and how the run ran, the fold of a cross-validation
 RECORD_KEYS = DERIVED_KEYS | {"recipe", "torch_version", "device_used", "world_size", "tf32", "checkpoint_format",
                              "fold"}

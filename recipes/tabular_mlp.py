@@ -174,13 +174,14 @@ def numbers(column: pa.ChunkedArray | pa.Array, strict: bool) -> np.ndarray | No
     return np.where(np.isfinite(values), values, np.nan)
 
 
-def target_task(column: pa.ChunkedArray, name: str, task: str) -> str:
+def target_task(column: pa.ChunkedArray, name: str, task: str, rows: str = "") -> str:
     """``--task``, with ``auto`` resolved from the target column's values: a non-numeric target, or a handful of
-    integer values (a label code), is a class. A property of the column, not a statistic: no split is needed."""
+    integer values (a label code), is a class. A property of the column, not a statistic: no split is needed.
+    ``rows``: which rows ``column`` holds, for the message."""
     labels = distinct(column)[1].drop_null().unique()
     if len(labels) < 2:
         raise cli.RecipeError(f"target column {name!r} holds {len(labels)} distinct value(s) besides missing "
-                              "ones: there is nothing to learn")
+                              f"ones{rows}: there is nothing to learn")
     values = numbers(column, strict=True)
     if task == "regression" and values is None:
         raise cli.RecipeError(f"--task regression needs a numeric target, but {name!r} holds text")
@@ -191,12 +192,12 @@ def target_task(column: pa.ChunkedArray, name: str, task: str) -> str:
     return task
 
 
-def fit_features(table: pa.Table, target: str, task: str, bins: int = 0) -> dict:
+def fit_features(table: pa.Table, target: str, task: str, bins: int = 0, rows: str = "") -> dict:
     """Learn the preprocessing from the training rows: which columns are numeric (every present value is
     a number) with their mean and std, how many rows share a value on average (and, with ``bins``, the quantile
     bin edges of the standardised values), the vocabulary of every other column, and the target's classes
     (classification) or mean and std (regression). A plain dict, so it fits in a checkpoint."""
-    task = target_task(table[target], target, task)
+    task = target_task(table[target], target, task, rows)
     spec = {"target": target, "task": task, "numeric": {}, "categorical": {}, "bins": {}, "rows_per_value": {}}
     if task == "classification":
         spec["classes"] = sorted(set(distinct(table[target])[1].drop_null().to_pylist()))
@@ -666,7 +667,8 @@ def main(
                                      param_hint="--batch-size")
     if cv is not None and resume not in (None, "auto"):
         raise typer.BadParameter("--cv resumes every fold with --resume auto", param_hint="--resume")
-    lr = lr or DEFAULT_LR[optimizer_name]
+    if cv is not None and cli.option_given("val_frac"):  # it would do nothing
+        raise typer.BadParameter("is for one split; --cv validates on each fold in turn", param_hint="--val-frac")
     target = target or (None if csv_path else "income")  # Adult's
     if csv_path is not None and target is None:
         raise typer.BadParameter("--csv needs --target COLUMN", param_hint="--target")
@@ -688,13 +690,15 @@ def main(
 
 
 def train(csv_path: Path | None, target: str, task: str, val_frac: float, cv: int | None, fold: int | None,
-          epochs: int | None, max_steps: int | None, batch_size: int | None, lr: float, optimizer_name: str,
+          epochs: int | None, max_steps: int | None, batch_size: int | None, lr: float | None, optimizer_name: str,
           weight_decay: float, max_grad_norm: float, num_embedding: str, hidden: int, depth: int, dropout: float,
           seed: int, device: str, precision: str, compile: bool, num_workers: int, data_dir: Path,
           run_dir: Path | None, resume: str | None, config_file: Path | None, checkpoint_every: int | None,
           log_every: int | None, profile: int | None, keep_best: int, patience: int | None) -> dict:
     """One training run: on a seeded split of --val-frac, or with ``fold`` (of ``cv``) held out. Its metrics."""
     config = cli.as_config(locals())  # every option as resolved: config.json, and what a resume must match
+    # --lr left out is the optimizer's own: recorded apart, so a replay with another --optimizer takes that one's
+    lr = config["lr_used"] = lr or DEFAULT_LR[optimizer_name]
     run = open_run_dir(RECIPE, run_dir, resume)  # never over another run's checkpoints; one run at a time in it
     checkpoint = resume_checkpoint(run, RECIPE, config, may_change={"keep_best", "patience"})
     if already_finished(run, checkpoint, max_steps=max_steps,
@@ -707,6 +711,7 @@ def train(csv_path: Path | None, target: str, task: str, val_frac: float, cv: in
 
     # Data: a table -> preprocessing fitted on the training split -> tensors
     table, test_table = load_tables(csv_path, target, data_dir)
+    task = target_task(table[target], target, task)  # the whole column's: every fold learns the same task
     if fold is None:
         order = torch.randperm(table.num_rows, generator=torch.Generator().manual_seed(seed)).numpy()
         n_val = max(1, round(val_frac * table.num_rows))
@@ -716,10 +721,11 @@ def train(csv_path: Path | None, target: str, task: str, val_frac: float, cv: in
     else:
         if table.num_rows < 2 * cv:
             raise cli.RecipeError(f"{table.num_rows} rows are too few for {cv} folds (--cv)")
-        folds = fold_of_each_row(table, target, target_task(table[target], target, task), cv, seed)
+        folds = fold_of_each_row(table, target, task, cv, seed)
         train_rows, val_rows = np.flatnonzero(folds != fold), np.flatnonzero(folds == fold)
-    spec = checkpoint["features"] if checkpoint else fit_features(table.take(train_rows), target, task,
-                                                                  bins=PLE_BINS if num_embedding == "ple" else 0)
+    spec = checkpoint["features"] if checkpoint else fit_features(
+        table.take(train_rows), target, task, bins=PLE_BINS if num_embedding == "ple" else 0,
+        rows=f" in fold {fold}'s training rows (--cv {cv})" if cv else " in the training split (--val-frac)")
     classification = spec["task"] == "classification"
     if num_embedding == "auto":  # periodic, or none for a small regression (a resume has the same task and rows)
         num_embedding = auto_embedding(spec["task"], len(train_rows))

@@ -3,6 +3,7 @@
 import csv
 import gzip
 import hashlib
+import json
 import math
 import urllib.error
 import urllib.request
@@ -141,6 +142,24 @@ def test_smoke_and_run_directory(run_inprocess, table_csv, tmp_path):
     state = torch.load(run_dir / "checkpoints" / "best.pt", weights_only=True)
     assert state["features"]["categorical"]["colour"][2:] == ["black", "blue", "green", "red"]
     assert set(state["features"]["numeric"]) == {"age", "income"}
+
+
+def test_a_replay_with_another_optimizer_takes_that_optimizers_default_lr(run_inprocess, table_csv, tmp_path):
+    """--lr left out is the optimizer's default: config.json records it as lr_used, so a --config replay with
+    another --optimizer took the first optimizer's rate (adamw's 3e-3 for sgd) and trained another run."""
+    common = ["--csv", table_csv, "--target", "label", "--max-steps", 2, "--batch-size", 32]
+    assert run_inprocess(RECIPE, *common, "--run-dir", tmp_path / "adamw").code == 0
+    replay = run_inprocess(RECIPE, "--config", tmp_path / "adamw" / "config.json", "--optimizer", "sgd",
+                           "--run-dir", tmp_path / "sgd")
+    assert replay.code == 0, replay.stderr
+    rates = [g["lr"] for g in torch.load(tmp_path / "sgd" / "checkpoints" / "last.pt",
+                                         weights_only=True)["optimizer"]["param_groups"]]
+    assert rates == [0.05, 0.05]
+    config = json.loads((tmp_path / "sgd" / "config.json").read_text())
+    assert (config["lr"], config["lr_used"]) == (None, 0.05)
+    given = run_inprocess(RECIPE, "--config", tmp_path / "adamw" / "config.json", "--lr", 0.02, "--run-dir",
+                          tmp_path / "given")
+    assert given.code == 0 and json.loads((tmp_path / "given" / "config.json").read_text())["lr_used"] == 0.02
 
 
 @pytest.mark.parametrize(("epochs", "expected"), [

@@ -193,6 +193,8 @@ def test_a_resumed_cross_validation_skips_the_finished_folds(run_inprocess, tabl
     (["--cv", "0"], 2, "--cv"),
     (["--cv", "2", "--resume", "x.pt"], 2, "--cv resumes every fold with --resume auto"),
     (["--cv", "200"], 1, "too few for 200 folds"),
+    (["--cv", "2", "--val-frac", "0.3"], 2, "for --val-frac: is for one split; --cv validates on each fold in turn"),
+    (["--val-frac=0.2", "--cv", "2"], 2, "for --val-frac: is for one split"),  # at its default too: it does nothing
 ])
 def test_a_bad_number_of_folds_is_refused(run_inprocess, table_csv, tmp_path, extra, code, message):
     result = run_inprocess(RECIPE, "--csv", table_csv, *COMMON, "--epochs", 1, *extra, "--run-dir", tmp_path / "r")
@@ -211,6 +213,30 @@ def test_regression_cross_validation_reports_rmse_in_the_target_units(run_inproc
     metrics = json.loads((tmp_path / "cv" / "metrics.json").read_text())
     assert metrics["metric"] == "val_rmse" and len(metrics["folds"]) == 3
     assert metrics["mean_val_rmse"] < 0.5 * 30 / math.sqrt(2)  # well below predicting the mean (std of y: 21)
+
+
+def test_every_fold_learns_the_task_of_the_whole_column(run_inprocess, tmp_path):
+    """--task auto is the whole column's: 21 integer values are a regression, though each fold's training rows hold
+    18 of them (a class code, by themselves). Both folds were classifications of 18 classes, scored by val_acc; folds
+    of different tasks would have failed the summary with a traceback."""
+    rows = [f"{i % 7}.5,{i % 20}" for i in range(59)] + ["3.5,20"]
+    (tmp_path / "t.csv").write_text("x,y\n" + "\n".join(rows) + "\n")
+    result = run_inprocess(RECIPE, "--csv", tmp_path / "t.csv", "--target", "y", "--epochs", 1, "--cv", 2,
+                           "--run-dir", tmp_path / "cv")
+    assert result.code == 0, result.stderr
+    assert json.loads((tmp_path / "cv" / "metrics.json").read_text())["metric"] == "val_rmse"
+    for fold in (0, 1):
+        assert json.loads((tmp_path / "cv" / f"fold-{fold}" / "config.json").read_text())["task"] == "auto"
+        assert "val_rmse" in read_metrics(tmp_path / "cv" / f"fold-{fold}")
+
+
+def test_a_fold_whose_training_rows_hold_one_class_is_named(run_inprocess, tmp_path):
+    (tmp_path / "t.csv").write_text("x,y\n" + "".join(f"{i},a\n" for i in range(9)) + "4,b\n")
+    result = run_inprocess(RECIPE, "--csv", tmp_path / "t.csv", "--target", "y", "--epochs", 1, "--cv", 2,
+                           "--run-dir", tmp_path / "cv")
+    assert result.code == 1
+    assert result.stderr == ("error: target column 'y' holds 1 distinct value(s) besides missing ones in fold 1's "
+                             "training rows (--cv 2): there is nothing to learn\n")
 
 
 def test_the_default_length_and_batch_follow_the_size_of_the_table(run_inprocess, table_csv, tmp_path):
