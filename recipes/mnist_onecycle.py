@@ -288,6 +288,10 @@ def main(
 ):
     """Train a small CNN on MNIST with the one-cycle learning-rate schedule, or predict digits in images."""
     if predict or more_images:
+        if unused := [name for name in locals() if name not in ("predict", "more_images", "resume", "device")
+                      and cli.option_given(name)]:
+            raise typer.BadParameter("predicts with the checkpoint's model on --device: not "
+                                     f"{', '.join(map(cli.option_name, unused))}", param_hint="--predict")
         predict_command(predict or [], more_images or [], resume, device)
         return
     if cli.option_given("backbone_lr_scale") and finetune is None:  # it would do nothing

@@ -635,6 +635,10 @@ def main(
 ):
     """Train an MLP on a CSV table (default: UCI Adult census income), or predict with a trained one."""
     if predict_csv is not None:
+        if unused := [name for name in locals() if name not in ("predict_csv", "output", "overwrite", "resume",
+                                                                 "device") and cli.option_given(name)]:
+            raise typer.BadParameter("predicts with the checkpoint's model, columns and options, on --device: not "
+                                     f"{', '.join(map(cli.option_name, unused))}", param_hint="--predict")
         if resume is None or resume == "auto":
             raise typer.BadParameter("give the checkpoint to predict with, e.g. --resume .../best.pt",
                                      param_hint="--resume")

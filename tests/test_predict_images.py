@@ -169,6 +169,10 @@ def test_a_checkpoint_of_another_recipe_is_refused(run_inprocess, table_csv, tmp
     (["--predict", "d.png"], "Invalid value for --resume"),
     (["--predict", "d.png", "--resume", "auto"], "Invalid value for --resume"),
     (["stray.png"], "image files are given with --predict"),
+    # training options do nothing to a prediction: refused, not silently ignored
+    (["--predict", "d.png", "--resume", "m.pt", "--epochs", "5", "--precision=bf16"],
+     "Invalid value for --predict: predicts with the checkpoint's model on --device: not --epochs, --precision"),
+    (["--predict", "d.png", "--resume", "m.pt", "--no-augment"], "not --augment"),
 ])
 def test_usage_errors(args, text, run_inprocess):
     result = run_inprocess(RECIPE, *args)

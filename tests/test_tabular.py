@@ -395,6 +395,13 @@ def test_predict_never_replaces_an_existing_file_without_overwrite(run_inprocess
     assert replaced.code == 0, replaced.stderr
     with open(kept, newline="") as f:
         assert len(list(csv.DictReader(f))) == 5
+    # training options do nothing to a prediction (the checkpoint holds the model, its columns and target)
+    ignored = run_inprocess(RECIPE, "--predict", new, "--resume", checkpoint, "--csv", table_csv, "--target", "label",
+                            "--compile", "--run-dir", tmp_path / "x")
+    assert ignored.code == 2 and ignored.stderr.endswith(
+        "Invalid value for --predict: predicts with the checkpoint's model, columns and options, on --device: not "
+        "--csv, --target, --compile, --run-dir\n")
+    assert not (tmp_path / "x").exists()
     # options of --predict alone are refused in training
     for extra in (["--output", tmp_path / "x.csv"], ["--overwrite"]):
         result = run_inprocess(RECIPE, "--csv", table_csv, "--target", "label", *extra, "--max-steps", 1,
