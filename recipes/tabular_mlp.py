@@ -507,8 +507,14 @@ def predict(checkpoint_path: Path, table_path: Path, output: Path, device: torch
                                                            + spec["target_mean"]))
     tmp = output.with_name(f".{output.name}.tmp")  # whole or not at all: an earlier file survives a failure
     try:
-        with open(tmp, "wb") as f:
-            pq.write_table(table, f) if output.suffix.lower() == ".parquet" else pacsv.write_csv(table, f)
+        with open(tmp, "wb") as f:  # as read: .parquet, .tsv (tabs), else CSV; .gz compressed
+            name = output.name.lower()
+            if name.endswith(".parquet"):
+                pq.write_table(table, f)
+            else:
+                with pa.CompressedOutputStream(f, "gzip") if name.endswith(".gz") else pa.PythonFile(f) as out:
+                    delimiter = "\t" if name.removesuffix(".gz").endswith(".tsv") else ","
+                    pacsv.write_csv(table, out, pacsv.WriteOptions(delimiter=delimiter))
         tmp.replace(output)
     except OSError as err:
         tmp.unlink(missing_ok=True)
@@ -614,8 +620,8 @@ def main(
         Path | None, typer.Option("--predict", help="Only predict: rows of this table (as --csv), with the model "
                                                     "from --resume; written as CSV.")
     ] = None,
-    output: Annotated[Path | None, typer.Option(help="Predictions file, CSV (Parquet if named .parquet) "
-                                                    "[default: PREDICT.predictions.csv].")] = None,
+    output: Annotated[Path | None, typer.Option(help="Predictions file: .csv, .tsv (either gzipped if named .gz) or "
+                                                    ".parquet [default: PREDICT.predictions.csv].")] = None,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="With --predict: replace the --output file if it "
                                                                 "exists.")] = False,
     seed: cli.Seed = 0,

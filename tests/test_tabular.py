@@ -478,6 +478,17 @@ def test_every_file_type_trains_and_predicts_alike(run_inprocess, table_csv, tmp
     assert len(rows) == 40 and list(rows[0]) == ["age", "income", "colour", "city", "prediction", "probability"]
     assert {row["prediction"] for row in rows} == {"yes", "no"} and "purple" in {row["colour"] for row in rows}
     assert all(0.5 <= float(row["probability"]) <= 1 for row in rows)
+    # --output of the same type is written as that type (a .csv.gz was plain CSV, a .tsv comma-separated)
+    same_type = tmp_path / f"out{name.removeprefix('table')}"
+    assert run_inprocess(RECIPE, "--predict", new, "--resume", run_dir / "checkpoints" / "last.pt",
+                         "--output", same_type).code == 0
+    if name.endswith(".parquet"):
+        written = [{k: str(v) for k, v in row.items()} for row in pq.read_table(same_type).to_pylist()]
+        assert [row["prediction"] for row in written] == [row["prediction"] for row in rows]
+    else:
+        with (gzip.open if name.endswith(".gz") else open)(same_type, "rt", newline="") as f:
+            written = list(csv.DictReader(f, delimiter="\t" if ".tsv" in name else ","))
+        assert written == rows
 
 
 def test_a_pandas_csv_with_nan_and_inf_cells_trains_and_predicts_finite_values(run_inprocess, tmp_path):
