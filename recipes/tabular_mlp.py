@@ -174,11 +174,20 @@ def numbers(column: pa.ChunkedArray | pa.Array, strict: bool) -> np.ndarray | No
     return np.where(np.isfinite(values), values, np.nan)
 
 
+def class_names(column: pa.ChunkedArray | pa.Array) -> tuple[np.ndarray, pa.Array]:
+    """``distinct`` for a class column, with numbers spelled one way: "1", "1.0" and "1e0" are one class, "1"."""
+    indices, words = distinct(column)
+    if (values := numbers(words, strict=True)) is not None:
+        words = pa.array([None if math.isnan(v) else str(int(v)) if v == int(v) else repr(v) for v in values.tolist()],
+                         pa.string())
+    return indices, words
+
+
 def target_task(column: pa.ChunkedArray, name: str, task: str, rows: str = "") -> str:
     """``--task``, with ``auto`` resolved from the target column's values: a non-numeric target, or a handful of
     integer values (a label code), is a class. A property of the column, not a statistic: no split is needed.
     ``rows``: which rows ``column`` holds, for the message."""
-    labels = distinct(column)[1].drop_null().unique()
+    labels = class_names(column)[1].drop_null().unique()
     if len(labels) < 2:
         raise cli.RecipeError(f"target column {name!r} holds {len(labels)} distinct value(s) besides missing "
                               f"ones{rows}: there is nothing to learn")
@@ -200,7 +209,7 @@ def fit_features(table: pa.Table, target: str, task: str, bins: int = 0, rows: s
     task = target_task(table[target], target, task, rows)
     spec = {"target": target, "task": task, "numeric": {}, "categorical": {}, "bins": {}, "rows_per_value": {}}
     if task == "classification":
-        spec["classes"] = sorted(set(distinct(table[target])[1].drop_null().to_pylist()))
+        spec["classes"] = sorted(set(class_names(table[target])[1].drop_null().to_pylist()))
     else:
         values = numbers(table[target], strict=True)
         values = values[~np.isnan(values)]
@@ -244,7 +253,7 @@ def encode(spec: dict, table: pa.Table, *, with_target: bool = True):
     if not with_target:
         return numeric, categorical, None
     if spec["task"] == "classification":
-        indices, words = distinct(table[spec["target"]])
+        indices, words = class_names(table[spec["target"]])
         # -1: missing, or a class unseen in training
         target = pc.fill_null(pc.index_in(words, value_set=pa.array(spec["classes"])), -1).to_numpy()[indices]
         return numeric, categorical, target.astype(np.int64)

@@ -106,6 +106,18 @@ def test_task_auto_detection():
     assert tabular.fit_features(text_table(["x", "y"], rows), "y", "auto")["task"] == "regression"
 
 
+def test_a_numeric_class_is_one_class_however_it_is_spelled():
+    """"1", "1.0" and "1e0" (a file pandas wrote with a missing label, say) were three classes of a 0/1 target."""
+    rows = [[str(i), ["0", "1", "1.0", "1e0", "0.0", ""][i % 6]] for i in range(60)]
+    spec = tabular.fit_features(text_table(["x", "y"], rows), "y", "auto")
+    assert spec["classes"] == ["0", "1"]
+    target = tabular.encode(spec, text_table(["x", "y"], rows))[2]
+    assert target.tolist() == [[0, 1, 1, 1, 0, -1][i % 6] for i in range(60)]  # -1: missing
+    with pytest.raises(tabular.cli.RecipeError, match="holds 1 distinct value"):
+        tabular.target_task(text_table(["y"], [["2.0"], ["2"]])["y"], "y", "auto")
+    assert tabular.class_names(pa.array([0.5, 2.0, None]))[1].to_pylist() == ["0.5", "2", None]  # Parquet floats
+
+
 @pytest.mark.parametrize("num_embedding", ["none", "periodic"])
 def test_parameter_groups_exempt_biases_norms_and_embeddings(num_embedding):
     """The periodic embedding's per-feature layer has a bias that is a matrix (one bias per feature): still a bias."""
