@@ -391,6 +391,8 @@ def main(
     elif compare_compiled:
         if resume is not None:
             raise typer.BadParameter("--compare always starts fresh runs", param_hint="--resume")
+        if batch_size > samples:  # as the training runs would say, but before a minute of timing
+            raise cli.RecipeError(f"--batch-size {batch_size} is larger than the training set ({samples} samples)")
         compare(options, open_run_dir(RECIPE, run_dir, None, resumable=False).path)
     else:
         if not compile and (unused := [n for n in ("mode", "dynamic", "fullgraph", "backend") if cli.option_given(n)]):

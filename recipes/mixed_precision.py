@@ -269,6 +269,8 @@ def main(
     if compare_precisions:
         if resume is not None:
             raise typer.BadParameter("--compare always starts fresh runs", param_hint="--resume")
+        if batch_size > samples:  # as the training runs would say, but before the timing
+            raise cli.RecipeError(f"--batch-size {batch_size} is larger than the training set ({samples} samples)")
         compare(options, open_run_dir(RECIPE, run_dir, None, resumable=False).path, max_slowdown)
         return
     train(**options)

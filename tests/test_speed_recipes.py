@@ -136,6 +136,17 @@ def test_ctrl_c_in_a_compare_says_to_run_it_again_not_to_resume(run_inprocess, t
     assert not [key for key in config if key.startswith("compare")]  # its --config-file replays it as one run
 
 
+@pytest.mark.parametrize("recipe", ["mixed_precision", "compiled_model"])
+def test_compare_refuses_a_batch_larger_than_the_training_set_before_timing(run_inprocess, tmp_path, monkeypatch,
+                                                                              recipe):
+    """It used to time the models first (a minute, compiling), then fail in the first training run."""
+    module = load_recipe(recipe)
+    monkeypatch.setattr(module, "measure_speed", lambda *args, **kwargs: pytest.fail("timed before the check"))
+    result = run_inprocess(recipe, "--compare", "--batch-size", 64, "--samples", 32, "--run-dir", tmp_path / "cmp")
+    assert (result.code, result.stderr) == (1, "error: --batch-size 64 is larger than the training set (32 samples)\n")
+    assert not (tmp_path / "cmp").exists()
+
+
 def test_a_step_time_is_the_median_of_the_timed_steps_also_of_an_even_count(monkeypatch):
     """bf16 and fp16 are timed over 2 steps: the upper of two is their maximum, not their median."""
     clock = iter([0, 1, 10, 12, 20, 24, 30, 31, 40, 46])  # a warm-up step of 1 s, then steps of 2, 4, 1 and 6 s
