@@ -247,7 +247,8 @@ def main(
     max_lr: Annotated[float, typer.Option("--max-lr", "--lr", callback=cli.positive_float,
                                           help="Peak learning rate of the one-cycle schedule.")] = 0.2,
     momentum: Annotated[
-        float, typer.Option(min=0.0, max=0.999, help="Peak SGD (Nesterov) momentum; the cycle dips it to 0.85.")
+        float, typer.Option(min=0.0, max=0.999, help="Peak SGD (Nesterov) momentum; the cycle dips it to 0.85 "
+                                                     "(if higher).")
     ] = 0.95,
     weight_decay: Annotated[
         float, typer.Option(callback=cli.finite_non_negative, help="L2 penalty on all weights.")

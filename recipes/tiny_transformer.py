@@ -299,6 +299,9 @@ def read_text(path: Path) -> bytes:
         data.decode("utf-8")
     except UnicodeDecodeError as err:
         raise cli.RecipeError(f"--text {path} is not UTF-8 text (byte {err.start}); re-save it as UTF-8") from None
+    if b"\0" in data:  # valid UTF-8, yet no text holds NUL: a binary file, or UTF-16 (its ASCII is every other byte)
+        raise cli.RecipeError(f"--text {path} holds NUL bytes (byte {data.index(0)}): a binary file, or UTF-16? "
+                              "re-save it as UTF-8")
     return data
 
 

@@ -405,6 +405,8 @@ def test_ddp_leaves_the_constant_masks_unsent(run_inprocess, text_file, tmp_path
         (None, "no such file"),
         (b"", "is empty"),
         (b"caf\xe9 au lait " * 40, "is not UTF-8 text"),
+        (b"\0" * 400, "holds NUL bytes (byte 0): a binary file, or UTF-16? re-save it as UTF-8"),
+        ("def forward(self, x):\n".encode("utf-16-le") * 40, "holds NUL bytes (byte 1)"),
         (b"short text", "too short for --block-size 16"),
     ],
 )
