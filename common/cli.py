@@ -177,6 +177,13 @@ def launched_as_rank_0() -> bool:
     return os.environ.get("RANK", "0") == "0"
 
 
+def tell_torchrun(message: str) -> None:
+    """Under torchrun, the error its report of the failure quotes (not a link to a log)."""
+    if "TORCHELASTIC_ERROR_FILE" in os.environ:
+        failure = {"message": message, "extraInfo": {"py_callstack": message, "timestamp": str(int(time.time()))}}
+        Path(os.environ["TORCHELASTIC_ERROR_FILE"]).write_text(json.dumps({"message": failure}))
+
+
 def run_recipe(main: Callable[..., object], argv: list[str] | None = None) -> None:
     """Run ``main`` as a one-command Typer CLI: exit 0 on success, 2 on usage errors, 1 on RecipeError or OSError. Under
     torchrun every rank meets the same errors and rank 0 alone prints them. The process group (if any) is
@@ -218,9 +225,7 @@ def run_recipe(main: Callable[..., object], argv: list[str] | None = None) -> No
             f"{err.strerror or err}{f': {err.filename}' if err.filename else ''} (the checkpoints written are intact)"
         if not quiet:
             print(f"error: {message}", file=sys.stderr, flush=True)
-        if "TORCHELASTIC_ERROR_FILE" in os.environ:  # torchrun's report of the failure quotes it (not a link)
-            failure = {"message": message, "extraInfo": {"py_callstack": message, "timestamp": str(int(time.time()))}}
-            Path(os.environ["TORCHELASTIC_ERROR_FILE"]).write_text(json.dumps({"message": failure}))
+        tell_torchrun(message)
         sys.exit(1)
     except (KeyboardInterrupt, typer.Abort):  # Ctrl-C before training, where no StopRequest listens yet
         sys.exit(130)
@@ -229,6 +234,7 @@ def run_recipe(main: Callable[..., object], argv: list[str] | None = None) -> No
             raise
         if not quiet:
             err.show()  # the usage line and what is wrong, as Typer prints it
+        tell_torchrun(err.format_message())
         sys.exit(getattr(err, "exit_code", 2))
     finally:
         signal.signal(signal.SIGTERM, sigterm)

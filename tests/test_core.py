@@ -772,6 +772,21 @@ def test_a_collective_whose_peer_died_is_one_line_and_any_other_runtime_error_a_
                                        "resumes from the last checkpoint\n")
 
 
+@pytest.mark.parametrize(("args", "code", "message"), [
+    (["--epochs", "0"], 2, "Invalid value for '--epochs': Input should be greater than or equal to 1"),
+    (["--resume", "{tmp}/none.pt"], 1, "checkpoint {tmp}/none.pt does not exist"),
+])
+def test_torchruns_report_quotes_the_error_usage_errors_too(run_inprocess, tmp_path, monkeypatch, args, code, message):
+    """torchrun's report of a failed worker quotes TORCHELASTIC_ERROR_FILE; a usage error wrote none (<N/A> there)."""
+    import json
+
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(tmp_path / "error.json"))
+    result = run_inprocess("mixed_precision", *[a.format(tmp=tmp_path) for a in args], "--run-dir", tmp_path / "run")
+    assert result.code == code
+    written = json.loads((tmp_path / "error.json").read_text())["message"]
+    assert written["message"] == message.format(tmp=tmp_path) == written["extraInfo"]["py_callstack"]
+
+
 def test_out_of_memory_is_one_line_saying_what_to_shrink(run_inprocess, tmp_path, capsys):
     """A model or batch too big for the machine is a runtime problem its user caused: one line, not a traceback."""
     from common.cli import run_recipe
