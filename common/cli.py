@@ -60,6 +60,11 @@ def folder(value: str | Path) -> Path:
     """A folder option's value; an empty one (an unset shell variable, say) is refused rather than read as '.'."""
     if not str(value).strip():
         raise typer.BadParameter("is empty; give a folder")
+    try:
+        str(value).encode("utf-8")
+    except UnicodeEncodeError:  # a name in another encoding reaches Python as lone surrogates
+        raise typer.BadParameter(f"{ascii(str(value))} is not a UTF-8 name, which TensorBoard needs: rename the "
+                                 "folder") from None
     return Path(value)
 
 
@@ -192,6 +197,8 @@ def run_recipe(main: Callable[..., object], argv: list[str] | None = None) -> No
     app.command()(main)
     flags = {param.name: [*param.opts, *param.secondary_opts] for param in typer.main.get_command(app).params}
     quiet = not launched_as_rank_0()
+    if hasattr(sys.stdout, "reconfigure"):  # a file name in another encoding prints as \udce9, not a traceback
+        sys.stdout.reconfigure(errors="backslashreplace")
     # SIGTERM before a StopRequest listens (while data loads, say): exit 143 through the clean-ups, as Ctrl-C does,
     # so that a run directory this run made and never used is removed (the default action leaves it)
     sigterm = signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))

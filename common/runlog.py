@@ -204,8 +204,8 @@ class RunLog:
                 if name.startswith("test_") and isinstance(value, float):
                     tags.append(name.replace("_", "/", 1))
                     self.writer.add_scalar(tags[-1], value, step)
-            values = {k: v if isinstance(v, bool | int | float | str) else str(v)
-                      for k, v in self.config.items() if v is not None}
+            values = {k: v if isinstance(v, bool | int | float) else str(v).encode(errors="backslashreplace").decode()
+                      for k, v in self.config.items() if v is not None}  # a name not UTF-8: as \udcff, say
             self.writer.file_writer.add_summary(hparams.hparams_config_pb(
                 hparams=[hparams.HParam(k) for k in values], metrics=[hparams.Metric(tag) for tag in tags]))
             self.writer.file_writer.add_summary(hparams.hparams_pb(values, start_time_secs=time.time()))

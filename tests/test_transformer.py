@@ -419,6 +419,17 @@ def test_bad_text_is_a_one_line_error(run_inprocess, tmp_path, content, message)
     assert message in result.stderr
 
 
+def test_a_text_whose_name_is_not_utf8_trains_and_is_recorded_escaped(run_inprocess, tmp_path, corpus_txt):
+    """TensorBoard's HParams failed with a traceback, after training, on a --text named in another encoding."""
+    import os
+
+    path = tmp_path / os.fsdecode(b"caf\xe9.txt")  # Latin-1's e acute: a lone surrogate to Python
+    path.write_bytes(corpus_txt.read_bytes())
+    result = run_inprocess(RECIPE, "--text", path, *SMALL, "--max-steps", 2, "--run-dir", tmp_path / "run")
+    assert result.code == 0, result.stderr
+    assert read_metrics(tmp_path / "run")["steps"] == 2
+
+
 def test_heads_must_divide_the_width(run_inprocess, tmp_path):
     result = run_inprocess(RECIPE, "--n-embd", 30, "--n-head", 4)
     assert result.code == 2
