@@ -202,12 +202,26 @@ def to_mnist_format(image: torch.Tensor) -> torch.Tensor:
 def read_digit(path: Path) -> torch.Tensor:
     """An image file -> (1, 28, 28) in MNIST's format; any file that is not a readable image is a RecipeError."""
     try:
-        image = decode_image(read_file(str(path)), mode=ImageReadMode.GRAY)  # (1, H, W) uint8, any colour type
+        data = read_file(str(path))
+        png = bytes(data[:8].tolist()) == b"\x89PNG\r\n\x1a\n"  # a PNG may be see-through; a JPEG has no alpha
+        # (grey, alpha) or (grey,), uint8 (uint16: a 16-bit PNG), from any colour type
+        image = decode_image(data, mode=ImageReadMode.GRAY_ALPHA if png else ImageReadMode.GRAY)
     except (RuntimeError, ValueError):
         image = None
-    if image is None or image.shape[0] != 1:  # a GIF or WebP decodes, but in colour whatever was asked
+    if image is None or image.shape[0] != 1 + png:  # a GIF or WebP decodes, but in colour whatever was asked
         raise cli.RecipeError(f"{path} is not a readable PNG or JPEG image")
-    return to_mnist_format(image)
+    return to_mnist_format(flatten_alpha(image) if png else image)
+
+
+def flatten_alpha(image: torch.Tensor) -> torch.Tensor:
+    """(grey, alpha) -> (grey,): where the image is see-through, the background shows as the shade the ink is not.
+    A digit drawn on a transparent canvas, in black ink or in white, has no grey background of its own."""
+    white = torch.iinfo(image.dtype).max
+    grey, alpha = image[:1].double(), image[1:].double() / white
+    if alpha.min() == 1:
+        return image[:1]
+    dark_ink = (grey * alpha).sum() < white / 2 * alpha.sum()  # the opaque pixels' mean shade
+    return (grey * alpha + (white if dark_ink else 0) * (1 - alpha)).round().to(image.dtype)
 
 
 @torch.no_grad()

@@ -119,6 +119,24 @@ def test_a_16_bit_png_gives_the_digit_of_its_8_bit_copy(checkpoint, run_inproces
         assert predictions[f"{label}-16.png"] == predictions[f"{label}-8.png"]
 
 
+def test_a_digit_on_a_transparent_canvas_reads_as_its_ink(tmp_path):
+    """A drawing app's PNG: ink, black or white, whose pixels are opaque on a transparent canvas whose own colour is
+    black. Read as grey alone, black ink came out blank (a black digit on black)."""
+    import numpy as np
+    from PIL import Image
+
+    for _, image in one_digit_per_class()[:3]:
+        write_png(image, str(tmp_path / "white-on-black.png"))
+        ink = image[0].numpy()
+        for shade in (0, 255):
+            rgba = np.stack([np.full_like(ink, shade)] * 3 + [ink], axis=-1)
+            Image.fromarray(rgba, "RGBA").save(tmp_path / f"{shade}.png")
+            torch.testing.assert_close(mnist.read_digit(tmp_path / f"{shade}.png"),  # 1 - (1 - x): within float's
+                                       mnist.read_digit(tmp_path / "white-on-black.png"), atol=1e-6, rtol=0)
+    Image.fromarray(np.stack([ink, np.full_like(ink, 255)], axis=-1), "LA").save(tmp_path / "opaque.png")
+    assert torch.equal(mnist.read_digit(tmp_path / "opaque.png"), mnist.read_digit(tmp_path / "white-on-black.png"))
+
+
 def test_a_28x28_image_is_kept_as_it_is_framed():
     _, image = one_digit_per_class()[6]
     assert torch.equal(mnist.to_mnist_format(image), image.float() / 255)
