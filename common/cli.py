@@ -88,7 +88,8 @@ Device = Annotated[str, typer.Option(callback=device_name, help="auto (cuda, els
 Precision = Annotated[Literal["auto", "fp32", "bf16", "fp16"], typer.Option(
     help="Autocast dtype; fp16 adds a GradScaler; auto: bf16 where the device multiplies it natively, else fp32.")]
 Compile = Annotated[bool, typer.Option("--compile/--no-compile", help="Wrap the model in torch.compile.")]
-NumWorkers = Annotated[int, typer.Option(min=0, help="DataLoader worker processes (0: load in the main one).")]
+NumWorkers = Annotated[int, typer.Option(min=0, max=4 * (os.cpu_count() or 1), help="DataLoader worker processes "
+                                         "(0: load in the main one; at most 4 per CPU core: each is a process).")]
 DataDir = Annotated[Path, typer.Option(parser=folder, metavar="<path>", help="Where data sets are downloaded and "
                                        "cached.")]
 RunDir = Annotated[Path | None, typer.Option(parser=folder, metavar="<path>", help="Where this run writes everything "
@@ -110,8 +111,7 @@ Patience = Annotated[int | None, typer.Option(min=1, help="Stop after N evaluati
 
 # Settings a recipe derives from its options and the machine (MFU's denominator, say): recorded, and free to differ
 # on a resume
-DERIVED_KEYS = {"precision_reason", "peak_flops_used", "peak_source", "attention_used", "num_embedding_used",
-                "lr_used"}
+DERIVED_KEYS = {"precision_reason", "peak_flops_used", "peak_source", "attention_used", "num_embedding_used", "lr_used"}
 # What config.json records beside the options: where and how the run ran, the fold of a cross-validation
 RECORD_KEYS = DERIVED_KEYS | {"recipe", "torch_version", "device_used", "world_size", "tf32", "checkpoint_format",
                              "fold"}

@@ -117,6 +117,18 @@ def test_every_recipe_takes_auto_precision_and_says_what_it_chose(recipe, run_in
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
+def test_more_workers_than_4_per_core_is_a_usage_error(recipe, run_inprocess, tmp_path):
+    """--num-workers 100000 forked processes until the machine ran out of them."""
+    if "--num-workers" not in run_inprocess(recipe, "--help").stdout:
+        return
+    limit = 4 * os.cpu_count()
+    result = run_inprocess(recipe, "--num-workers", limit + 1, "--run-dir", tmp_path / "run")
+    assert result.code == 2, result.stderr
+    assert f"Invalid value for '--num-workers': Input should be less than or equal to {limit}" in result.stderr
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
 def test_an_empty_folder_option_is_a_usage_error_not_the_current_folder(recipe, run_inprocess, tmp_path, monkeypatch):
     """`--run-dir "$RUN"` with RUN unset: writing checkpoints into wherever the command ran is refused."""
     monkeypatch.chdir(tmp_path)
