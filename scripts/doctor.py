@@ -51,7 +51,7 @@ from scripts.find_lr import FinderError as DoctorError  # noqa: E402 - the same 
 from scripts.plot_runs import write_atomically  # noqa: E402
 
 ALTERNATIVES = ["bf16", "compile", "workers", "batch"]
-OWN_OPTIONS = ("--run-dir", "--resume", "--max-steps", "--log-every", "--profile")
+OWN_OPTIONS = ("--run-dir", "--resume", "--max-steps", "--log-every", "--profile", "--checkpoint-every")
 
 
 @dataclass
@@ -278,6 +278,16 @@ def rule_rows(observed: Observed, config: dict, profile: dict, options: list[str
     return rows
 
 
+def written_by_another(path: Path) -> bool:
+    """Whether ``path`` holds something a report must not replace: anything but an earlier report."""
+    try:
+        return "recommended_options" not in json.loads(path.read_text())
+    except FileNotFoundError:
+        return False
+    except (OSError, ValueError, TypeError):  # unreadable, not JSON, JSON but no object
+        return True
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()), allow_abbrev=False,
                                      usage="%(prog)s RECIPE [options] [recipe options]",
@@ -289,13 +299,16 @@ def main(argv: list[str] | None = None) -> int:
                         "step time, about a second]")
     parser.add_argument("--try", dest="wanted", default=",".join(ALTERNATIVES),
                         help=f"the alternatives to try, of {','.join(ALTERNATIVES)} [default: all that apply]")
-    parser.add_argument("--json", type=Path, metavar="FILE", help="also write the figures here")
+    parser.add_argument("--json", type=Path, metavar="FILE.json", help="also write the figures here (a new file, or an "
+                        "earlier report)")
     args, options = parser.parse_known_args(argv)
     wanted = [w for w in args.wanted.split(",") if w]
-    if not set(wanted) <= set(ALTERNATIVES):
+    if not wanted or not set(wanted) <= set(ALTERNATIVES):
         parser.error(f"argument --try: {args.wanted!r}: each of {', '.join(ALTERNATIVES)}")
-    if args.rounds < 1 or (args.window is not None and args.window < 1):
-        parser.error("arguments --rounds and --window: must be at least 1")
+    if not 1 <= args.rounds <= 100 or (args.window is not None and not 1 <= args.window <= 10_000):
+        parser.error("arguments --rounds and --window: from 1 to 100 rounds, of 1 to 10,000 steps")
+    if args.json is not None and args.json.suffix.lower() != ".json":  # not a checkpoint or a table by mistake
+        parser.error(f"argument --json: {args.json} must end in .json")
     if taken := first_given(options, OWN_OPTIONS):
         parser.error(f"{taken}: the doctor runs the recipe in run directories of its own, for its own steps")
     if taken := first_given(options, NOT_TRAINING):
@@ -304,8 +317,9 @@ def main(argv: list[str] | None = None) -> int:
         recipe = load_recipe(args.recipe)
     except DoctorError as err:  # no such recipe, or a file that is not one
         parser.error(f"argument RECIPE: {err}")
-    if args.json is not None and (args.json.is_dir() or not args.json.parent.is_dir()):  # now, not after minutes
-        why = "it is a folder" if args.json.is_dir() else f"{args.json.parent} is not a folder"
+    if args.json is not None and (args.json.is_dir() or not args.json.parent.is_dir() or written_by_another(args.json)):
+        why = "it is a folder" if args.json.is_dir() else f"{args.json.parent} is not a folder" if not \
+            args.json.parent.is_dir() else "it exists and is no doctor's report (a run's config.json?): choose another"
         print(f"error: cannot write --json {args.json}: {why}", file=sys.stderr)
         return 1
     try:

@@ -246,8 +246,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"arguments --from and --to: need 0 < --from < --to, got {args.start} and {args.end}")
     if args.plot.suffix.lower() != ".png":
         parser.error(f"argument --plot: {args.plot} must end in .png")
-    if taken := first_given(options, ("--run-dir", "--resume", "--max-steps", "--log-every", "--patience")):
+    if taken := first_given(options, ("--run-dir", "--resume", "--max-steps", "--log-every", "--patience",
+                                      "--profile", "--checkpoint-every")):
         parser.error(f"{taken}: the range test runs the recipe in a run directory of its own, for its own steps")
+    if taken := first_given(options, ("--lr", "--max-lr")):  # the ramp sets it, step by step
+        parser.error(f"{taken}: the range test sweeps the learning rate itself, from --from to --to")
     if taken := first_given(options, NOT_TRAINING):
         parser.error(f"{taken}: the range test measures a training run, and {taken} makes the recipe do something else")
     try:

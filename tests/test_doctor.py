@@ -100,6 +100,14 @@ RECIPES = ", ".join(sorted(p.stem for p in (doctor.ROOT / "recipes").glob("*.py"
     (["mixed_precision", "--run-dir", "x"], "--run-dir: the doctor runs the recipe in run directories of its own, "
      "for its own steps"),
     (["mixed_precision", "--try", "warp"], "argument --try: 'warp': each of bf16, compile, workers, batch"),
+    (["mixed_precision", "--try", ",,"], "argument --try: ',,': each of bf16, compile, workers, batch"),  # nothing
+    (["mixed_precision", "--window", "100000000"], "arguments --rounds and --window: from 1 to 100 rounds, of 1 to "
+     "10,000 steps"),  # (it measured for hours)
+    (["mixed_precision", "--rounds", "0"], "arguments --rounds and --window: from 1 to 100 rounds, of 1 to 10,000 "
+     "steps"),
+    (["mixed_precision", "--json", "best.pt"], "argument --json: best.pt must end in .json"),
+    (["mixed_precision", "--checkpoint-every", "1"], "--checkpoint-every: the doctor runs the recipe in run "
+     "directories of its own, for its own steps"),
     # options that make a recipe do something other than train: nothing to measure (they were tracebacks)
     (["tabular_mlp", "--csv", "{table_csv}", "--target", "label", "--cv", "2", "--rounds", "1"],
      "--cv: the doctor measures a training run, and --cv makes the recipe do something else"),
@@ -129,8 +137,16 @@ def test_the_recipes_own_usage_errors_exit_2_and_an_unwritable_json_is_found_bef
     assert doctor.main(["mixed_precision", "--json", str(tmp_path / "afile" / "x.json")]) == 1
     assert capsys.readouterr().err == f"error: cannot write --json {tmp_path / 'afile' / 'x.json'}: " \
                                       f"{tmp_path / 'afile'} is not a folder\n"
-    assert doctor.main(["mixed_precision", "--json", str(tmp_path)]) == 1
-    assert capsys.readouterr().err == f"error: cannot write --json {tmp_path}: it is a folder\n"
+    (tmp_path / "reports.json").mkdir()
+    assert doctor.main(["mixed_precision", "--json", str(tmp_path / "reports.json")]) == 1
+    assert capsys.readouterr().err == f"error: cannot write --json {tmp_path / 'reports.json'}: it is a folder\n"
+    # a file a report must not replace (a run's config.json, say: it was replaced, the run's record lost)
+    for content in ('{"recipe": "mixed_precision", "lr": 0.1}', "not json", "[1]"):
+        (tmp_path / "config.json").write_text(content)
+        assert doctor.main(["mixed_precision", "--json", str(tmp_path / "config.json")]) == 1
+        assert capsys.readouterr().err == f"error: cannot write --json {tmp_path / 'config.json'}: it exists and is " \
+                                          "no doctor's report (a run's config.json?): choose another\n"
+        assert (tmp_path / "config.json").read_text() == content
     with pytest.raises(SystemExit):
         doctor.main(["--help"])
     assert "and the rules of PyTorch's Performance Tuning Guide checked against the live run." in \
@@ -182,6 +198,9 @@ def test_what_the_doctor_recommends(alone, together, recommended, said, monkeypa
     command = out.splitlines()[-1]
     assert ("--compile" in command) == ("--compile" in recommended)
     assert ("--num-workers 1" in command) == ("--num-workers 1" in recommended)
+    stub_measurements(monkeypatch, alone, together)
+    assert doctor.main(["mnist_onecycle", "--json", str(report)]) == 0  # an earlier report is replaced
+    assert json.loads(report.read_text())["recommended_options"] == recommended
 
 
 def test_a_baseline_that_fails_in_its_own_process_is_one_line(monkeypatch, tmp_path, capsys):

@@ -93,6 +93,14 @@ RECIPES = ", ".join(sorted(p.stem for p in (find_lr.ROOT / "recipes").glob("*.py
     # --patience would end the ramp early
     (["tabular_mlp", "--csv", "{table_csv}", "--target", "label", "--patience", "1"], 2,
      "error: --patience: the range test runs the recipe in a run directory of its own, for its own steps\n"),
+    # options the ramp would ignore: it sets the rate, and throws its run directory away
+    (["mixed_precision", "--lr", "0.5"], 2, "error: --lr: the range test sweeps the learning rate itself, from --from "
+     "to --to\n"),
+    (["mnist_onecycle", "--max-lr=0.5"], 2, "error: --max-lr: the range test sweeps the learning rate itself"),
+    (["ddp_mlp", "--profile", "1"], 2, "error: --profile: the range test runs the recipe in a run directory of its "
+     "own"),
+    (["ddp_mlp", "--checkpoint-every=1"], 2, "error: --checkpoint-every: the range test runs the recipe in a run "
+     "directory of its own"),
     # a Python file that is not a recipe is refused without being run
     (["{tmp}/other.py"], 2, "error: argument RECIPE: {tmp}/other.py is not a recipe: it defines no main()\n"),
     (["{tmp}/broken.py"], 2, "error: argument RECIPE: cannot read {tmp}/broken.py as Python: "),
