@@ -165,9 +165,10 @@ def already_finished(run: RunFolder, checkpoint: dict | None, *, max_steps: int 
     same command on every restart, a run says so before loading any data and leaves its results as they are."""
     if checkpoint is not None and run.resumes_another_run:
         step, schedule = checkpoint["step"], steps or epochs * checkpoint["steps_per_epoch"]
-        if step >= min(schedule, max_steps or schedule):
-            raise RecipeError(f"checkpoint {run.resume_from} is at step {step}, where this run ends: nothing is left "
-                              f"to train in {run.path} (use the checkpoint as it is: export it, predict or sample)")
+        if step >= (end := min(schedule, max_steps or schedule)):
+            where = "where this run ends" if step == end else f"past where this run ends (step {end})"
+            raise RecipeError(f"checkpoint {run.resume_from} is at step {step}, {where}: nothing is left to train in "
+                              f"{run.path} (use the checkpoint as it is: export it, predict or sample)")
     try:
         metrics = json.loads((run.path / "metrics.json").read_text())
         step, schedule = checkpoint["step"], steps or epochs * checkpoint["steps_per_epoch"]
