@@ -63,8 +63,8 @@ def folder(value: str | Path) -> Path:
     try:
         str(value).encode("utf-8")
     except UnicodeEncodeError:  # a name in another encoding reaches Python as lone surrogates
-        raise typer.BadParameter(f"{ascii(str(value))} is not a UTF-8 name, which TensorBoard needs: rename the "
-                                 "folder") from None
+        raise typer.BadParameter(f"{ascii(str(value))} is not a UTF-8 name (the run's records need one): rename "
+                                 "the folder") from None
     return Path(value)
 
 

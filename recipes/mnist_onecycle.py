@@ -27,7 +27,7 @@ import torch.nn.functional as F
 import typer
 from torch import nn
 from torch.utils.data import TensorDataset
-from torchvision.io import ImageReadMode, decode_image, read_file
+from torchvision.io import ImageReadMode, decode_image
 from torchvision.utils import make_grid
 
 from common import cli
@@ -202,11 +202,12 @@ def to_mnist_format(image: torch.Tensor) -> torch.Tensor:
 def read_digit(path: Path) -> torch.Tensor:
     """An image file -> (1, 28, 28) in MNIST's format; any file that is not a readable image is a RecipeError."""
     try:
-        data = read_file(str(path))
-        png = bytes(data[:8].tolist()) == b"\x89PNG\r\n\x1a\n"  # a PNG may be see-through; a JPEG has no alpha
+        data = path.read_bytes()  # (Python's open: a file named in another encoding than UTF-8 too)
+        png = data.startswith(b"\x89PNG\r\n\x1a\n")  # a PNG may be see-through; a JPEG has no alpha
         # (grey, alpha) or (grey,), uint8 (uint16: a 16-bit PNG), from any colour type
-        image = decode_image(data, mode=ImageReadMode.GRAY_ALPHA if png else ImageReadMode.GRAY)
-    except (RuntimeError, ValueError):
+        image = decode_image(torch.frombuffer(bytearray(data), dtype=torch.uint8),
+                             mode=ImageReadMode.GRAY_ALPHA if png else ImageReadMode.GRAY)
+    except (RuntimeError, ValueError, OSError):
         image = None
     if image is None or image.shape[0] != 1 + png:  # a GIF or WebP decodes, but in colour whatever was asked
         raise cli.RecipeError(f"{path} is not a readable PNG or JPEG image")

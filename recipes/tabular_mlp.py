@@ -97,7 +97,9 @@ def read_table(path: Path) -> pa.Table:
             # one dictionary per column instead of one per block read: combining the chunks is then cheap
             table = pacsv.read_csv(path, parse_options=parse, convert_options=text)
             table = table.unify_dictionaries().combine_chunks()
-    except (pa.ArrowException, OSError) as err:
+    except (pa.ArrowException, OSError, UnicodeEncodeError) as err:
+        if isinstance(err, UnicodeEncodeError):  # a name in another encoding: lone surrogates, which pyarrow refuses
+            raise cli.RecipeError(f"{path}: its name is not UTF-8, which pyarrow needs; rename the file") from None
         if "Empty CSV file" in str(err):
             raise cli.RecipeError(f"{path} is empty; it needs a header row and at least one data row") from None
         if "invalid UTF8" in str(err):

@@ -140,6 +140,6 @@ def test_an_empty_folder_option_is_a_usage_error_not_the_current_folder(recipe, 
         # a name in another encoding (Latin-1's \xff), which reaches Python as a lone surrogate: TensorBoard's
         # writer failed on it with a traceback
         result = run_inprocess(recipe, option, os.fsdecode(b"run-\xff"))
-        assert result.code == 2 and f"Invalid value for '{option}': 'run-\\udcff' is not a UTF-8 name, which " \
-            "TensorBoard needs: rename the folder" in result.stderr
+        assert result.code == 2 and f"Invalid value for '{option}': 'run-\\udcff' is not a UTF-8 name " \
+            "(the run's records need one): rename the folder" in result.stderr
     assert list(tmp_path.iterdir()) == []

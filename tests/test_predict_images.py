@@ -137,6 +137,17 @@ def test_a_digit_on_a_transparent_canvas_reads_as_its_ink(tmp_path):
     assert torch.equal(mnist.read_digit(tmp_path / "opaque.png"), mnist.read_digit(tmp_path / "white-on-black.png"))
 
 
+def test_an_image_named_in_another_encoding_is_read(tmp_path):
+    """torchvision's read_file refused the name (a lone surrogate): "not a readable PNG or JPEG image"."""
+    import os
+
+    image = one_digit_per_class()[0][1]
+    write_png(image, str(tmp_path / "plain.png"))
+    latin = tmp_path / os.fsdecode(b"caf\xe9.png")
+    latin.write_bytes((tmp_path / "plain.png").read_bytes())
+    assert torch.equal(mnist.read_digit(latin), mnist.read_digit(tmp_path / "plain.png"))
+
+
 def test_a_28x28_image_is_kept_as_it_is_framed():
     _, image = one_digit_per_class()[6]
     assert torch.equal(mnist.to_mnist_format(image), image.float() / 255)

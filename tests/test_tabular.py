@@ -338,6 +338,21 @@ def test_bad_csv_is_a_one_line_error(run_inprocess, tmp_path, name, content, mes
     assert message in result.stderr
 
 
+def test_a_table_named_in_another_encoding_is_one_line(table_csv, tmp_path):
+    """A separate process: its stderr writes the name's byte escaped, as a terminal's would (pytest's is strict)."""
+    import os
+
+    from conftest import run_subprocess
+
+    path = tmp_path / os.fsdecode(b"caf\xe9.csv")  # Latin-1's e acute: a lone surrogate, which pyarrow refused
+    path.write_bytes(table_csv.read_bytes())
+    result = run_subprocess(["recipes/tabular_mlp.py", "--csv", path, "--target", "label", "--max-steps", 1,
+                             "--run-dir", tmp_path / "r"])
+    assert (result.code, result.stderr) == (1, f"error: {tmp_path}/caf\\udce9.csv: its name is not UTF-8, which "
+                                               "pyarrow needs; rename the file\n")
+    assert not (tmp_path / "r").exists()
+
+
 def test_unknown_task_is_a_usage_error(run_inprocess, table_csv, tmp_path):
     result = run_inprocess(RECIPE, "--csv", table_csv, "--target", "label", "--task", "clustering")
     assert result.code == 2

@@ -428,6 +428,8 @@ def test_a_text_whose_name_is_not_utf8_trains_and_is_recorded_escaped(run_inproc
     result = run_inprocess(RECIPE, "--text", path, *SMALL, "--max-steps", 2, "--run-dir", tmp_path / "run")
     assert result.code == 0, result.stderr
     assert read_metrics(tmp_path / "run")["steps"] == 2
+    assert f"tokens of {tmp_path}/caf\\udce9.txt |" in result.stdout  # printed with the byte escaped
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["text"] == str(path)  # JSON escapes it
 
 
 def test_heads_must_divide_the_width(run_inprocess, tmp_path):
