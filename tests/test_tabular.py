@@ -174,6 +174,26 @@ def test_a_replay_with_another_optimizer_takes_that_optimizers_default_lr(run_in
     assert given.code == 0 and json.loads((tmp_path / "given" / "config.json").read_text())["lr_used"] == 0.02
 
 
+def test_a_resume_compares_the_rate_used_also_with_a_run_that_recorded_it_as_lr(run_inprocess, table_csv, tmp_path):
+    """Runs before lr_used recorded a default --lr resolved, as "lr": 0.003; compared with "lr": null, their resume
+    was refused for a --lr nobody gave. What must match is the rate."""
+    common = ["--csv", table_csv, "--target", "label", "--epochs", 2, "--batch-size", 32, "--run-dir", tmp_path / "r",
+              "--resume", "auto"]
+    assert run_inprocess(RECIPE, *common, "--max-steps", 3).code == 0
+    last = tmp_path / "r" / "checkpoints" / "last.pt"
+    state = torch.load(last, weights_only=True)
+    del state["config"]["lr_used"]
+    state["config"]["lr"] = 3e-3  # as the older recipe wrote it
+    torch.save(state, last)
+    other = run_inprocess(RECIPE, *common, "--lr", 0.01)
+    assert (other.code, other.stderr) == (1, f"error: checkpoint {last} was started with other options (--lr 0.003 "
+                                             "there, 0.01 here): resume with the options it was started with, or "
+                                             "start afresh in another --run-dir\n")
+    resumed = run_inprocess(RECIPE, *common)
+    assert resumed.code == 0, resumed.stderr
+    assert read_metrics(tmp_path / "r")["steps"] == 14
+
+
 @pytest.mark.parametrize(("epochs", "expected"), [
     (4, [0.01] * 8 + [0.001] * 4 + [0.0001] * 4),  # drops at epochs 2 and 3, 4 steps per epoch
     (2, [0.01] * 4 + [0.001] * 4),  # 50% and 75% of 2 epochs are both epoch 1: one drop, not two at once
