@@ -37,7 +37,7 @@ from torch.utils.data import Dataset
 
 from common import cli
 from common.best import BestCheckpoints, BestScore, EarlyStopping
-from common.checkpoint import Checkpointer, load_checkpoint, load_model_state, resume_checkpoint
+from common.checkpoint import Checkpointer, check_same_run, load_checkpoint, load_model_state, resume_checkpoint
 from common.data import built_batch, checksum, download, make_loader
 from common.loop import StepStats, batches_left, epochs_left, evaluate, to_device, train_step
 from common.profile import StepProfiler
@@ -722,11 +722,9 @@ def train(csv_path: Path | None, target: str, task: str, val_frac: float, cv: in
     lr = config["lr_used"] = lr or DEFAULT_LR[optimizer_name]
     run = open_run_dir(RECIPE, run_dir, resume)  # never over another run's checkpoints; one run at a time in it
     checkpoint = resume_checkpoint(run, RECIPE, config, may_change={"keep_best", "patience", "lr"})
-    # the rate, given or default, must match ("lr" alone: older runs recorded a default --lr resolved)
-    if checkpoint and (saved := checkpoint["config"].get("lr_used", checkpoint["config"]["lr"])) != lr:
-        raise cli.RecipeError(f"checkpoint {run.resume_from} was started with other options (--lr {saved} there, "
-                              f"{lr} here): resume with the options it was started with, or start afresh in another "
-                              "--run-dir")
+    if checkpoint:  # the rate, given or default, must match ("lr" alone: older runs recorded a default --lr resolved)
+        check_same_run({"config": {"lr": checkpoint["config"].get("lr_used", checkpoint["config"]["lr"])}},
+                       run.resume_from, {"lr": lr})
     if already_finished(run, checkpoint, max_steps=max_steps,
                         epochs=epochs or checkpoint and default_epochs(checkpoint["steps_per_epoch"])):
         return json.loads((run.path / "metrics.json").read_text())
