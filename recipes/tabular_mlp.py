@@ -580,7 +580,8 @@ def fold_of_each_row(table: pa.Table, target: str, task: str, folds: int, seed: 
     order, are dealt to the folds in turn, so every fold holds each class in the table's proportions."""
     order = torch.randperm(table.num_rows, generator=torch.Generator().manual_seed(seed)).numpy()
     if task == "classification":
-        labels = distinct(table[target])[0]  # the index of each row's value: a class id
+        indices, words = class_names(table[target])  # "1", " 1" and "1.0": one class, as training reads them
+        labels = pc.dictionary_encode(words.take(pa.array(indices))).indices.fill_null(-1).to_numpy()
         order = order[np.argsort(labels[order], kind="stable")]
     fold = np.empty(table.num_rows, dtype=np.int64)
     fold[order] = np.arange(table.num_rows) % folds

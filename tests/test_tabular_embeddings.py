@@ -294,3 +294,12 @@ def test_a_constant_column_under_ple_leaves_checkpoints_that_load(run_inprocess,
     assert state["features"]["bins"]["flag"] == [0.0, 1.0]
     resumed = run_inprocess(RECIPE, *args, "--resume", "auto")
     assert resumed.code == 0 and "resumed at step 5" in resumed.stdout, resumed.stderr
+
+
+def test_folds_stratify_a_class_however_its_cells_spell_it():
+    # 8 ones and 4 zeros, each spelled two ways: every fold of 3 holds its share of both classes, within a row
+    cells = ["1", "1", "0", "1.0", " 1.0", "0.0"] * 2
+    folds = tabular.fold_of_each_row(pa.table({"label": cells}), "label", "classification", 3, seed=0)
+    ones = np.array([float(c) == 1 for c in cells])
+    for k in range(3):
+        assert abs(ones[folds == k].sum() - 8 / 3) <= 1 and abs((~ones[folds == k]).sum() - 4 / 3) <= 1
