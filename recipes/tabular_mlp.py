@@ -256,8 +256,9 @@ def encode(spec: dict, table: pa.Table, *, with_target: bool = True):
         return numeric, categorical, None
     if spec["task"] == "classification":
         indices, words = class_names(table[spec["target"]])
+        classes = class_names(pa.array(spec["classes"]))  # one spelling, for runs that recorded "1.0" too
         # -1: missing, or a class unseen in training
-        target = pc.fill_null(pc.index_in(words, value_set=pa.array(spec["classes"])), -1).to_numpy()[indices]
+        target = pc.fill_null(pc.index_in(words, value_set=classes[1].take(classes[0])), -1).to_numpy()[indices]
         return numeric, categorical, target.astype(np.int64)
     values = numbers(table[spec["target"]], strict=False)
     if np.isnan(values).any():
