@@ -123,13 +123,13 @@ def replay(ctx: typer.Context, path: Path | None) -> Path | None:
     if path is None:
         return None
     try:
-        saved = json.loads(path.read_text())
+        saved = {**json.loads(path.read_text())}  # TypeError unless a JSON object
     except OSError as err:
         raise typer.BadParameter(f"cannot read {path}: {err.strerror or err}") from None
-    except ValueError:
-        raise typer.BadParameter(f"{path} is not a JSON file (a run's config.json)") from None
+    except (ValueError, TypeError):
+        raise typer.BadParameter(f"{path} is not a run's config.json (a JSON object of settings)") from None
     names = {param.name for param in ctx.command.params}
-    unknown = sorted(saved.keys() - names - RECORD_KEYS) if isinstance(saved, dict) else ["(not an object)"]
+    unknown = sorted(saved.keys() - names - RECORD_KEYS)
     if unknown:
         raise typer.BadParameter(f"{path} holds settings this recipe does not have ({', '.join(unknown[:6])}): "
                                  "another recipe's config?")

@@ -102,8 +102,10 @@ def test_a_config_of_another_recipe_or_no_config_is_a_usage_error(run_inprocess,
     other = run_inprocess("tabular_mlp", "--config", tmp_path / "a" / "config.json")
     assert other.code == 2 and "'--config'" in other.stderr and "another recipe's config?" in other.stderr
     (tmp_path / "bad.json").write_text("{not json")
-    for path, text in [(tmp_path / "bad.json", "is not a JSON file"), (tmp_path / "none.json", "cannot read")]:
-        result = run_inprocess("mixed_precision", "--config", path)
+    (tmp_path / "list.json").write_text("[1, 2]")  # JSON, but not an object of settings
+    not_settings = "is not a run's config.json (a JSON object of settings)"
+    for name, text in [("bad.json", not_settings), ("list.json", not_settings), ("none.json", "cannot read")]:
+        result = run_inprocess("mixed_precision", "--config", tmp_path / name)
         assert result.code == 2 and "'--config'" in result.stderr and text in result.stderr
 
 
