@@ -92,19 +92,26 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, help="write the figures as JSON here")
     parser.add_argument("--quick", action="store_true", help="tiny sizes: checks that every item runs")
-    parser.add_argument("--mnist-dir", type=Path, default=ROOT / "data" / "MNIST" / "raw",
+    parser.add_argument("--mnist-dir", type=Path,
                         help="folder with the official MNIST test set, t10k-*-ubyte.gz (default: data/MNIST/raw)")
     parser.add_argument("--adult-csv", type=Path, help="the Adult census table as one CSV with a header row")
     parser.add_argument("--only", help="comma-separated item numbers, e.g. 1,4")
     parser.add_argument("--device", type=device_name, default=CPU,
                         help="where the recipes run: cpu (default, also on a GPU machine), cuda, cuda:N, mps")
     args = parser.parse_args()
+    # checked before any item runs: a bad --out found after 40 minutes of measuring would lose them
+    if args.out and (args.out.is_dir() or not args.out.parent.is_dir()):
+        parser.error(f"argument --out: {args.out} is a folder or in a missing one; give a .json file's path")
+    if args.mnist_dir and not (args.mnist_dir / "t10k-images-idx3-ubyte.gz").is_file():
+        parser.error(f"argument --mnist-dir: {args.mnist_dir} holds no t10k-images-idx3-ubyte.gz (MNIST's test set)")
+    if args.adult_csv and not args.adult_csv.is_file():
+        parser.error(f"argument --adult-csv: {args.adult_csv} is not a file")
     if problem := check_device(args.device):
         print(f"error: {problem}", file=sys.stderr)
         sys.exit(1)
     harness.DEVICE = args.device
-    mnist_dir = args.mnist_dir if (args.mnist_dir / "t10k-images-idx3-ubyte.gz").is_file() else None
-    adult_csv = args.adult_csv if args.adult_csv and args.adult_csv.is_file() else None
+    mnist_dir = args.mnist_dir or ROOT / "data" / "MNIST" / "raw"  # left out: skipped where it is not
+    mnist_dir = mnist_dir if (mnist_dir / "t10k-images-idx3-ubyte.gz").is_file() else None
     torch.set_num_threads(min(2, os.cpu_count() or 1))
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -116,19 +123,20 @@ def main() -> None:
                  5: item("mixed_precision", "mixed_precision", args.quick),
                  6: item("compiled", "compiled", args.quick, work),
                  7: item("ddp", "ddp", args.quick, work),
-                 8: item("tabular_adult", "tabular", args.quick, adult_csv, work),
+                 8: item("tabular_adult", "tabular", args.quick, args.adult_csv, work),
                  9: item("kv_cache", "kv_cache", args.quick),
                  10: item("tabular_scale", "tabular_scale", args.quick, work),
                  11: item("transformer_parallel", "transformer_parallel", args.quick, work),
                  12: item("lm_quality", "lm_quality", args.quick, work),
-                 13: item("tabular_vs_boosting", "tabular_vs_boosting", args.quick, adult_csv, work),
+                 13: item("tabular_vs_boosting", "tabular_vs_boosting", args.quick, args.adult_csv, work),
                  14: item("defaults_vs_peer", "defaults_vs_peer", args.quick, work),
-                 15: item("doctor_check", "doctor_check", args.quick, mnist_dir, adult_csv, work),
-                 16: item("lr_finder", "lr_finder", args.quick, mnist_dir, adult_csv, work)}
-        chosen = [int(i) for i in args.only.split(",") if i.isdigit()] if args.only else list(items)
-        unknown = sorted(set(args.only.split(",")) - {str(i) for i in items}) if args.only else []
-        if unknown:
-            parser.error(f"argument --only: no item {', '.join(unknown)} (items are {', '.join(map(str, items))})")
+                 15: item("doctor_check", "doctor_check", args.quick, mnist_dir, args.adult_csv, work),
+                 16: item("lr_finder", "lr_finder", args.quick, mnist_dir, args.adult_csv, work)}
+        given = args.only.split(",") if args.only is not None else list(map(str, items))
+        if unknown := sorted(set(given) - set(map(str, items))):  # "" too: --only "" is not every item
+            parser.error(f"argument --only: no item {', '.join(map(repr, unknown))} (items are "
+                         f"{', '.join(map(str, items))})")
+        chosen = list(dict.fromkeys(map(int, given)))
         hardware = cpu_hardware()
         if harness.DEVICE.type == "cuda":
             hardware["gpu"] = torch.cuda.get_device_name(harness.DEVICE)
@@ -146,9 +154,13 @@ def main() -> None:
         lines.append(f"| {number} | {r['item']} | {r['result']} | {r['target']} | {met} |")
     print("\n".join(lines))
     if args.out:
-        args.out.write_text(json.dumps({"machine": machine, "quick": args.quick, "device": str(harness.DEVICE),
-                                        "hardware": hardware, "items": {str(k): v for k, v in results.items()}},
-                                       indent=2, default=str))
+        try:
+            args.out.write_text(json.dumps({"machine": machine, "quick": args.quick, "device": str(harness.DEVICE),
+                                            "hardware": hardware, "items": {str(k): v for k, v in results.items()}},
+                                           indent=2, default=str))
+        except OSError as err:  # a full disk, say: the table above still holds the figures
+            print(f"error: cannot write --out {args.out}: {err.strerror or err}", file=sys.stderr)
+            sys.exit(1)
     failed = [f"{number} ({r['error']})" for number, r in results.items() if "error" in r]
     if failed:
         print(f"error: {len(failed)} of {len(results)} items failed: {'; '.join(failed)}", file=sys.stderr)

@@ -84,9 +84,18 @@ def test_hardware_says_whether_the_cpu_multiplies_bf16_natively(tmp_path):
 
 
 def test_bad_options_are_usage_errors_naming_them(tmp_path):
-    for args, option in ((["--device", "gpu"], "--device"), (["--only", "4,99"], "--only")):
-        result = run_subprocess([sys.executable, "benchmarks/run.py", *args], timeout=120)
-        assert result.code == 2 and f"argument {option}" in result.stderr, result.stderr
+    """Refused before any item runs: --only "" ran all 16, a missing --adult-csv skipped its items, and a bad --out
+    was found after the measuring, with a traceback."""
+    cases = [(["--device", "gpu"], "argument --device"),
+             (["--only", "4,99"], "argument --only: no item '99'"),
+             (["--only", ""], "argument --only: no item ''"),
+             (["--adult-csv", tmp_path / "none.csv"], "argument --adult-csv: "),
+             (["--mnist-dir", tmp_path], "argument --mnist-dir: "),
+             (["--out", tmp_path / "missing" / "b.json"], "argument --out: "),
+             (["--out", tmp_path], "argument --out: ")]
+    for args, message in cases:
+        result = run_subprocess([sys.executable, "benchmarks/run.py", "--only", "1", *args], timeout=120)
+        assert result.code == 2 and message in result.stderr and "Traceback" not in result.stderr, result.stderr
 
 
 def test_an_absent_device_is_one_error_line():
