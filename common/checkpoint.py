@@ -75,6 +75,8 @@ def load_checkpoint(path: Path, recipe: str, entry: str = "model") -> dict:
 
 def load_model_state(model: nn.Module, state_dict: dict, source: Path) -> None:
     """``load_state_dict`` with an error that lists what did not match, e.g. a checkpoint of another model."""
+    if not isinstance(state_dict, dict):
+        raise RecipeError(f"checkpoint {source} is damaged: its weights are a {type(state_dict).__name__}, not a dict")
     model = unwrap(model)
     ours = model.state_dict()
     problems = {"missing": sorted(ours.keys() - state_dict.keys()),

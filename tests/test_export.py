@@ -298,6 +298,11 @@ def bad_case(case: str, checkpoints: dict, tmp_path: Path) -> tuple[list, str]:
         state["config"]["hidden"] = -3
         torch.save(state, bad)
         return [bad, out], "is damaged: its ddp_mlp model cannot be rebuilt (Trying to create tensor with negative"
+    if case == "weights that are not a dict":
+        state = torch.load(good, weights_only=True)
+        state["model"] = [1]
+        torch.save(state, bad)
+        return [bad, out], "is damaged: its weights are a list, not a dict"
     if case == "out dir is a file":
         out.write_text("a file")
         return [good, out], "is a file, not a folder"
@@ -312,7 +317,8 @@ def bad_case(case: str, checkpoints: dict, tmp_path: Path) -> tuple[list, str]:
 
 BAD_CASES = ["missing checkpoint", "random bytes", "truncated checkpoint", "another program's checkpoint",
              "a bare state_dict", "pickle payload", "weights of another shape", "extras missing",
-             "a negative width", "out dir is a file", "out dir under a file", "checkpoint is a folder"]
+             "a negative width", "weights that are not a dict", "out dir is a file", "out dir under a file",
+             "checkpoint is a folder"]
 
 
 @pytest.mark.parametrize("case", BAD_CASES)
