@@ -49,10 +49,16 @@ STEP_DIR = re.compile(r"step-(\d+)")
 
 @contextmanager
 def quiet_single_process():
-    """Without a process group DCP reads and writes in one process, as meant here: no warning about it."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        yield
+    """Without a process group DCP reads and writes in one process, as meant here: no warning about it. Nor its
+    logged tracebacks for a damaged .metadata: the error raised says it in one line."""
+    previous = logging.root.manager.disable
+    logging.disable(max(previous, logging.WARNING))
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            yield
+    finally:
+        logging.disable(previous)
 
 
 def complete_checkpoints(folder: Path, warn: bool = False) -> list[Path]:
@@ -84,9 +90,6 @@ def load_sharded(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer 
     optimizers = [] if optimizer is None else [optimizer]
     model_sd, optim_sd = get_state_dict(model, optimizers)  # also creates AdamW's (still lazy) state
     state = {"model": model_sd, "optimizer": optim_sd}
-    previous = logging.root.manager.disable
-    # DCP logs tracebacks for a damaged .metadata (root logger); the error below says it in one line
-    logging.disable(max(previous, logging.WARNING))
     try:
         with quiet_single_process():
             dcp.load(state, checkpoint_id=path)
@@ -94,8 +97,6 @@ def load_sharded(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer 
         raise_if_interrupted(err)  # a Ctrl-C during the load: that is no damaged checkpoint
         reason = (str(err).strip().splitlines() or [type(err).__name__])[-1][:300]  # DCP's: a traceback; its last line
         raise RecipeError(f"checkpoint {path} does not fit this model or optimizer, or is damaged: {reason}") from None
-    finally:
-        logging.disable(previous)
     set_state_dict(model, optimizers, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
 
 
@@ -117,7 +118,8 @@ def to_single_file(step_dir: Path, out: Path, recipe: str) -> None:
     trainer.pop("sharded", None)
     tmp = out.with_name(f".{out.name}.{os.getpid()}.dcp.tmp")
     try:
-        dcp_to_torch_save(step_dir, tmp)
+        with quiet_single_process():
+            dcp_to_torch_save(step_dir, tmp)
         tensors = torch.load(tmp, map_location="cpu", weights_only=True)
     finally:
         tmp.unlink(missing_ok=True)
