@@ -499,7 +499,10 @@ def replace_dir(new: Path, out_dir: Path) -> None:
     try:
         if out_dir.is_dir() and any(out_dir.iterdir()):
             old = new.with_name(new.name + ".old")
-            os.replace(out_dir, old)
+            try:
+                os.replace(out_dir, old)
+            except OSError:  # "." cannot be renamed: its earlier export is replaced file by file
+                return move_files(new, out_dir)
             try:
                 os.replace(new, out_dir)
             except OSError:
@@ -512,11 +515,21 @@ def replace_dir(new: Path, out_dir: Path) -> None:
             except OSError:
                 if not out_dir.is_dir():
                     raise
-                for path in new.iterdir():  # "." (an empty folder that cannot be renamed): the files move in
-                    os.replace(path, out_dir / path.name)
-                new.rmdir()
-    except OSError as err:  # "." or a mount point, say: a folder that cannot be renamed
+                move_files(new, out_dir)  # "." (an empty folder that cannot be renamed)
+    except OSError as err:  # a mount point, say: a folder that cannot be renamed
         raise ExportError(f"cannot replace {out_dir}: {err.strerror or err}; choose a new folder") from None
+
+
+def move_files(new: Path, out_dir: Path) -> None:
+    """The files of ``new`` into ``out_dir``, each in one rename; then the earlier export's other files go (only
+    files an export writes are there: export_checkpoint checked)."""
+    names = {path.name for path in new.iterdir()}
+    for name in names:
+        os.replace(new / name, out_dir / name)
+    for path in out_dir.iterdir():
+        if path.name not in names:
+            path.unlink()
+    new.rmdir()
 
 
 class Parser(argparse.ArgumentParser):

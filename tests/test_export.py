@@ -222,13 +222,20 @@ def test_overwrite_never_replaces_a_folder_that_is_not_an_export(checkpoints, tm
         shutil.rmtree(project)
 
 
-def test_an_export_into_the_current_empty_folder_writes_its_files_there(checkpoints, tmp_path, monkeypatch):
-    """`cd out && export.py CHECKPOINT .`: the files move into the folder, which cannot be renamed over."""
+def test_an_export_into_the_current_folder_writes_its_files_there(checkpoints, tmp_path, monkeypatch):
+    """`cd out && export.py CHECKPOINT .`: the files move into the folder, which cannot be renamed (over)."""
     (tmp_path / "out").mkdir()
     monkeypatch.chdir(tmp_path / "out")
     assert export.main([str(checkpoints["ddp_mlp"]), ".", "--format", "safetensors"]) == 0
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["model.json", "model.safetensors"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no temporary folder left beside it
+    # and over an earlier export there (graph, then safetensors): "." is not renamed, its files are replaced
+    assert export.main([str(checkpoints["compiled_model"]), ".", "--overwrite"]) == 0
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["model.json", "model.onnx", "model.pt2"]
+    assert export.main([str(checkpoints["ddp_mlp"]), ".", "--format", "safetensors", "--overwrite"]) == 0
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["model.json", "model.safetensors"]
+    assert json.loads((tmp_path / "out" / "model.json").read_text())["recipe"] == "ddp_mlp"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 
 def test_an_export_that_cannot_replace_its_folder_is_one_line_and_keeps_the_earlier_one(checkpoints, tmp_path,
                                                                                        capsys, monkeypatch):
