@@ -290,7 +290,7 @@ def stdlib_corpus() -> bytes:
 
 
 def read_text(path: Path) -> bytes:
-    if not path.is_file():
+    if path.is_dir() or not path.exists():  # a pipe (--text <(...)) is read as a file
         raise cli.RecipeError(f"--text {path}: {'is a directory' if path.is_dir() else 'no such file'}")
     data = path.read_bytes()
     if not data.strip():
@@ -324,11 +324,13 @@ def encode(data: bytes, vocab: str | object | None) -> torch.Tensor:
 
 
 def decode(tokens: list[int], vocab: str | object | None) -> str:
+    """Token ids -> text. An id past the tokens (a folder's config.json may pad vocab_size) reads as U+FFFD, as a
+    tokenizer skips it."""
     if vocab is None:
-        return bytes(tokens).decode("utf-8", errors="replace")
+        return bytes(min(t, 0xFF) for t in tokens).decode("utf-8", errors="replace")  # a lone 0xFF: U+FFFD
     if not isinstance(vocab, str):
         return vocab.decode(tokens, skip_special_tokens=False)
-    return "".join(vocab[t] for t in tokens)
+    return "".join(vocab[t] if t < len(vocab) else "\ufffd" for t in tokens)
 
 
 class RandomWindows(IterableDataset):
@@ -408,14 +410,24 @@ def utf8_text(value: str) -> str:
     return value
 
 
+def prompt_tokens(prompt: str, vocab: str | object | None) -> torch.Tensor:
+    """--prompt as token ids, checked before training (not at its first sample); no prompt: a newline, if the
+    vocabulary has one (a tokenizer may encode it as nothing), else the first token."""
+    try:
+        ids = encode((prompt or ("\n" if not isinstance(vocab, str) or "\n" in vocab else "")).encode(), vocab).long()
+    except cli.RecipeError as err:  # a character the vocabulary lacks
+        raise typer.BadParameter(str(err).replace("the text", "the prompt"), param_hint="--prompt") from None
+    if not len(ids) and prompt:
+        raise typer.BadParameter(f"the tokenizer encodes {prompt!r} as no tokens at all", param_hint="--prompt")
+    return ids if len(ids) else torch.zeros(1, dtype=torch.long)
+
+
 def sample_text(model: GPT, vocab: str | object | None, prompt: str, tokens: int, temperature: float, top_k: int | None,
                 seed: int, device: torch.device, use_cache: bool = True) -> str:
     model = unwrap(model)  # generation changes the sequence length every token: no compiled graph for it
     was_training = model.training
     model.eval()
-    # no prompt: a newline, if the vocabulary has one
-    prompt = prompt or ("\n" if not isinstance(vocab, str) or "\n" in vocab else vocab[0])
-    start = encode(prompt.encode("utf-8"), vocab).long()[None, -model.config.block_size :].to(device)
+    start = prompt_tokens(prompt, vocab)[None].to(device)  # all of it: generate reads its last block_size tokens
     # A generator of its own: sampling never shifts the training run's random numbers.
     generator = torch.Generator(device).manual_seed(seed)
     # inference_mode: no_grad, and no version counting of tensors either, which makes the KV cache's small per-token
@@ -702,9 +714,7 @@ def main(
                                     "dropout": dropout, "attention": attention})
         block_size = model_config.block_size
     tokens = encode(corpus, vocab)
-    if isinstance(vocab, str) and (unknown := sorted(set(prompt) - set(vocab))):  # now, not after training
-        raise typer.BadParameter(f"characters not in the text's vocabulary: {''.join(unknown[:20])!r}",
-                                 param_hint="--prompt")
+    prompt_tokens(prompt, vocab)  # a --prompt the tokens cannot spell: refused now, not after training
     split = int(0.9 * len(tokens))
     train_tokens, val_tokens = tokens[:split], tokens[split:]
     if len(val_tokens) <= block_size:

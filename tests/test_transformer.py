@@ -3,7 +3,9 @@
 import itertools
 import json
 import math
+import os
 import signal
+import threading
 
 import pytest
 import torch
@@ -258,6 +260,10 @@ def test_smoke_run_and_sampling_from_the_checkpoint(run_inprocess, text_file, tm
                            "--prompt", "def ", "--sample-tokens", 30)
     assert sample.code == 0, sample.stderr
     assert sample.stdout.startswith("def ") and len(sample.stdout.encode()) >= 30
+    prompt = "def " + "x" * 20  # longer than --block-size 16: printed whole, the model reads its last 16 tokens
+    long = run_inprocess(RECIPE, "--sample-only", "--resume", run_dir / "checkpoints" / "last.pt", "--prompt", prompt,
+                         "--sample-tokens", 5)
+    assert long.code == 0 and long.stdout.startswith(prompt), long.stdout
     monkeypatch.setenv("RANK", "1")  # as torchrun starts the second process: the same text, not printed twice
     again = run_inprocess(RECIPE, "--sample-only", "--resume", run_dir / "checkpoints" / "last.pt",
                           "--prompt", "def ", "--sample-tokens", 30)
@@ -507,3 +513,35 @@ def test_a_prompt_not_in_utf8_and_infinite_sampling_settings_are_usage_errors(ru
                            tmp_path / "run")
     assert result.code == 2 and f"Invalid value for '{option}': {message}" in result.stderr, result.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_prompts_and_ids_the_tokens_cannot_spell():
+    """A folder's tokenizer (words split on whitespace, no unknown token) and a config.json that pads vocab_size."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = Tokenizer(models.WordLevel({"a": 0, "b": 1}))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    assert tt.prompt_tokens("a b", words).tolist() == [0, 1]
+    assert tt.prompt_tokens("", words).tolist() == [0]  # "\n" is no token here: the first token starts the sample
+    with pytest.raises(tt.typer.BadParameter, match="cannot encode the prompt"):
+        tt.prompt_tokens("zebra", words)  # was a RecipeError blaming "the text", after training
+    with pytest.raises(tt.typer.BadParameter, match="encodes '  ' as no tokens"):
+        tt.prompt_tokens("  ", words)  # was an IndexError in generate
+    assert tt.prompt_tokens("", None).tolist() == [10] and tt.prompt_tokens("", "ab").tolist() == [0]
+    # ids past the tokens (a padded vocab_size) read as U+FFFD: they were an IndexError or a ValueError
+    assert tt.decode([104, 300], None) == "h\ufffd" and tt.decode([0, 5], "ab") == "a\ufffd"
+    assert tt.decode([0, 7], words) == "a"
+
+
+def test_text_from_a_pipe_is_read(tmp_path):
+    """`--text <(zcat corpus.gz)`: it said "no such file"."""
+    pipe = tmp_path / "pipe"
+    os.mkfifo(pipe)
+    writer = threading.Thread(target=pipe.write_bytes, args=(b"from a pipe\n",))
+    writer.start()
+    try:
+        assert tt.read_text(pipe) == b"from a pipe\n"
+    finally:
+        if writer.is_alive():  # the read never opened the pipe: let the writer finish
+            pipe.read_bytes()
+        writer.join()
