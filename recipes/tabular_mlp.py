@@ -92,10 +92,11 @@ def read_table(path: Path) -> pa.Table:
             table = pq.read_table(path)
         else:
             parse = pacsv.ParseOptions(delimiter=delimiter, newlines_in_values=True)  # quoted cells may span lines
-            header = pacsv.open_csv(path, parse_options=parse).schema.names  # reads the first block only
+            blocks = pacsv.ReadOptions(block_size=16 << 20)  # a row must fit in one: a header of 10k columns, say
+            header = pacsv.open_csv(path, blocks, parse).schema.names  # reads the first block only
             text = pacsv.ConvertOptions(column_types=dict.fromkeys(header, pa.dictionary(pa.int32(), pa.string())))
             # one dictionary per column instead of one per block read: combining the chunks is then cheap
-            table = pacsv.read_csv(path, parse_options=parse, convert_options=text)
+            table = pacsv.read_csv(path, blocks, parse, text)
             table = table.unify_dictionaries().combine_chunks()
     except (pa.ArrowException, OSError, UnicodeEncodeError) as err:
         if isinstance(err, UnicodeEncodeError):  # a name in another encoding: lone surrogates, which pyarrow refuses

@@ -648,3 +648,12 @@ def test_a_resume_on_other_rows_of_the_same_count_is_refused(run_inprocess, tmp_
     table.write_bytes(original)  # the rows it started with: it goes on
     assert run_inprocess(RECIPE, *args).code == 0
     assert read_metrics(tmp_path / "run")["steps"] == 2 * 7  # 240 training rows: 7 full batches of 32 an epoch
+
+
+def test_a_header_over_a_megabyte_is_read(tmp_path):
+    """pyarrow reads 1 MB blocks by default, and a row must fit in one: this table was called empty."""
+    names = [f"feature_{i}_{'x' * 500}" for i in range(2200)]  # a 1.1 MB header
+    path = tmp_path / "wide.csv"
+    path.write_text(",".join([*names, "y"]) + "\n" + "\n".join(",".join(["1"] * 2200 + [str(i % 2)]) for i in range(4)))
+    table = tabular.read_table(path)
+    assert table.column_names == [*names, "y"] and table["y"].to_pylist() == ["0", "1", "0", "1"]
