@@ -35,6 +35,7 @@ samples that look like Python (indentation, ``def``, ``self.``, plausible identi
 
 import math
 import os
+import stat
 import sys
 import sysconfig
 import zlib
@@ -290,8 +291,12 @@ def stdlib_corpus() -> bytes:
 
 
 def read_text(path: Path) -> bytes:
-    if path.is_dir() or not path.exists():  # a pipe (--text <(...)) is read as a file
+    if path.is_dir() or not path.exists():
         raise cli.RecipeError(f"--text {path}: {'is a directory' if path.is_dir() else 'no such file'}")
+    if not path.is_file() and not stat.S_ISFIFO(path.stat().st_mode):  # a pipe, --text <(...), is read
+        raise cli.RecipeError(f"--text {path} is neither a file nor a pipe")
+    if not path.is_file() and int(os.environ.get("WORLD_SIZE", 1)) > 1:
+        raise cli.RecipeError(f"--text {path} is a pipe, which one process reads: under torchrun, give a file")
     data = path.read_bytes()
     if not data.strip():
         raise cli.RecipeError(f"--text {path} is empty")
@@ -324,7 +329,7 @@ def encode(data: bytes, vocab: str | object | None) -> torch.Tensor:
 
 
 def decode(tokens: list[int], vocab: str | object | None) -> str:
-    """Token ids -> text. An id past the tokens (a folder's config.json may pad vocab_size) reads as U+FFFD, as a
+    """Token ids -> text. An id past the tokens (a folder's config.json may pad vocab_size) reads as U+FFFD; a
     tokenizer skips it."""
     if vocab is None:
         return bytes(min(t, 0xFF) for t in tokens).decode("utf-8", errors="replace")  # a lone 0xFF: U+FFFD
@@ -416,6 +421,8 @@ def prompt_tokens(prompt: str, vocab: str | object | None) -> torch.Tensor:
     try:
         ids = encode((prompt or ("\n" if not isinstance(vocab, str) or "\n" in vocab else "")).encode(), vocab).long()
     except cli.RecipeError as err:  # a character the vocabulary lacks
+        if not prompt:  # the newline: a tokenizer without it, and without an unknown token
+            return torch.zeros(1, dtype=torch.long)
         raise typer.BadParameter(str(err).replace("the text", "the prompt"), param_hint="--prompt") from None
     if not len(ids) and prompt:
         raise typer.BadParameter(f"the tokenizer encodes {prompt!r} as no tokens at all", param_hint="--prompt")

@@ -6,6 +6,7 @@ import math
 import os
 import signal
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -517,12 +518,14 @@ def test_a_prompt_not_in_utf8_and_infinite_sampling_settings_are_usage_errors(ru
 
 def test_prompts_and_ids_the_tokens_cannot_spell():
     """A folder's tokenizer (words split on whitespace, no unknown token) and a config.json that pads vocab_size."""
+    import tokenizers
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     words = Tokenizer(models.WordLevel({"a": 0, "b": 1}))
     words.pre_tokenizer = pre_tokenizers.Whitespace()
     assert tt.prompt_tokens("a b", words).tolist() == [0, 1]
     assert tt.prompt_tokens("", words).tolist() == [0]  # "\n" is no token here: the first token starts the sample
+    assert tt.prompt_tokens("", tokenizers.Tokenizer(models.WordLevel({"a": 0, "b": 1}))).tolist() == [0]  # nor here
     with pytest.raises(tt.typer.BadParameter, match="cannot encode the prompt"):
         tt.prompt_tokens("zebra", words)  # was a RecipeError blaming "the text", after training
     with pytest.raises(tt.typer.BadParameter, match="encodes '  ' as no tokens"):
@@ -533,7 +536,7 @@ def test_prompts_and_ids_the_tokens_cannot_spell():
     assert tt.decode([0, 7], words) == "a"
 
 
-def test_text_from_a_pipe_is_read(tmp_path):
+def test_text_from_a_pipe_is_read(tmp_path, monkeypatch):
     """`--text <(zcat corpus.gz)`: it said "no such file"."""
     pipe = tmp_path / "pipe"
     os.mkfifo(pipe)
@@ -545,3 +548,8 @@ def test_text_from_a_pipe_is_read(tmp_path):
         if writer.is_alive():  # the read never opened the pipe: let the writer finish
             pipe.read_bytes()
         writer.join()
+    with pytest.raises(tt.cli.RecipeError, match="is neither a file nor a pipe"):
+        tt.read_text(Path("/dev/null"))  # a device (/dev/zero would be read until memory ran out)
+    monkeypatch.setenv("WORLD_SIZE", "2")  # under torchrun each process would read a part of what the pipe holds
+    with pytest.raises(tt.cli.RecipeError, match="is a pipe, which one process reads: under torchrun, give a file"):
+        tt.read_text(pipe)
