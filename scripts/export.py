@@ -521,14 +521,26 @@ def replace_dir(new: Path, out_dir: Path) -> None:
 
 
 def move_files(new: Path, out_dir: Path) -> None:
-    """The files of ``new`` into ``out_dir``, each in one rename; then the earlier export's other files go (only
-    files an export writes are there: export_checkpoint checked)."""
-    names = {path.name for path in new.iterdir()}
-    for name in names:
-        os.replace(new / name, out_dir / name)
-    for path in out_dir.iterdir():
-        if path.name not in names:
-            path.unlink()
+    """The files of ``new`` into ``out_dir``, a folder that cannot be renamed ("."): an earlier export's files move
+    aside first, and come back if a move fails; anything else in the folder stays."""
+    aside = new.with_name(new.name + ".old")
+    aside.mkdir()
+    earlier = [path.name for path in out_dir.iterdir() if path.name in EXPORT_FILES and path.is_file()]
+    moved = []
+    try:
+        for name in earlier:
+            os.replace(out_dir / name, aside / name)
+        for path in new.iterdir():
+            os.replace(path, out_dir / path.name)
+            moved.append(path.name)
+    except BaseException:  # Ctrl-C, say: the earlier export as it was (if even that fails, it stays in ``aside``)
+        for name in moved:
+            os.replace(out_dir / name, new / name)
+        for path in aside.iterdir():
+            os.replace(path, out_dir / path.name)
+        aside.rmdir()
+        raise
+    shutil.rmtree(aside)
     new.rmdir()
 
 

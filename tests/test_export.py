@@ -237,6 +237,39 @@ def test_an_export_into_the_current_folder_writes_its_files_there(checkpoints, t
     assert json.loads((tmp_path / "out" / "model.json").read_text())["recipe"] == "ddp_mlp"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 
+def test_files_moved_into_the_current_folder_replace_only_an_earlier_export(tmp_path, monkeypatch):
+    """move_files ("."): a file that appeared there during the export stays, and a failed move leaves the earlier
+    export as it was (files moved one by one had mixed the two)."""
+    def folder(name: str, files: dict) -> Path:
+        (tmp_path / name).mkdir()
+        for file, text in files.items():
+            (tmp_path / name / file).write_text(text)
+        return tmp_path / name
+
+    def contents(path: Path) -> dict:
+        return {p.name: p.read_text() for p in sorted(path.iterdir())}
+
+    earlier = {"model.json": "old", "model.pt2": "old", "model.onnx": "old", "notes.txt": "mine"}
+    out = folder("out", earlier)
+    export.move_files(folder("new.tmp", {"model.json": "new", "model.safetensors": "new"}), out)
+    assert contents(out) == {"model.json": "new", "model.safetensors": "new", "notes.txt": "mine"}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+    out, new = folder("out2", earlier), folder("new2.tmp", {"model.json": "new", "model.safetensors": "new"})
+    replace = export.os.replace
+
+    def fail_on_safetensors(src, dst):
+        if Path(dst).name == "model.safetensors" and Path(dst).parent == out:
+            raise OSError(28, "No space left on device")
+        replace(src, dst)
+
+    monkeypatch.setattr(export.os, "replace", fail_on_safetensors)
+    with pytest.raises(OSError):
+        export.move_files(new, out)
+    assert contents(out) == earlier and contents(new) == {"model.json": "new", "model.safetensors": "new"}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["new2.tmp", "out", "out2"]
+
+
 def test_an_export_that_cannot_replace_its_folder_is_one_line_and_keeps_the_earlier_one(checkpoints, tmp_path,
                                                                                        capsys, monkeypatch):
     out = tmp_path / "out"
