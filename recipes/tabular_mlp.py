@@ -258,6 +258,8 @@ def encode(spec: dict, table: pa.Table, *, with_target: bool = True):
     if spec["task"] == "classification":
         indices, words = class_names(table[spec["target"]])
         classes = class_names(pa.array(spec["classes"]))  # one spelling, for runs that recorded "1.0" too
+        if len(classes[1].unique()) < len(spec["classes"]):  # "1" and "1.0" were two classes: no mapping is right
+            raise cli.RecipeError(f"this run's classes {spec['classes']} name one class twice; train a new run")
         # -1: missing, or a class unseen in training
         target = pc.fill_null(pc.index_in(words, value_set=classes[1].take(classes[0])), -1).to_numpy()[indices]
         return numeric, categorical, target.astype(np.int64)

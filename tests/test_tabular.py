@@ -115,6 +115,8 @@ def test_a_numeric_class_is_one_class_however_it_is_spelled():
     assert target.tolist() == [[0, 1, 1, 1, 0, -1][i % 6] for i in range(60)]  # -1: missing
     older_run = {**spec, "classes": ["0.0", "1.0"]}  # as runs before the one spelling recorded them: resumable
     assert tabular.encode(older_run, text_table(["x", "y"], rows))[2].tolist() == target.tolist()
+    with pytest.raises(tabular.cli.RecipeError, match=r"classes \['0', '1', '1.0'\] name one class twice"):
+        tabular.encode({**spec, "classes": ["0", "1", "1.0"]}, text_table(["x", "y"], rows))  # such a run's model
     with pytest.raises(tabular.cli.RecipeError, match="holds 1 distinct value"):
         tabular.target_task(text_table(["y"], [["2.0"], ["2"]])["y"], "y", "auto")
     assert tabular.class_names(pa.array([0.5, 2.0, None]))[1].to_pylist() == ["0.5", "2", None]  # Parquet floats
