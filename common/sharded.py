@@ -49,8 +49,8 @@ STEP_DIR = re.compile(r"step-(\d+)")
 
 @contextmanager
 def quiet_single_process():
-    """Without a process group DCP reads and writes in one process, as meant here: no warning about it. Nor its
-    logged tracebacks for a damaged .metadata: the error raised says it in one line."""
+    """DCP without its warning that there is no process group (one process reads or writes, as meant here), and
+    without its logged tracebacks for a damaged .metadata: the error raised says it in one line."""
     previous = logging.root.manager.disable
     logging.disable(max(previous, logging.WARNING))
     try:
