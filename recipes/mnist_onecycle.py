@@ -203,15 +203,17 @@ def read_digit(path: Path) -> torch.Tensor:
     """An image file -> (1, 28, 28) in MNIST's format; any file that is not a readable image is a RecipeError."""
     try:
         data = path.read_bytes()  # (Python's open: a file named in another encoding than UTF-8 too)
-        png = data.startswith(b"\x89PNG\r\n\x1a\n")  # a PNG may be see-through; a JPEG has no alpha
-        # (grey, alpha) or (grey,), uint8 (uint16: a 16-bit PNG), from any colour type
+        # a PNG of colour type 4 or 6 (IHDR's byte 25) has an alpha channel; torchvision makes one up for a palette
+        # or a 1-bit PNG, wrongly, so only those are read with theirs
+        alpha = data.startswith(b"\x89PNG\r\n\x1a\n") and len(data) > 25 and data[25] in (4, 6)
+        # (grey, alpha) or (grey,), uint8 (uint16: a 16-bit PNG)
         image = decode_image(torch.frombuffer(bytearray(data), dtype=torch.uint8),
-                             mode=ImageReadMode.GRAY_ALPHA if png else ImageReadMode.GRAY)
+                             mode=ImageReadMode.GRAY_ALPHA if alpha else ImageReadMode.GRAY)
     except (RuntimeError, ValueError, OSError):
         image = None
-    if image is None or image.shape[0] != 1 + png:  # a GIF or WebP decodes, but in colour whatever was asked
+    if image is None or image.shape[0] != 1 + alpha:  # a GIF or WebP decodes, but in colour whatever was asked
         raise cli.RecipeError(f"{path} is not a readable PNG or JPEG image")
-    return to_mnist_format(flatten_alpha(image) if png else image)
+    return to_mnist_format(flatten_alpha(image) if alpha else image)
 
 
 def flatten_alpha(image: torch.Tensor) -> torch.Tensor:

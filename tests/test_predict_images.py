@@ -119,6 +119,22 @@ def test_a_16_bit_png_gives_the_digit_of_its_8_bit_copy(checkpoint, run_inproces
         assert predictions[f"{label}-16.png"] == predictions[f"{label}-8.png"]
 
 
+def test_palette_and_1_bit_pngs_read_as_their_grey_copy(tmp_path):
+    """torchvision's (grey, alpha) of a palette PNG was made-up memory (another digit each run), and a 1-bit PNG's
+    alpha was 1 of 255: nearly see-through, so it read as a blank image."""
+    from PIL import Image
+
+    for _, image in one_digit_per_class()[:3]:
+        ink = Image.fromarray(((image[0] > 128) * 255).to(torch.uint8).numpy())  # black and white: no shade is lost
+        ink.save(tmp_path / "grey.png")
+        ink.convert("P").save(tmp_path / "palette.png")
+        ink.convert("1").save(tmp_path / "1-bit.png")
+        grey = mnist.read_digit(tmp_path / "grey.png")
+        assert grey.sum() > 0
+        for name in ("palette.png", "1-bit.png"):
+            assert torch.equal(mnist.read_digit(tmp_path / name), grey), name
+
+
 def test_a_digit_on_a_transparent_canvas_reads_as_its_ink(tmp_path):
     """A drawing app's PNG: ink, black or white, whose pixels are opaque on a transparent canvas whose own colour is
     black. Read as grey alone, black ink came out blank (a black digit on black)."""
