@@ -76,6 +76,9 @@ def open_run_dir(recipe: str, run_dir: Path | None, resume: str | None,
             raise RecipeError(f"{run_dir} holds {what}, which this command would not continue but start afresh "
                               "beside: resume it with the options it was started with (--cv or not), or choose another "
                               "--run-dir")
+        if last is None and not holds_runs and recorded_recipe(run_dir / "metrics.json") == recipe:
+            raise RecipeError(f"{run_dir} holds a finished run without its checkpoints/last.pt: there is nothing to "
+                              "continue, and starting afresh would overwrite its best.pt; choose another --run-dir")
     created = [d for d in [run_dir, *run_dir.parents] if not d.exists()]  # runs/ and runs/RECIPE/ too, if new
     try:
         run_dir.mkdir(parents=True, exist_ok=True)

@@ -388,6 +388,11 @@ def test_a_run_dir_holding_sub_runs_is_not_overwritten_by_a_fresh_run(tmp_path):
     (early / "checkpoints" / "dcp" / ".step-000002.tmp").mkdir(parents=True)
     torch.save({}, early / "checkpoints" / "dcp" / ".step-000002.tmp" / "trainer.pt")
     assert open_run_dir("t", early, "auto") == RunFolder(early, None)
+    # but a finished run (metrics.json) that lost its last.pt is not started afresh over its best.pt
+    (early / "metrics.json").write_text('{"recipe": "t"}')
+    with pytest.raises(RecipeError, match=r"holds a finished run without its checkpoints/last.pt: .* overwrite its "
+                                          r"best.pt; choose another --run-dir"):
+        open_run_dir("t", early, "auto")
     with pytest.raises(RecipeError, match="already holds checkpoints, and --resume"):
         ckpt.resume_checkpoint(RunFolder(run_dir, tmp_path / "x.pt", held=fold), "t", {}, load=lambda path, r: {})
 
