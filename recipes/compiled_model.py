@@ -383,22 +383,27 @@ def main(
     if mode == "reduce-overhead" and (kind := resolve_device(device).type) != "cuda":  # ~100x slower elsewhere
         raise typer.BadParameter(f"captures CUDA graphs, which a {kind} has not: use default or max-autotune",
                                  param_hint="--mode")
-    if traps:  # a demonstration on the CPU: the other options would be silently ignored
-        if unused := [name for name in options if name not in ("backend", "seed") and cli.option_given(name)]:
-            raise typer.BadParameter(f"counts compilations on the CPU, with --backend and --seed only: not "
-                                     f"{', '.join(map(cli.option_name, unused))}", param_hint="--traps")
-        show_traps(seed, backend)
-    elif compare_compiled:
-        if resume is not None:
-            raise typer.BadParameter("--compare always starts fresh runs", param_hint="--resume")
-        if batch_size > samples:  # as the training runs would say, but before a minute of timing
-            raise cli.RecipeError(f"--batch-size {batch_size} is larger than the training set ({samples} samples)")
-        compare(options, open_run_dir(RECIPE, run_dir, None, resumable=False).path)
-    else:
-        if not compile and (unused := [n for n in ("mode", "dynamic", "fullgraph", "backend") if cli.option_given(n)]):
-            raise typer.BadParameter("sets how torch.compile compiles: add --compile (or --compare)",
-                                     param_hint=cli.option_name(unused[0]))
-        train(**options)
+    try:
+        if traps:  # a demonstration on the CPU: the other options would be silently ignored
+            if unused := [name for name in options if name not in ("backend", "seed") and cli.option_given(name)]:
+                raise typer.BadParameter(f"counts compilations on the CPU, with --backend and --seed only: not "
+                                         f"{', '.join(map(cli.option_name, unused))}", param_hint="--traps")
+            show_traps(seed, backend)
+        elif compare_compiled:
+            if resume is not None:
+                raise typer.BadParameter("--compare always starts fresh runs", param_hint="--resume")
+            if batch_size > samples:  # as the training runs would say, but before a minute of timing
+                raise cli.RecipeError(f"--batch-size {batch_size} is larger than the training set ({samples} samples)")
+            compare(options, open_run_dir(RECIPE, run_dir, None, resumable=False).path)
+        else:
+            if not compile and (unused := [n for n in ("mode", "dynamic", "fullgraph", "backend")
+                                           if cli.option_given(n)]):
+                raise typer.BadParameter("sets how torch.compile compiles: add --compile (or --compare)",
+                                         param_hint=cli.option_name(unused[0]))
+            train(**options)
+    except torch._dynamo.exc.BackendCompilerFailed as err:  # tvm without its package, Inductor without a compiler
+        reason = str(err).split("raised:")[-1].strip().split("\n")[0]
+        raise cli.RecipeError(f"--backend {backend} cannot compile the model here: {reason}") from None
 
 
 if __name__ == "__main__":

@@ -249,6 +249,17 @@ def test_traps_and_compare_together_are_a_usage_error(run_inprocess):
     assert result.code == 2 and "Invalid value for --traps: --traps and --compare are two commands" in result.stderr
 
 
+def test_a_backend_that_cannot_compile_here_is_one_line(run_inprocess, tmp_path):
+    """tvm is registered, but its package is not installed: a traceback at the first step, under --traps too."""
+    tiny = ["--width", 8, "--depth", 1, "--batch-size", 8, "--samples", 64]
+    for args in (["--compile", "--max-steps", 1, *tiny, "--run-dir", tmp_path / "run"], ["--traps"]):
+        result = run_inprocess("compiled_model", *args, "--backend", "tvm")
+        assert result.code == 1 and result.stderr.startswith("error: --backend tvm cannot compile the model here: "
+                                                             "ImportError: "), result.stderr
+        assert result.stderr.count("\n") == 1
+    assert not (tmp_path / "run").exists()  # a fresh run that saved nothing leaves no folder
+
+
 def test_unknown_backend_is_a_usage_error(run_inprocess):
     result = run_inprocess("compiled_model", "--backend", "turbo")
     assert result.code == 2
