@@ -331,6 +331,17 @@ def test_compile_options_that_would_be_ignored_are_usage_errors(run_inprocess, t
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize(("args", "message"), [
+    (["--compare", "--precision", "fp16"], "Invalid value for --precision: --compare trains in each of fp32, bf16 "
+                                           "and fp16: leave it out"),
+    (["--max-slowdown", 2], "Invalid value for --max-slowdown: skips slow precisions in --compare: add --compare")])
+def test_precision_options_that_would_be_ignored_are_usage_errors(run_inprocess, tmp_path, args, message):
+    """--compare trained all three whatever --precision said; --max-slowdown alone was a plain fp32 run."""
+    result = run_inprocess("mixed_precision", *args, *MP_SMALL, "--max-steps", 1, "--run-dir", tmp_path / "run")
+    assert result.code == 2 and message in " ".join(result.stderr.split()), result.stderr
+    assert not (tmp_path / "run").exists()
+
+
 def test_an_eager_run_resumes_compiled_and_reports_no_compile_time(run_inprocess, tmp_path):
     """How a run compiles is how fast it runs, not what it trains: a resume may change it, to the same weights."""
     common = [*CM_SMALL, "--epochs", 2]
