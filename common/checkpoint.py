@@ -70,6 +70,9 @@ def load_checkpoint(path: Path, recipe: str, entry: str = "model") -> dict:
         raise RecipeError(f"{path} is not a training checkpoint of this project (no {entry!r} entry)")
     if state.get("recipe") != recipe:
         raise RecipeError(f"{path} was written by recipe {state.get('recipe')!r}, not {recipe!r}")
+    step = state.get("step", 0)
+    if not isinstance(state.get("config", {}), dict) or type(step) is not int or step < 0:
+        raise RecipeError(f"{path} is damaged: its config is not a dict, or its step not a count")
     return state
 
 
@@ -211,7 +214,7 @@ class Checkpointer:
         load_model_state(self.model, checkpoint["model"], self.source)
         try:
             self.optimizer.load_state_dict(checkpoint["optimizer"])
-        except (ValueError, KeyError, RuntimeError, TypeError) as err:
+        except (ValueError, KeyError, RuntimeError, TypeError, AttributeError) as err:
             raise RecipeError(f"checkpoint {self.source} does not fit this run's optimizer: {err}") from None
         return self.restore_training(checkpoint)
 
