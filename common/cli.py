@@ -211,9 +211,9 @@ def run_recipe(main: Callable[..., object], argv: list[str] | None = None) -> No
             running = RUNNING.set(Command(flags, cleanup, sys.argv[1:] if argv is None else argv))
             try:
                 status = app(args=argv, standalone_mode=False)
-            except RuntimeError as err:  # two that the machine causes, not a bug: its memory, another process's end
+            except (RuntimeError, TypeError) as err:  # the machine's memory (a size past 2**63 too), a peer's end
                 reason = re.sub(r"^\[[^]]*\]\s*", "", str(err).strip().split("\n")[0])
-                if isinstance(err, torch.OutOfMemoryError) or re.search("out of memory|can't allocate", reason, re.I):
+                if re.search("out of memory|can't allocate|overflow when unpacking long", reason, re.I):
                     if size := re.search(r"tried to allocate ([\d.]+) ?(\w+)", reason, re.I):  # N bytes (CPU), 2.00 GiB
                         size = f"{float(size[1]) / 2**30:,.1f} GiB" if size[2] == "bytes" else f"{size[1]} {size[2]}"
                     raise RecipeError(f"out of memory{f' (allocating {size} more)' if size else ''}; try a smaller "

@@ -801,6 +801,10 @@ def test_out_of_memory_is_one_line_saying_what_to_shrink(run_inprocess, tmp_path
     assert result.code == 1 and not (tmp_path / "run").exists()
     assert result.stderr == ("error: out of memory (allocating 2,920,627.6 GiB more); try a smaller --batch-size or "
                              "model\n")
+    for option in ("--width", "--samples"):  # past int64: torch's "Overflow when unpacking long" was a traceback
+        result = run_inprocess("mixed_precision", option, 10**20, "--run-dir", tmp_path / "run")
+        assert result.code == 1 and not (tmp_path / "run").exists()
+        assert result.stderr == "error: out of memory; try a smaller --batch-size or model\n"
 
     def main(run_dir: Path = Path("unused")):  # as a GPU says it
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 MiB. GPU 0 has a total capacity of "
