@@ -203,9 +203,10 @@ def read_digit(path: Path) -> torch.Tensor:
     """An image file -> (1, 28, 28) in MNIST's format; any file that is not a readable image is a RecipeError."""
     try:
         data = path.read_bytes()  # (Python's open: a file named in another encoding than UTF-8 too)
-        # a PNG of colour type 4 or 6 (IHDR's byte 25) has an alpha channel; torchvision makes one up for a palette
-        # or a 1-bit PNG, wrongly, so only those are read with theirs
-        alpha = data.startswith(b"\x89PNG\r\n\x1a\n") and len(data) > 25 and data[25] in (4, 6)
+        # PNG colour types 4 and 6 (IHDR's byte 25) have an alpha channel, and a palette (3) may have one (a tRNS
+        # chunk before the pixels); torchvision makes one up for other palettes and 1-bit PNGs, wrongly
+        png = data.startswith(b"\x89PNG\r\n\x1a\n") and len(data) > 25
+        alpha = png and (data[25] in (4, 6) or data[25] == 3 and b"tRNS" in data[: data.find(b"IDAT")])
         # (grey, alpha) or (grey,), uint8 (uint16: a 16-bit PNG)
         image = decode_image(torch.frombuffer(bytearray(data), dtype=torch.uint8),
                              mode=ImageReadMode.GRAY_ALPHA if alpha else ImageReadMode.GRAY)

@@ -122,6 +122,7 @@ def test_a_16_bit_png_gives_the_digit_of_its_8_bit_copy(checkpoint, run_inproces
 def test_palette_and_1_bit_pngs_read_as_their_grey_copy(tmp_path):
     """torchvision's (grey, alpha) of a palette PNG was made-up memory (another digit each run), and a 1-bit PNG's
     alpha was 1 of 255: nearly see-through, so it read as a blank image."""
+    import numpy as np
     from PIL import Image
 
     for _, image in one_digit_per_class()[:3]:
@@ -133,6 +134,13 @@ def test_palette_and_1_bit_pngs_read_as_their_grey_copy(tmp_path):
         assert grey.sum() > 0
         for name in ("palette.png", "1-bit.png"):
             assert torch.equal(mnist.read_digit(tmp_path / name), grey), name
+        # a palette with a see-through colour (tRNS): black ink on a transparent canvas, as RGBA reads it
+        ink_array = np.asarray(ink)
+        canvas = Image.fromarray(np.stack([np.zeros_like(ink_array)] * 3 + [ink_array], axis=-1))
+        canvas.save(tmp_path / "rgba.png")
+        canvas.convert("P").save(tmp_path / "palette-trns.png")
+        assert torch.equal(mnist.read_digit(tmp_path / "palette-trns.png"), mnist.read_digit(tmp_path / "rgba.png"))
+        assert mnist.read_digit(tmp_path / "rgba.png").sum() > 0
 
 
 def test_a_digit_on_a_transparent_canvas_reads_as_its_ink(tmp_path):
