@@ -213,7 +213,7 @@ def run_recipe(main: Callable[..., object], argv: list[str] | None = None) -> No
                 status = app(args=argv, standalone_mode=False)
             except (RuntimeError, TypeError) as err:  # the machine's memory (a size past 2**63 too), a peer's end
                 reason = re.sub(r"^\[[^]]*\]\s*", "", str(err).strip().split("\n")[0])
-                if re.search("out of memory|can't allocate|overflow when unpacking long", reason, re.I):
+                if re.search("out of memory|can't allocate|not enough memory|overflow when unpacking", reason, re.I):
                     if size := re.search(r"tried to allocate ([\d.]+) ?(\w+)", reason, re.I):  # N bytes (CPU), 2.00 GiB
                         size = f"{float(size[1]) / 2**30:,.1f} GiB" if size[2] == "bytes" else f"{size[1]} {size[2]}"
                     raise RecipeError(f"out of memory{f' (allocating {size} more)' if size else ''}; try a smaller "

@@ -276,7 +276,7 @@ def main(
             raise cli.RecipeError(f"--batch-size {batch_size} is larger than the training set ({samples} samples)")
         compare(options, open_run_dir(RECIPE, run_dir, None, resumable=False).path, max_slowdown)
         return
-    if cli.option_given("max_slowdown"):  # it would be ignored
+    if cli.option_given("max_slowdown") and resume is None:  # ignored (a resume of a --compare's run may keep it)
         raise typer.BadParameter("skips slow precisions in --compare: add --compare", param_hint="--max-slowdown")
     train(**options)
 

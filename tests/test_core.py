@@ -806,6 +806,15 @@ def test_out_of_memory_is_one_line_saying_what_to_shrink(run_inprocess, tmp_path
         assert result.code == 1 and not (tmp_path / "run").exists()
         assert result.stderr == "error: out of memory; try a smaller --batch-size or model\n"
 
+    def windows(run_dir: Path = Path("unused")):  # as a CPU on Windows says it (a RuntimeError of its own words)
+        raise RuntimeError("[enforce fail at alloc_cpu.cpp:114] data. DefaultCPUAllocator: not enough memory: you "
+                           "tried to allocate 4000000000 bytes.")
+
+    with pytest.raises(SystemExit) as exit_:
+        run_recipe(windows, [])
+    assert capsys.readouterr().err == "error: out of memory (allocating 3.7 GiB more); try a smaller --batch-size or " \
+                                      "model\n"
+
     def main(run_dir: Path = Path("unused")):  # as a GPU says it
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 MiB. GPU 0 has a total capacity of "
                                      "79.15 GiB of which 3.31 MiB is free.")

@@ -342,6 +342,15 @@ def test_precision_options_that_would_be_ignored_are_usage_errors(run_inprocess,
     assert not (tmp_path / "run").exists()
 
 
+def test_a_resume_of_a_compares_run_may_keep_its_max_slowdown(run_inprocess, tmp_path):
+    """Each precision's run of a --compare records --max-slowdown; going on from one may give it as it was."""
+    first = run_inprocess("mixed_precision", *MP_SMALL, "--epochs", 2, "--max-steps", 2, "--run-dir", tmp_path / "r")
+    assert first.code == 0, first.stderr
+    result = run_inprocess("mixed_precision", *MP_SMALL, "--epochs", 2, "--max-slowdown", 2, "--resume", "auto",
+                           "--run-dir", tmp_path / "r")
+    assert result.code == 0 and read_metrics(tmp_path / "r")["steps"] == 8, result.stderr
+
+
 def test_an_eager_run_resumes_compiled_and_reports_no_compile_time(run_inprocess, tmp_path):
     """How a run compiles is how fast it runs, not what it trains: a resume may change it, to the same weights."""
     common = [*CM_SMALL, "--epochs", 2]
