@@ -6,6 +6,7 @@ import hashlib
 import io
 import math
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -388,11 +389,18 @@ def test_a_run_dir_holding_sub_runs_is_not_overwritten_by_a_fresh_run(tmp_path):
     (early / "checkpoints" / "dcp" / ".step-000002.tmp").mkdir(parents=True)
     torch.save({}, early / "checkpoints" / "dcp" / ".step-000002.tmp" / "trainer.pt")
     assert open_run_dir("t", early, "auto") == RunFolder(early, None)
-    # but a finished run (metrics.json) that lost its last.pt is not started afresh over its best.pt
+    # but a finished run (metrics.json) that lost its last.pt, or all its checkpoints, is not overwritten by a new one
     (early / "metrics.json").write_text('{"recipe": "t"}')
-    with pytest.raises(RecipeError, match=r"holds a finished run without its checkpoints/last.pt: .* overwrite its "
-                                          r"best.pt; choose another --run-dir"):
+    finished = r"holds a finished run \(its metrics.json\) but not its checkpoints/last.pt: .* choose another --run-dir"
+    with pytest.raises(RecipeError, match=finished):
         open_run_dir("t", early, "auto")
+    shutil.rmtree(early / "checkpoints")
+    for resume in ("auto", None, str(tmp_path / "other.pt")):
+        with pytest.raises(RecipeError, match=finished):
+            open_run_dir("t", early, resume)
+    (tmp_path / "cv2").mkdir()  # a --cv parent's metrics.json is the folds' summary, beside no checkpoint of its own
+    (tmp_path / "cv2" / "metrics.json").write_text('{"recipe": "t"}')
+    assert open_run_dir("t", tmp_path / "cv2", "auto", holds_runs=True) == RunFolder(tmp_path / "cv2", None)
     with pytest.raises(RecipeError, match="already holds checkpoints, and --resume"):
         ckpt.resume_checkpoint(RunFolder(run_dir, tmp_path / "x.pt", held=fold), "t", {}, load=lambda path, r: {})
 
