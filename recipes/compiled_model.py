@@ -402,6 +402,10 @@ def main(
                                          param_hint=cli.option_name(unused[0]))
             train(**options)
     except torch._dynamo.exc.BackendCompilerFailed as err:  # tvm without its package, Inductor without a compiler
+        cause = err.inner_exception
+        if not isinstance(cause, (ImportError, OSError)) and type(cause).__name__ not in ("InvalidCxxCompiler",
+                                                                                          "CppCompileError"):
+            raise  # the compiler's own failure: a bug, whose traceback shows where
         reason = str(err).split("raised:")[-1].strip().split("\n")[0]
         raise cli.RecipeError(f"--backend {backend} cannot compile the model here: {reason}") from None
 
