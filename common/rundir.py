@@ -65,10 +65,6 @@ def open_run_dir(recipe: str, run_dir: Path | None, resume: str | None,
     if held is None and foreign:
         raise RecipeError(f"{run_dir} holds a {' and a '.join(foreign)} that no {recipe} run wrote, which this run "
                           "would overwrite: choose another --run-dir")
-    if last is None and not holds_runs and recorded_recipe(run_dir / "metrics.json") == recipe and \
-            (resume is not None or held is None):  # (one that holds checkpoints is refused below, as any)
-        raise RecipeError(f"{run_dir} holds a finished run (its metrics.json) but not its checkpoints/last.pt: nothing "
-                          "to continue, and a new run there would overwrite its records; choose another --run-dir")
     if resume is None and held is not None:
         how = "continue it with --resume auto, or choose" if resumable else "this command starts afresh: choose"
         raise RecipeError(f"{run_dir} already holds checkpoints; {how} another --run-dir")
@@ -80,6 +76,9 @@ def open_run_dir(recipe: str, run_dir: Path | None, resume: str | None,
             raise RecipeError(f"{run_dir} holds {what}, which this command would not continue but start afresh "
                               "beside: resume it with the options it was started with (--cv or not), or choose another "
                               "--run-dir")
+    if last is None and not holds_runs and recorded_recipe(run_dir / "metrics.json") == recipe:
+        raise RecipeError(f"{run_dir} holds a finished run (its metrics.json) but not its checkpoints/last.pt: nothing "
+                          "to continue, and a new run there would overwrite its records; choose another --run-dir")
     created = [d for d in [run_dir, *run_dir.parents] if not d.exists()]  # runs/ and runs/RECIPE/ too, if new
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
