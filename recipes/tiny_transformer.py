@@ -293,10 +293,11 @@ def stdlib_corpus() -> bytes:
 def read_text(path: Path) -> bytes:
     if path.is_dir() or not path.exists():
         raise cli.RecipeError(f"--text {path}: {'is a directory' if path.is_dir() else 'no such file'}")
-    if not path.is_file() and not stat.S_ISFIFO(path.stat().st_mode):  # a pipe, --text <(...), is read
-        raise cli.RecipeError(f"--text {path} is neither a file nor a pipe")
-    if not path.is_file() and int(os.environ.get("WORLD_SIZE", 1)) > 1:
-        raise cli.RecipeError(f"--text {path} is a pipe, which one process reads: under torchrun, give a file")
+    if not path.is_file():  # a pipe, --text <(...), is read
+        if not stat.S_ISFIFO(path.stat().st_mode):
+            raise cli.RecipeError(f"--text {path} is neither a file nor a pipe")
+        if int(os.environ.get("WORLD_SIZE", 1)) > 1:
+            raise cli.RecipeError(f"--text {path} is a pipe, which one process reads: under torchrun, give a file")
     data = path.read_bytes()
     if not data.strip():
         raise cli.RecipeError(f"--text {path} is empty")
@@ -421,9 +422,9 @@ def prompt_tokens(prompt: str, vocab: str | object | None) -> torch.Tensor:
     try:
         ids = encode((prompt or ("\n" if not isinstance(vocab, str) or "\n" in vocab else "")).encode(), vocab).long()
     except cli.RecipeError as err:  # a character the vocabulary lacks
-        if not prompt:  # the newline: a tokenizer without it, and without an unknown token
-            return torch.zeros(1, dtype=torch.long)
-        raise typer.BadParameter(str(err).replace("the text", "the prompt"), param_hint="--prompt") from None
+        if prompt:
+            raise typer.BadParameter(str(err).replace("the text", "the prompt"), param_hint="--prompt") from None
+        ids = torch.zeros(0, dtype=torch.long)  # the newline: a tokenizer without it, and without an unknown token
     if not len(ids) and prompt:
         raise typer.BadParameter(f"the tokenizer encodes {prompt!r} as no tokens at all", param_hint="--prompt")
     return ids if len(ids) else torch.zeros(1, dtype=torch.long)
