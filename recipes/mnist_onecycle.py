@@ -232,7 +232,11 @@ def flatten_alpha(image: torch.Tensor) -> torch.Tensor:
 def predict_digits(checkpoint_path: Path, paths: list[Path], device: torch.device) -> list[tuple[Path, int, float]]:
     """(file, digit, probability) for every image in ``paths``, with the model of ``checkpoint_path``."""
     checkpoint = load_checkpoint(checkpoint_path, RECIPE)
-    model = DigitNet(checkpoint["config"]["width"]).to(device).eval()
+    width = checkpoint.get("config", {}).get("width")
+    if type(width) is not int or width < 1:
+        raise cli.RecipeError(f"checkpoint {checkpoint_path} records no --width: another version of this recipe "
+                              "wrote it")
+    model = DigitNet(width).to(device).eval()
     load_model_state(model, checkpoint["model"], checkpoint_path)
     files = image_files(paths)
     images = (torch.stack([read_digit(f) for f in files]) - MNIST_MEAN) / MNIST_STD  # as load_mnist normalises

@@ -444,8 +444,8 @@ def build_model(spec: dict, hidden: int, depth: int, dropout: float, num_embeddi
 
 def model_from_checkpoint(checkpoint: dict, source: Path) -> TabularMLP:
     """The model a checkpoint describes, with its weights: for --predict and scripts/export.py."""
-    spec, config = checkpoint["features"], checkpoint["config"]
     try:
+        spec, config = checkpoint["features"], checkpoint["config"]
         embedding = config.get("num_embedding_used", config["num_embedding"])  # what --num-embedding auto chose
         model = build_model(spec, config["hidden"], config["depth"], config["dropout"], embedding)
     except KeyError as err:
@@ -504,8 +504,8 @@ def predict(checkpoint_path: Path, table_path: Path, output: Path, device: torch
     """Write ``output`` (CSV, or Parquet if so named): the rows of ``table_path`` with the model's prediction appended
     to each."""
     checkpoint = load_checkpoint(checkpoint_path, RECIPE)
-    spec = checkpoint["features"]
     model = model_from_checkpoint(checkpoint, checkpoint_path).to(device).eval()
+    spec = checkpoint["features"]
     table = read_table(table_path)
     if taken := [name for name in ("prediction", "probability") if name in table.column_names]:
         raise cli.RecipeError(f"{table_path} already has a column {taken[0]!r}, which the output adds; rename it")

@@ -218,6 +218,16 @@ def test_a_checkpoint_of_another_recipe_is_refused(run_inprocess, table_csv, tmp
     assert result.code == 1 and "written by recipe 'tabular_mlp', not 'mnist_onecycle'" in result.stderr
 
 
+@pytest.mark.parametrize("config", [None, {}, {"width": "8"}, {"width": 0}])
+def test_a_checkpoint_without_its_width_is_a_one_line_error(config, run_inprocess, tmp_path):
+    image, path = tmp_path / "d.png", tmp_path / "m.pt"
+    write_png(one_digit_per_class()[0][1], str(image))
+    torch.save({"recipe": RECIPE, "model": {}, "step": 0, **({} if config is None else {"config": config})}, path)
+    result = run_inprocess(RECIPE, "--predict", image, "--resume", path)
+    assert (result.code, result.stderr) == (1, f"error: checkpoint {path} records no --width: another version of "
+                                               "this recipe wrote it\n")
+
+
 @pytest.mark.parametrize(("args", "text"), [
     (["--predict", "d.png"], "Invalid value for --resume"),
     (["--predict", "d.png", "--resume", "auto"], "Invalid value for --resume"),

@@ -403,6 +403,17 @@ def test_lbfgs_is_refused_where_it_does_not_fit(run_inprocess, table_csv, extra,
     assert result.code == 2 and message in result.stderr
 
 
+@pytest.mark.parametrize("missing", ["config", "features"])
+def test_predict_with_a_checkpoint_lacking_its_config_or_features_is_a_one_line_error(missing, run_inprocess,
+                                                                                      table_csv, tmp_path):
+    path = tmp_path / "t.pt"
+    checkpoint = {"recipe": RECIPE, "model": {}, "step": 0, "config": {}, "features": {}}
+    torch.save({key: value for key, value in checkpoint.items() if key != missing}, path)
+    result = run_inprocess(RECIPE, "--predict", table_csv, "--resume", path)
+    assert (result.code, result.stderr) == (1, f"error: checkpoint {path} lacks '{missing}' in its options or "
+                                               "features: another version of this recipe wrote it\n")
+
+
 def test_predict_on_a_directory_is_a_one_line_error(run_inprocess, table_csv, tmp_path):
     run_dir = tmp_path / "run"
     assert run_inprocess(RECIPE, "--csv", table_csv, "--target", "label", "--epochs", 1, "--run-dir", run_dir).code == 0
