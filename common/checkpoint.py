@@ -184,8 +184,7 @@ class Checkpointer:
     def training_state(self, step: int) -> dict:
         """Everything but the model and optimizer tensors."""
         return {"recipe": self.recipe, "config": self.config, "step": step, "steps_per_epoch": self.steps_per_epoch,
-                "data_id": self.data_id,
-                "epoch": step // self.steps_per_epoch if self.steps_per_epoch else 0,
+                "data_id": self.data_id, "epoch": step // self.steps_per_epoch if self.steps_per_epoch else 0,
                 **{name: part.state_dict() for name, part in self.parts.items()},
                 "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
                 "scaler": self.scaler.state_dict() if self.scaler is not None and self.scaler.is_enabled() else None,
@@ -229,7 +228,9 @@ class Checkpointer:
                               f"{checkpoint['data_id']}, this run's {self.data_id}): resume with the data it was "
                               "started with, or start afresh in another --run-dir")
         try:  # a checkpoint of an older version of the recipe may lack a part, or hold it in another form
-            if self.scheduler is not None:
+            if self.scheduler is not None:  # its load_state_dict takes any dict, even one without its settings
+                if missing := self.scheduler.state_dict().keys() - checkpoint["scheduler"].keys():
+                    raise KeyError(f"scheduler {', '.join(sorted(missing))}")
                 self.scheduler.load_state_dict(checkpoint["scheduler"])
             if self.scaler is not None and checkpoint["scaler"] is not None:
                 self.scaler.load_state_dict(checkpoint["scaler"])

@@ -190,7 +190,7 @@ USAGE_CASES = {  # exit 2: (extra arguments, text the error line must hold)
 RUNTIME_CASES = [  # exit 1
     "missing checkpoint", "random bytes", "truncated checkpoint", "other recipe's checkpoint", "pickle payload",
     "older version's checkpoint", "another run's checkpoint", "damaged step", "damaged optimizer",
-    "cuda absent", "unwritable run dir", "resumed with another schedule",
+    "damaged scheduler", "cuda absent", "unwritable run dir", "resumed with another schedule",
 ]
 INPUT_CASES = {  # recipe inputs, exit 1
     "tabular_mlp": ["missing csv", "empty csv", "header-only csv", "no such target", "one-class target",
@@ -284,6 +284,12 @@ def bad_arguments(recipe: str, case: str, request, tmp_path: Path, trained) -> t
         torch.save(state, checkpoint)
         return ["--resume", checkpoint, *fresh], 1, ("is damaged: its config is not a dict, or its step not a count"
                                                      if case == "damaged step" else "does not fit this run's optimizer")
+    if case == "damaged scheduler":  # a dict, but not of this schedule: it would resume at the wrong rates
+        state = torch.load(good, weights_only=True)
+        state |= {"scheduler": {"lr": 1}, "step": 1}
+        torch.save(state, checkpoint)
+        return ["--resume", checkpoint, *fresh], 1, "lacks part of the training state, or holds it in another form " \
+            "(KeyError: 'scheduler "
     if case == "cuda absent":
         return [*resume, "--device", "cuda"], 1, "CUDA is not available"
     if case == "resumed with another schedule":  # the saved schedule would silently override the new length
