@@ -217,7 +217,7 @@ def run_recipe(main: Callable[..., object], argv: list[str] | None = None) -> No
                     if size := re.search(r"tried to allocate ([\d.]+) ?(\w+)", reason, re.I):  # N bytes (CPU), 2.00 GiB
                         size = f"{float(size[1]) / 2**30:,.1f} GiB" if size[2] == "bytes" else f"{size[1]} {size[2]}"
                     raise RecipeError(f"out of memory{f' (allocating {size} more)' if size else ''}; try a smaller "
-                                      "--batch-size or model") from None
+                                      "--batch-size, model or data set") from None
                 if not (dist.is_available() and dist.is_initialized()) or not (  # a collective whose other end died
                         isinstance(err, dist.DistNetworkError) or re.search("by peer|Broken pipe", reason)):
                     raise  # a timeout, say: ranks out of step, a bug whose traceback shows where

@@ -807,12 +807,12 @@ def test_out_of_memory_is_one_line_saying_what_to_shrink(run_inprocess, tmp_path
     # 3 PB of weights: past any machine's address space, so refused at once whatever its memory and overcommit
     result = run_inprocess("mixed_precision", "--width", 10**12, "--run-dir", tmp_path / "run")
     assert result.code == 1 and not (tmp_path / "run").exists()
-    assert result.stderr == ("error: out of memory (allocating 2,920,627.6 GiB more); try a smaller --batch-size or "
-                             "model\n")
+    assert result.stderr == ("error: out of memory (allocating 2,920,627.6 GiB more); try a smaller --batch-size, "
+                             "model or data set\n")
     for option in ("--width", "--samples"):  # past int64: torch's "Overflow when unpacking long" was a traceback
         result = run_inprocess("mixed_precision", option, 10**20, "--run-dir", tmp_path / "run")
         assert result.code == 1 and not (tmp_path / "run").exists()
-        assert result.stderr == "error: out of memory; try a smaller --batch-size or model\n"
+        assert result.stderr == "error: out of memory; try a smaller --batch-size, model or data set\n"
 
     def windows(run_dir: Path = Path("unused")):  # as a CPU on Windows says it (a RuntimeError of its own words)
         raise RuntimeError("[enforce fail at alloc_cpu.cpp:114] data. DefaultCPUAllocator: not enough memory: you "
@@ -820,8 +820,8 @@ def test_out_of_memory_is_one_line_saying_what_to_shrink(run_inprocess, tmp_path
 
     with pytest.raises(SystemExit) as exit_:
         run_recipe(windows, [])
-    assert capsys.readouterr().err == "error: out of memory (allocating 3.7 GiB more); try a smaller --batch-size or " \
-                                      "model\n"
+    assert capsys.readouterr().err == "error: out of memory (allocating 3.7 GiB more); try a smaller --batch-size, " \
+                                      "model or data set\n"
 
     def main(run_dir: Path = Path("unused")):  # as a GPU says it
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 MiB. GPU 0 has a total capacity of "
@@ -830,8 +830,8 @@ def test_out_of_memory_is_one_line_saying_what_to_shrink(run_inprocess, tmp_path
     with pytest.raises(SystemExit) as exit_:
         run_recipe(main, [])
     assert exit_.value.code == 1
-    assert capsys.readouterr().err == "error: out of memory (allocating 20.00 MiB more); try a smaller --batch-size " \
-                                      "or model\n"
+    assert capsys.readouterr().err == "error: out of memory (allocating 20.00 MiB more); try a smaller --batch-size, " \
+                                      "model or data set\n"
 
 
 def test_the_training_data_checksum_tells_other_data_apart():
