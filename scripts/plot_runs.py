@@ -10,9 +10,9 @@ Quantities, each drawn when some run logged it: loss (train/loss solid, val/loss
 the learning rate (train/lr), and throughput (perf/samples_per_s or perf/tokens_per_s).
 The PNG is small (a few tens of KB) so that it can go into an issue or a README.
 
-A folder without event files is skipped with one line (a run that never trained); a folder that holds run
-directories stands for them. Exit status: 0 on success, 1 with one line ``error: ...`` when a path is missing or
-no run is left to plot, 2 on a usage error.
+A folder without event files, or whose event files hold no scalars, is skipped with one line (a run that never
+trained); a folder that holds run directories stands for them. Exit status: 0 on success, 1 with one line
+``error: ...`` when a path is missing or no run is left to plot, 2 on a usage error.
 """
 
 import argparse
@@ -91,9 +91,14 @@ def labels(run_dirs: list[Path]) -> list[str]:
             for d in run_dirs]
 
 
-def plot(run_dirs: list[Path], out: Path) -> list[str]:
-    """Draw the figure; returns the titles of the subplots drawn."""
-    runs = [(label, read_scalars(d)) for label, d in zip(labels(run_dirs), run_dirs, strict=True)]
+def plot(run_dirs: list[Path], out: Path) -> tuple[list[str], int]:
+    """Draw the figure; returns the titles of the subplots drawn and the number of runs in them."""
+    runs = []
+    for label, run_dir in zip(labels(run_dirs), run_dirs, strict=True):
+        if scalars := read_scalars(run_dir):
+            runs.append((label, scalars))
+        else:  # a file of another kind named like one, or a run killed before its first log line
+            print(f"skipped {run_dir}: its event files hold no scalars", file=sys.stderr)
     present = [q for q in QUANTITIES if any(matching(s, tag) for _, s in runs for tag, _ in q[2])]
     if not present:
         raise PlotError("none of the runs logged train/loss, val/loss, an accuracy or rmse, bits per byte, char or "
@@ -137,7 +142,7 @@ def plot(run_dirs: list[Path], out: Path) -> list[str]:
         fig.tight_layout()
     save_png(fig, out)
     plt.close(fig)
-    return [title for title, _, _ in present]
+    return [title for title, _, _ in present], len(runs)
 
 
 def save_png(fig, out: Path) -> None:
@@ -168,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"argument --out: {args.out} must end in .png")
     try:
         run_dirs = run_folders(args.run_dirs or [Path("runs")])
-        drawn = plot(run_dirs, args.out)
+        drawn, plotted = plot(run_dirs, args.out)
     except PlotError as err:
         print(f"error: {' '.join(str(err).split())}", file=sys.stderr)
         return 1
@@ -180,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
         why = f"{in_the_way} is a file, not a folder" if in_the_way else err.strerror or err
         print(f"error: cannot write {args.out}: {why}", file=sys.stderr)
         return 1
-    print(f"wrote {args.out}: {', '.join(drawn)} for {len(run_dirs)} run(s)")
+    print(f"wrote {args.out}: {', '.join(drawn)} for {plotted} run(s)")
     return 0
 
 

@@ -122,6 +122,18 @@ def test_a_folder_without_events_is_skipped_with_one_line(tmp_path):
                                                    "that never trained?)"]
 
 
+def test_a_run_whose_event_files_hold_no_scalars_is_skipped_with_one_line(tmp_path):
+    good, garbage = make_run(tmp_path / "good"), tmp_path / "garbage"
+    garbage.mkdir()
+    (garbage / "events.out.tfevents.1.host").write_bytes(bytes(range(256)) * 2)
+    out = tmp_path / "x.png"
+    result = plot(good, garbage, "--out", out)
+    assert result.code == 0 and result.stdout.strip() == f"wrote {out}: loss, accuracy, learning rate for 1 run(s)"
+    assert result.stderr.strip().splitlines() == [f"skipped {garbage}: its event files hold no scalars"]
+    alone = plot(garbage, "--out", out)
+    assert alone.code == 1 and alone.stderr.strip().splitlines()[-1].startswith("error: none of the runs logged")
+
+
 def test_a_regression_run_draws_its_rmse(tmp_path):
     writer = SummaryWriter(str(tmp_path / "reg"))
     for step in range(1, 11):
