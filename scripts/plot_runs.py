@@ -12,7 +12,8 @@ The PNG is small (a few tens of KB) so that it can go into an issue or a README.
 
 A folder without event files, or whose event files hold no scalars, is skipped with one line (a run that never
 trained); a folder that holds run directories stands for them. Exit status: 0 on success, 1 with one line
-``error: ...`` when a path is missing or no run is left to plot, 2 on a usage error.
+``error: ...`` when a path is missing or no run is left to plot, 2 on a usage error. An existing ``--out`` is
+replaced only if it is a figure (a PNG that matplotlib wrote).
 """
 
 import argparse
@@ -41,6 +42,14 @@ def has_events(folder: Path) -> bool:
     return any(folder.glob("events.out.tfevents.*"))
 
 
+def a_run_config(path: Path) -> bool:
+    """Whether ``path`` is a run's config.json (one that cannot be read: no)."""
+    try:
+        return '"recipe":' in path.read_text(errors="replace")
+    except OSError:
+        return False
+
+
 def run_folders(paths: list[Path]) -> list[Path]:
     """The run directories to plot: each path that holds event files, the runs inside a folder of runs (e.g.
     runs/ or runs/mnist_onecycle), and a one-line note for each folder skipped for holding none."""
@@ -53,7 +62,7 @@ def run_folders(paths: list[Path]) -> list[Path]:
             found.append(path)
         else:  # a folder of runs: each one, and a note of each run in it that never trained (config.json only)
             found += inside + sorted(d.parent for d in path.glob("**/config.json") if not has_events(d.parent) and
-                                     '"recipe":' in d.read_text(errors="replace"))
+                                     a_run_config(d))
     kept = [d for d in found if has_events(d)]
     for skipped in (d for d in found if d not in kept):
         print(f"skipped {skipped}: no TensorBoard event files (a run that never trained?)", file=sys.stderr)
@@ -145,6 +154,23 @@ def plot(run_dirs: list[Path], out: Path) -> tuple[list[str], int]:
     return [title for title, _, _ in present], len(runs)
 
 
+def not_replaceable(out: Path) -> str | None:
+    """Why ``out`` must not be replaced by a figure (a folder, or a file that is no earlier one: not a PNG that
+    matplotlib wrote), or None."""
+    if out.is_dir():
+        return "it is a folder"
+    try:
+        with open(out, "rb") as f:
+            head = f.read(256)  # matplotlib's tEXt Software chunk comes before the pixels
+    except (FileNotFoundError, NotADirectoryError):  # nothing there to keep (a folder on its way is a file: the
+        return None                                   # write says so)
+    except OSError as err:
+        return f"it cannot be read to check that it is an earlier figure ({err.strerror or err})"
+    if head.startswith(b"\x89PNG\r\n\x1a\n") and b"tEXtSoftware\x00Matplotlib" in head:
+        return None
+    return "it exists and is no figure of ours (a PNG that matplotlib wrote): choose another name"
+
+
 def save_png(fig, out: Path) -> None:
     """``fig`` as a PNG at ``out``, written whole or not at all (an earlier file survives a full disk)."""
     png = io.BytesIO()
@@ -171,6 +197,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.out.suffix.lower() != ".png":
         parser.error(f"argument --out: {args.out} must end in .png")
+    if why := not_replaceable(args.out):  # an earlier figure is replaced; anything else is kept
+        print(f"error: cannot write {args.out}: {why}", file=sys.stderr)
+        return 1
     try:
         run_dirs = run_folders(args.run_dirs or [Path("runs")])
         drawn, plotted = plot(run_dirs, args.out)

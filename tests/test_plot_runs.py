@@ -2,8 +2,10 @@
 
 import sys
 
+import torch
 from conftest import ROOT, run_subprocess
 from torch.utils.tensorboard import SummaryWriter
+from torchvision.io import write_png
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -132,6 +134,35 @@ def test_a_run_whose_event_files_hold_no_scalars_is_skipped_with_one_line(tmp_pa
     assert result.stderr.strip().splitlines() == [f"skipped {garbage}: its event files hold no scalars"]
     alone = plot(garbage, "--out", out)
     assert alone.code == 1 and alone.stderr.strip().splitlines()[-1].startswith("error: none of the runs logged")
+
+
+def test_an_existing_file_is_replaced_only_if_it_is_an_earlier_figure(tmp_path):
+    good, out = make_run(tmp_path / "good"), tmp_path / "curves.png"
+    assert plot(good, "--out", out).code == 0
+    assert plot(good, "--out", out).code == 0  # an earlier figure: replaced
+    write_png(torch.zeros(1, 4, 4, dtype=torch.uint8), str(tmp_path / "photo.png"))  # a PNG matplotlib did not write
+    (tmp_path / "notes.png").write_text("my notes")
+    for name in ("photo.png", "notes.png"):
+        before = (tmp_path / name).read_bytes()
+        result = plot(good, "--out", tmp_path / name)
+        assert (result.code, result.stderr) == (1, f"error: cannot write {tmp_path / name}: it exists and is no "
+                                                   "figure of ours (a PNG that matplotlib wrote): choose another "
+                                                   "name\n")
+        assert (tmp_path / name).read_bytes() == before
+    (tmp_path / "folder.png").mkdir()
+    result = plot(good, "--out", tmp_path / "folder.png")
+    assert (result.code, result.stderr) == (1, f"error: cannot write {tmp_path / 'folder.png'}: it is a folder\n")
+
+
+def test_a_config_json_that_is_a_folder_is_no_run(tmp_path):
+    """A folder of runs is searched for runs that never trained by their config.json: one that cannot be read is
+    no run, not a failure to write the figure (as it was reported)."""
+    runs, out = tmp_path / "runs", tmp_path / "x.png"
+    make_run(runs / "trained")
+    (runs / "odd" / "config.json").mkdir(parents=True)
+    result = plot(runs, "--out", out)
+    assert (result.code, result.stderr) == (0, "")
+    assert result.stdout.strip() == f"wrote {out}: loss, accuracy, learning rate for 1 run(s)"
 
 
 def test_a_regression_run_draws_its_rmse(tmp_path):
