@@ -20,7 +20,8 @@ PyTorch's Performance Tuning Guide checked against the live run.
 
 One table (rule or alternative, what was measured, verdict) and the command; ``--json FILE`` writes the same
 figures. Nothing is written where your runs are: every run is in a temporary folder, removed afterwards.
-Exit status 0; 1 with one line ``error: ...`` when the recipe fails as given; 2 on a usage error.
+Exit status 0; 1 with one line ``error: ...`` when the recipe fails as given; 2 on a usage error; 130 on Ctrl-C or
+SIGTERM, the temporary folders removed.
 """
 
 import argparse
@@ -28,6 +29,7 @@ import json
 import os
 import shlex
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -42,9 +44,12 @@ sys.path.insert(0, str(ROOT))
 from scripts.find_lr import (  # noqa: E402
     NOT_TRAINING,
     first_given,
+    interrupt,
     load_recipe,
     long_enough,
+    option_value,
     recipe_options,
+    replayed,
     run_quietly,
 )
 from scripts.find_lr import FinderError as DoctorError  # noqa: E402 - the same one-line error
@@ -147,16 +152,22 @@ def throughput(recipe_path: Path, options: list[str], steps: int, window: int, r
     args = [sys.executable, str(recipe_path), *options, "--max-steps", str(steps), "--log-every", str(window),
             "--run-dir", str(run_dir)]
     proc = subprocess.run(args, capture_output=True, text=True)
-    if proc.returncode == 130:
+    if proc.returncode in (130, 143):  # the run stopped on Ctrl-C or SIGTERM: so does the doctor
         raise KeyboardInterrupt
     if proc.returncode != 0:
         raise RuntimeError((proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}"])[-1])
-    metrics = json.loads((run_dir / "metrics.json").read_text())
-    shutil.rmtree(run_dir, ignore_errors=True)
-    if metrics["steps"] < steps:  # its first window, start-up included, would then count in the throughput
+    try:
+        metrics = json.loads((run_dir / "metrics.json").read_text())
+        speed = next(v for k, v in metrics.items() if k.endswith("_per_s"))
+    except (OSError, ValueError, AttributeError, StopIteration):  # no file, not JSON, no object, no throughput
+        raise RuntimeError(f"its {run_dir.name}/metrics.json holds no throughput (samples_per_s or tokens_per_s), "
+                           "which the doctor measures") from None
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)
+    if metrics.get("steps", steps) < steps:  # its first window, start-up included, would then count in it
         raise RuntimeError(f"the run ended at step {metrics['steps']} of the {steps} measured (--patience, or a "
                            "short run): give a longer one")
-    return next(v for k, v in metrics.items() if k.endswith("_per_s"))
+    return speed
 
 
 def side_by_side(recipe_path: Path, variants: dict[str, list[str]], rounds: int, steps: int, window: int,
@@ -187,16 +198,6 @@ def spread(ratios: list[float]) -> str:
     return f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f})"
 
 
-def option_value(options: list[str], name: str) -> str | None:
-    value = None
-    for i, arg in enumerate(options):
-        if arg == name and i + 1 < len(options):
-            value = options[i + 1]
-        elif arg.startswith(name + "="):
-            value = arg.split("=", 1)[1]
-    return value
-
-
 def alternatives(known: set[str], options: list[str], config: dict, wanted: list[str]) -> tuple[dict, list]:
     """The alternatives to measure ({name: (options, changes_training)}), and rows for those that cannot run."""
     import torch
@@ -223,6 +224,8 @@ def alternatives(known: set[str], options: list[str], config: dict, wanted: list
     batch = option_value(options, "--batch-size") or str(config.get("batch_size") or "")
     if "batch" in wanted and "--batch-size" in known and batch.isdigit():
         found[f"--batch-size {2 * int(batch)}"] = (["--batch-size", str(2 * int(batch))], True)
+    elif "batch" in wanted and "--batch-size" in known:  # a size the recipe chooses from the data, say
+        rows.append(("--batch-size x2", "not measured", "the run records no batch size to double: give --batch-size"))
     return found, rows
 
 
@@ -243,7 +246,7 @@ def rule_rows(observed: Observed, config: dict, profile: dict, options: list[str
                      "ok" if per_step <= 1 else "each stalls the GPU: keep losses on the device, read them back "
                                                 "every few steps"))
         rows.append(("cudnn.benchmark", str(observed.cudnn_benchmark),
-                     "ok" if observed.cudnn_benchmark or not observed.convs_not_channels_last else
+                     "ok" if observed.cudnn_benchmark or not any(k.startswith("Conv") for k in observed.matrices) else
                      "fixed-size convolutions run faster with torch.backends.cudnn.benchmark = True"))
         if config.get("precision") == "fp32":
             rows.append(("TF32 matmuls", f"float32 matmul precision {observed.matmul_precision!r}",
@@ -317,6 +320,8 @@ def main(argv: list[str] | None = None) -> int:
         recipe = load_recipe(args.recipe)
     except DoctorError as err:  # no such recipe, or a file that is not one
         parser.error(f"argument RECIPE: {err}")
+    if taken := first_given(replayed(recipe, options), ("--profile", "--checkpoint-every", *NOT_TRAINING)):
+        parser.error(f"--config sets {taken}, which the doctor cannot take: replay a copy of the file without it")
     if args.json is not None and (args.json.is_dir() or not args.json.parent.is_dir() or written_by_another(args.json)):
         why = "it is a folder" if args.json.is_dir() else f"{args.json.parent} is not a folder" if not \
             args.json.parent.is_dir() else "it exists and is no doctor's report (a run's config.json?): choose another"
@@ -401,4 +406,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, interrupt)
     sys.exit(main())

@@ -15,7 +15,9 @@ given it as ``--max-lr``, the others as ``--lr``.
 
 Writes a PNG of loss against rate (``--plot``, default lr_find.png) and prints the suggested option and the
 command line to train with it. Your run directories are untouched: the test's own is removed afterwards.
-Exit status 0; 1 with one line ``error: ...`` when the recipe fails or the loss never falls; 2 on a usage error.
+Exit status 0; 1 with one line ``error: ...`` when the recipe fails or the loss never falls; 2 on a usage error;
+130 on Ctrl-C or SIGTERM, the temporary folder removed. An existing ``--plot`` is replaced only if it is a figure
+(a PNG that matplotlib wrote).
 """
 
 import argparse
@@ -23,8 +25,10 @@ import ast
 import contextlib
 import importlib.util
 import io
+import json
 import math
 import shlex
+import signal
 import sys
 import tempfile
 from pathlib import Path
@@ -32,11 +36,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # the recipes import common/ from the clone
 
-from scripts.plot_runs import save_png  # noqa: E402
+from scripts.plot_runs import not_replaceable, save_png  # noqa: E402
 
 # options that make a recipe do something other than train (compare runs, count compiler traps, predict,
 # cross-validate, only sample): no training steps for the range test or the doctor to measure
 NOT_TRAINING = ("--compare", "--traps", "--predict", "--cv", "--sample-only")
+# options that would change the range test's own run: where it is, how long, what it writes
+OWN_STEPS = ("--run-dir", "--resume", "--max-steps", "--log-every", "--patience", "--profile", "--checkpoint-every")
 
 
 class FinderError(Exception):
@@ -67,6 +73,11 @@ def load_recipe(name: str):
     except Exception as err:
         raise FinderError(f"{path} fails when it is imported: {type(err).__name__}: {err}") from None
     return module
+
+
+def interrupt(signum: int, frame) -> None:
+    """SIGTERM as Ctrl-C: the temporary run directory is removed on the way out, and no traceback is shown."""
+    raise KeyboardInterrupt
 
 
 def first_given(options: list[str], names: tuple[str, ...]) -> str | None:
@@ -135,7 +146,7 @@ def run_quietly(recipe, args: list[str]) -> tuple[int, str]:
         code = 0
     except SystemExit as exit_:
         code = exit_.code if isinstance(exit_.code, int) else 1
-    if code == 130:  # the recipe saved and stopped on Ctrl-C
+    if code in (130, 143):  # the recipe saved and stopped on Ctrl-C or SIGTERM
         raise KeyboardInterrupt
     return code, (errors.getvalue().strip().splitlines() or [""])[-1]
 
@@ -168,6 +179,13 @@ def range_test(recipe, options: list[str], rates: list[float], work: Path) -> tu
         raise FinderError(message.removeprefix("error: ") or f"the recipe exited with status {code}")
     losses = training_losses(run_dir)
     steps = sorted(s for s in losses if s <= len(rates))
+    if not steps and not code:
+        raise FinderError(f"the recipe logged no train/loss to TensorBoard in {run_dir.name}/: the range test reads "
+                          "each step's loss there")
+    if not code and steps[-1] < len(rates):  # early stopping, say: the rest of the ramp was never tried
+        last = steps[-1]
+        raise FinderError(f"the recipe stopped after {last} of the {len(rates)} steps, at {rates[last - 1]:.1e}: leave "
+                          "out what ends it early (--patience, a --config that sets it)")
     ending = "diverged" if code else "ran every step"
     return [rates[s - 1] for s in steps], [losses[s] for s in steps], ending
 
@@ -183,13 +201,41 @@ def long_enough(known: set[str], steps: int) -> list[str]:
     return []
 
 
-def recipe_options(recipe) -> set[str]:
-    """The recipe's option names, as its command line spells them."""
+def recipe_parameters(recipe) -> list:
+    """The recipe's command-line parameters (click's: ``name``, ``opts``, ``default``)."""
     import typer
 
     app = typer.Typer()
     app.command()(recipe.main)
-    return {opt for param in typer.main.get_command(app).params for opt in param.opts}
+    return typer.main.get_command(app).params
+
+
+def recipe_options(recipe) -> set[str]:
+    """The recipe's option names, as its command line spells them."""
+    return {opt for param in recipe_parameters(recipe) for opt in param.opts}
+
+
+def replayed(recipe, options: list[str]) -> list[str]:
+    """The options that ``--config FILE`` in ``options`` sets to other than their defaults, and ``options`` do not
+    give themselves (a file that cannot be read replays nothing here: the recipe says why)."""
+    path = option_value(options, "--config")
+    try:
+        saved = json.loads(Path(path).read_text()) if path else {}
+    except (OSError, ValueError):
+        return []
+    return [param.opts[0] for param in recipe_parameters(recipe) if isinstance(saved, dict) and param.name in saved
+            and saved[param.name] not in (None, False, param.default) and not first_given(options, param.opts)]
+
+
+def option_value(options: list[str], name: str) -> str | None:
+    """The value ``options`` give ``name`` (``--lr 0.1`` or ``--lr=0.1``; the last one), or None."""
+    value = None
+    for i, arg in enumerate(options):
+        if arg == name and i + 1 < len(options):
+            value = options[i + 1]
+        elif arg.startswith(name + "="):
+            value = arg.split("=", 1)[1]
+    return value
 
 
 def without(options: list[str], name: str) -> list[str]:
@@ -240,14 +286,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--plot", type=Path, default=Path("lr_find.png"), metavar="FILE.png",
                         help="where to draw loss against rate [default: lr_find.png]")
     args, options = parser.parse_known_args(argv)
-    if args.ramp_steps < 20:
-        parser.error(f"argument --ramp-steps: must be at least 20, got {args.ramp_steps}")
+    if not 20 <= args.ramp_steps <= 100_000:
+        parser.error(f"argument --ramp-steps: from 20 to 100,000 steps, got {args.ramp_steps}")
     if not 0 < args.start < args.end < math.inf:
         parser.error(f"arguments --from and --to: need 0 < --from < --to, got {args.start} and {args.end}")
     if args.plot.suffix.lower() != ".png":
         parser.error(f"argument --plot: {args.plot} must end in .png")
-    if taken := first_given(options, ("--run-dir", "--resume", "--max-steps", "--log-every", "--patience",
-                                      "--profile", "--checkpoint-every")):
+    if why := not_replaceable(args.plot):  # found before the range test, not after it
+        print(f"error: cannot write --plot {args.plot}: {why}", file=sys.stderr)
+        return 1
+    if taken := first_given(options, OWN_STEPS):
         parser.error(f"{taken}: the range test runs the recipe in a run directory of its own, for its own steps")
     if taken := first_given(options, ("--lr", "--max-lr")):  # the ramp sets it, step by step
         parser.error(f"{taken}: the range test sweeps the learning rate itself, from --from to --to")
@@ -257,6 +305,8 @@ def main(argv: list[str] | None = None) -> int:
         recipe = load_recipe(args.recipe)
     except FinderError as err:  # no such recipe, or a file that is not one
         parser.error(f"argument RECIPE: {err}")
+    if taken := first_given(replayed(recipe, options), ("--patience", *NOT_TRAINING)):  # it passes the others itself
+        parser.error(f"--config sets {taken}, which the range test cannot take: replay a copy of the file without it")
     try:
         known = recipe_options(recipe)
         option = "--max-lr" if "--max-lr" in known else "--lr"
@@ -276,17 +326,20 @@ def main(argv: list[str] | None = None) -> int:
                               f"{rates[-1] if rates else args.end:g}: try a wider range (--from, --to) or more "
                               "--ramp-steps")
         suggestion = float(f"{rates[best]:.1e}")
-        plot(rates, losses, smooth, suggestion, option, args.plot)
+        try:
+            plot(rates, losses, smooth, suggestion, option, args.plot)
+        except OSError as err:
+            from common.rundir import why_not_written
+
+            raise FinderError(f"cannot write {args.plot}: {why_not_written(args.plot.parent, err)}") from None
     except FinderError as err:
         print(f"error: {' '.join(str(err).split())}", file=sys.stderr)
         return err.exit_code
     except KeyboardInterrupt:
         print("error: interrupted; nothing written", file=sys.stderr)
         return 130
-    except OSError as err:
-        from common.rundir import why_not_written
-
-        print(f"error: cannot write {args.plot}: {why_not_written(args.plot.parent, err)}", file=sys.stderr)
+    except OSError as err:  # the temporary run directory, say
+        print(f"error: {err.strerror or err}{f': {err.filename}' if err.filename else ''}", file=sys.stderr)
         return 1
     lowest = smooth.index(min(smooth))
     print(f"range test: {len(losses)} steps from {rates[0]:.1e} to {rates[-1]:.1e} ({ending}; smoothed loss "
@@ -298,4 +351,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, interrupt)
     sys.exit(main())

@@ -1,8 +1,13 @@
 """scripts/doctor.py: alternatives measured side by side, and the tuning guide's rules checked on the live run."""
 
 import json
+import os
 import re
+import signal
+import subprocess
+import sys
 import textwrap
+import time
 
 import pytest
 
@@ -157,6 +162,61 @@ def test_a_recipe_that_fails_as_given_is_one_line(tmp_path, capsys):
     assert doctor.main(["tabular_mlp", "--csv", str(tmp_path / "missing.csv"), "--target", "y"]) == 1
     err = capsys.readouterr().err
     assert err.startswith("error: the recipe fails as given: ") and "missing.csv" in err and err.count("\n") == 1
+
+
+def test_a_recipe_that_writes_no_throughput_is_one_line(tmp_path, capsys):
+    """A recipe file that trains but writes no metrics.json (this one has no __main__ block either) was a
+    FileNotFoundError traceback once the live run had passed."""
+    (tmp_path / "careless.py").write_text(textwrap.dedent(CARELESS))
+    assert doctor.main([str(tmp_path / "careless.py"), "--rounds", "1", "--window", "3", "--try", "workers"]) == 1
+    assert capsys.readouterr().err == "error: the recipe fails as given: its r0-0/metrics.json holds no throughput " \
+                                      "(samples_per_s or tokens_per_s), which the doctor measures\n"
+
+
+def test_a_batch_size_the_recipe_chooses_is_a_row_not_measured():
+    """tabular_mlp records batch_size null unless given: --try batch measured nothing and said so nowhere."""
+    found, rows = doctor.alternatives({"--batch-size"}, [], {"batch_size": None}, ["batch"])
+    assert found == {} and rows == [("--batch-size x2", "not measured", "the run records no batch size to double: "
+                                     "give --batch-size")]
+    found, rows = doctor.alternatives({"--batch-size"}, ["--batch-size=64"], {"batch_size": 64}, ["batch"])
+    assert found == {"--batch-size 128": (["--batch-size", "128"], True)} and rows == []
+
+
+def test_cudnn_benchmark_is_asked_of_every_convolution_model_on_cuda():
+    """It was passed for a model whose convolutions were all channels_last, whatever the flag."""
+    cuda = {"device_used": "cuda:0", "precision": "bf16"}
+    conv = doctor.Observed(matrices={"Conv2d0": (32, 16)}, cudnn_benchmark=False)
+    assert verdicts(doctor.rule_rows(conv, cuda, {}, []))["cudnn.benchmark"].startswith("fixed-size convolutions")
+    conv.cudnn_benchmark = True
+    assert verdicts(doctor.rule_rows(conv, cuda, {}, []))["cudnn.benchmark"] == "ok"
+    linear = doctor.Observed(matrices={"Linear0": (32, 16)}, cudnn_benchmark=False)
+    assert verdicts(doctor.rule_rows(linear, cuda, {}, []))["cudnn.benchmark"] == "ok"
+
+
+def test_options_a_config_replays_are_refused_as_if_given(tmp_path, capsys):
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"recipe": "mixed_precision", "compare_precisions": True, "max_steps": 50}))
+    with pytest.raises(SystemExit) as exit_:
+        doctor.main(["mixed_precision", "--config", str(config)])
+    assert exit_.value.code == 2 and capsys.readouterr().err.endswith(
+        "error: --config sets --compare, which the doctor cannot take: replay a copy of the file without it\n")
+
+
+def test_sigterm_is_one_line_and_leaves_no_temporary_folder(tmp_path):
+    """Every run is in a temporary folder "removed afterwards": after a SIGTERM too (it was left behind)."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    args = [sys.executable, "scripts/doctor.py", "mixed_precision", "--samples", "1024", "--width", "16",
+            "--batch-size", "64", "--precision", "fp32", "--device", "cpu", "--try", "workers", "--window", "10000"]
+    proc = subprocess.Popen(args, cwd=doctor.ROOT, env={**os.environ, "TMPDIR": str(tmp)}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not list(tmp.glob("doctor.*/r0-0/events.out.tfevents.*")) and time.monotonic() < deadline:
+        time.sleep(0.2)  # until the first run measured in a process of its own trains
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert (proc.returncode, err) == (130, "error: interrupted; nothing measured\n")
+    assert list(tmp.glob("doctor.*")) == []  # (torch may leave its compile cache there: not ours)
 
 
 def stub_measurements(monkeypatch, alone: dict[str, list[float]], together: list[float] | str | None = None) -> None:

@@ -1,9 +1,14 @@
 """scripts/find_lr.py: the learning-rate range test."""
 
+import json
 import math
+import os
 import re
+import signal
+import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 from conftest import run_subprocess
@@ -78,7 +83,8 @@ RECIPES = ", ".join(sorted(p.stem for p in (find_lr.ROOT / "recipes").glob("*.py
 
 @pytest.mark.parametrize(("args", "code", "message"), [
     (["mixed_precision", "--run-dir", "x"], 2, "--run-dir: the range test runs the recipe in a run directory"),
-    (["mixed_precision", "--ramp-steps", "5"], 2, "must be at least 20"),
+    (["mixed_precision", "--ramp-steps", "5"], 2, "argument --ramp-steps: from 20 to 100,000 steps, got 5"),
+    (["mixed_precision", "--ramp-steps", "1000000000"], 2, "from 20 to 100,000 steps, got 1000000000"),
     (["mixed_precision", "--from", "1", "--to", "0.1"], 2, "need 0 < --from < --to"),
     (["no_such_recipe"], 2, f"error: argument RECIPE: no recipe 'no_such_recipe'; give one of {RECIPES}, or the "
      "path of a recipe file\n"),
@@ -169,6 +175,66 @@ def test_a_loss_that_diverges_before_the_smoothing_settles_says_so(tmp_path, cap
     assert re.fullmatch(r"error: the loss diverged after \d steps, at [\d.e+]+: too few to find its slope; start lower "
                         r"\(--from\) or give more --ramp-steps\n", err), err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["least_squares.py"]  # no plot, no run left behind
+
+
+def test_a_recipe_that_stops_early_or_logs_no_loss_is_one_line(tmp_path, capsys, monkeypatch):
+    """Early stopping (a replayed --patience, say) ended the ramp at step 30 of 100: the rates past it were never
+    tried, and the suggestion from the first 30 was reported as from a whole ramp. A recipe that logs no
+    train/loss was said to have diverged after 0 steps."""
+    monkeypatch.chdir(tmp_path)
+    short = LEAST_SQUARES.replace("min(epochs, max_steps)", "min(epochs, max_steps, 30)")
+    (tmp_path / "short.py").write_text(textwrap.dedent(short))
+    (tmp_path / "silent.py").write_text(textwrap.dedent(LEAST_SQUARES).replace(
+        'writer.add_scalar("train/loss", loss.item(), step)', "pass"))
+    assert find_lr.main([str(tmp_path / "short.py"), "--plot", str(tmp_path / "s.png")]) == 1
+    assert capsys.readouterr().err == "error: the recipe stopped after 30 of the 100 steps, at 2.2e-05: leave " \
+                                      "out what ends it early (--patience, a --config that sets it)\n"
+    assert find_lr.main([str(tmp_path / "silent.py"), "--plot", str(tmp_path / "s.png")]) == 1
+    assert capsys.readouterr().err == "error: the recipe logged no train/loss to TensorBoard in run/: the range " \
+                                      "test reads each step's loss there\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["short.py", "silent.py"]
+
+
+def test_options_a_config_replays_are_refused_as_if_given(table_csv, tmp_path, capsys):
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"recipe": "tabular_mlp", "patience": 1, "lr": 0.01, "log_every": 5}))
+    with pytest.raises(SystemExit) as exit_:
+        find_lr.main(["tabular_mlp", "--csv", str(table_csv), "--target", "label", "--config", str(config)])
+    assert exit_.value.code == 2 and capsys.readouterr().err.endswith(
+        "error: --config sets --patience, which the range test cannot take: replay a copy of the file without it\n")
+    # what the range test sets itself (the rate, the log interval) may be in the file: a run's config.json is
+    assert find_lr.replayed(find_lr.load_recipe("tabular_mlp"), ["--config", str(config)]) == ["--lr", "--log-every",
+                                                                                                 "--patience"]
+    assert find_lr.replayed(find_lr.load_recipe("tabular_mlp"), ["--config", str(config), "--patience", "3"]) == [
+        "--lr", "--log-every"]  # given: the command line wins
+
+
+def test_an_existing_plot_that_is_no_figure_is_kept_and_found_before_the_test(tmp_path, capsys, monkeypatch):
+    from common import cli
+
+    monkeypatch.setattr(cli, "run_recipe", lambda main, argv=None: pytest.fail("the range test ran"))
+    (tmp_path / "lr_find.png").write_text("my notes")
+    assert find_lr.main(["mixed_precision", "--plot", str(tmp_path / "lr_find.png")]) == 1
+    assert capsys.readouterr().err == f"error: cannot write --plot {tmp_path / 'lr_find.png'}: it exists and is no " \
+                                      "figure of ours (a PNG that matplotlib wrote): choose another name\n"
+    assert (tmp_path / "lr_find.png").read_text() == "my notes"
+
+
+def test_sigterm_is_one_line_and_leaves_no_temporary_folder(tmp_path):
+    """The range test's run directory is a temporary folder: a SIGTERM (a scheduler's) must not leave it behind."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    args = [sys.executable, "scripts/find_lr.py", "mixed_precision", "--samples", "1024", "--width", "16",
+            "--batch-size", "64", "--device", "cpu", "--ramp-steps", "100000", "--plot", tmp_path / "x.png"]
+    proc = subprocess.Popen(list(map(str, args)), cwd=find_lr.ROOT, env={**os.environ, "TMPDIR": str(tmp)},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not list(tmp.glob("find_lr.*/run/events.out.tfevents.*")) and time.monotonic() < deadline:
+        time.sleep(0.2)  # until the recipe trains
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert (proc.returncode, err) == (130, "error: interrupted; nothing written\n")
+    assert list(tmp.glob("find_lr.*")) == [] and not (tmp_path / "x.png").exists()
 
 
 def test_a_failed_write_of_the_plot_leaves_the_earlier_one_as_it_was(tmp_path):
