@@ -122,6 +122,22 @@ def test_a_numeric_class_is_one_class_however_it_is_spelled():
     assert tabular.class_names(pa.array([0.5, 2.0, None]))[1].to_pylist() == ["0.5", "2", None]  # Parquet floats
 
 
+def test_classes_keep_their_spelling_and_long_integer_codes_stay_apart():
+    """Codes "007" and "012" came back as predictions "7" and "12"; two 17-digit codes (past float64's 2**53)
+    were read as one number each, so predictions named codes that were never in the file."""
+    codes = ["007", "012", "007", "7.0"]  # "7.0" is the class "007" spells most often
+    spec = tabular.fit_features(text_table(["x", "y"], [[str(i), codes[i % 4]] for i in range(40)]), "y",
+                                "classification")
+    assert spec["classes"] == ["012", "007"]  # in the order of their one spelling: "12" < "7", as before
+    assert tabular.encode(spec, text_table(["x", "y"], [["1", "7"], ["2", "12"], ["3", "007"]]))[2].tolist() == [
+        1, 0, 1]
+    long = ["10000000000000001", "10000000000000003"]
+    spec = tabular.fit_features(text_table(["x", "y"], [[str(i), long[i % 2]] for i in range(40)]), "y",
+                                "classification")
+    assert spec["classes"] == long
+    assert tabular.class_names(pa.array(["+5", " 5", "5.0", "5e0", "-0"]))[1].to_pylist() == ["5", "5", "5", "5", "0"]
+
+
 @pytest.mark.parametrize("num_embedding", ["none", "periodic"])
 def test_parameter_groups_exempt_biases_norms_and_embeddings(num_embedding):
     """The periodic embedding's per-feature layer has a bias that is a matrix (one bias per feature): still a bias."""
@@ -412,6 +428,46 @@ def test_predict_with_a_checkpoint_lacking_its_config_or_features_is_a_one_line_
     result = run_inprocess(RECIPE, "--predict", table_csv, "--resume", path)
     assert (result.code, result.stderr) == (1, f"error: checkpoint {path} lacks '{missing}' in its options or "
                                                "features: another version of this recipe wrote it\n")
+
+
+def test_predict_output_names_types_and_failures(run_inprocess, table_csv, tmp_path, monkeypatch):
+    run_dir, new = tmp_path / "run", write_table(tmp_path / "new.csv", n=20, seed=9, target=False)
+    assert run_inprocess(RECIPE, "--csv", table_csv, "--target", "label", "--epochs", 1, "--run-dir", run_dir).code == 0
+    best = run_dir / "checkpoints" / "best.pt"
+    # a name that is no table file: refused (it was written as CSV whatever it was called)
+    for name in ("out.xlsx", "out.json", "out.parquet.gz"):
+        result = run_inprocess(RECIPE, "--predict", new, "--resume", best, "--output", tmp_path / name)
+        assert result.code == 2 and "Invalid value for --output" in result.stderr and \
+            ".csv, .tsv, .csv.gz, .tsv.gz or .parquet file" in result.stderr
+        assert not (tmp_path / name).exists()
+    # CSV to Parquet: the numbers as numbers (they were dictionary-encoded text), missing cells as nulls
+    assert run_inprocess(RECIPE, "--predict", new, "--resume", best, "--output", tmp_path / "o.parquet").code == 0
+    written = pq.read_table(tmp_path / "o.parquet")
+    assert [str(t) for t in written.schema.types] == ["int64", "double", "string", "string", "string", "float"]
+    assert written["income"].null_count == 2 and written["city"].to_pylist()[0] is None  # rows 0 and 17; "?"
+    # a write that fails: one line naming the output, not its temporary file; nothing left behind
+    result = run_inprocess(RECIPE, "--predict", new, "--resume", best, "--output", new / "x.csv")
+    assert (result.code, result.stderr) == (1, f"error: cannot write {new / 'x.csv'}: Not a directory\n")
+
+    def interrupted(*args, **kwargs):  # SIGTERM (SystemExit 143) in the middle of the write
+        raise SystemExit(143)
+
+    monkeypatch.setattr(tabular.pacsv, "write_csv", interrupted)
+    result = run_inprocess(RECIPE, "--predict", new, "--resume", best, "--output", tmp_path / "late.csv")
+    assert result.code == 143 and not list(tmp_path.glob(".late.csv*")) and not (tmp_path / "late.csv").exists()
+
+
+def test_a_regression_model_predicts_a_table_that_has_a_probability_column(run_inprocess, tmp_path):
+    """Only a classifier's output adds "probability": a regression model refused such a table."""
+    rows = "".join(f"{i},{i % 3},{2 * i + 1}\n" for i in range(60))
+    (tmp_path / "t.csv").write_text("x,probability,y\n" + rows)
+    assert run_inprocess(RECIPE, "--csv", tmp_path / "t.csv", "--target", "y", "--epochs", 1, "--run-dir",
+                         tmp_path / "run").code == 0
+    result = run_inprocess(RECIPE, "--predict", tmp_path / "t.csv", "--resume", tmp_path / "run" / "checkpoints" /
+                           "best.pt", "--output", tmp_path / "p.csv")
+    assert result.code == 0, result.stderr
+    with open(tmp_path / "p.csv", newline="") as f:
+        assert list(next(csv.reader(f))) == ["x", "probability", "y", "prediction"]
 
 
 def test_predict_on_a_directory_is_a_one_line_error(run_inprocess, table_csv, tmp_path):
