@@ -702,14 +702,14 @@ def main(
         output = output or predict_csv.with_suffix(".predictions.csv")
         if output.is_dir() or not output.name:
             raise cli.RecipeError(f"--output {output} is a directory; give the path of the file to write")
-        if not output.name.lower().endswith((".csv", ".tsv", ".csv.gz", ".tsv.gz", ".parquet")):
-            raise typer.BadParameter(f"{output}: name a .csv, .tsv, .csv.gz, .tsv.gz or .parquet file",
-                                     param_hint="--output")
         if output.resolve() == predict_csv.resolve():
             raise typer.BadParameter("is the table to predict, whose rows it would replace: choose another file",
                                      param_hint="--output")
         if output.resolve() == Path(resume).resolve():
             raise typer.BadParameter("is the checkpoint to predict with, which it would replace: choose another file",
+                                     param_hint="--output")
+        if not output.name.lower().endswith((".csv", ".tsv", ".csv.gz", ".tsv.gz", ".parquet")):
+            raise typer.BadParameter(f"{output}: name a .csv, .tsv, .csv.gz, .tsv.gz or .parquet file",
                                      param_hint="--output")
         if output.exists() and not overwrite:
             raise cli.RecipeError(f"{output} exists; choose another --output, or add --overwrite to replace it")
