@@ -94,6 +94,17 @@ def test_eager_exported_program_and_onnxruntime_agree(recipe, checkpoints, expor
     torch.testing.assert_close(torch.from_numpy(onnx_out), expected, rtol=0, atol=1e-4)
 
 
+def test_the_exported_program_takes_a_batch_past_65536_rows(checkpoints, exported):
+    """Its batch dimension had a maximum of 65,536 that nothing documented; a table's rows come in any number."""
+    info = json.loads((exported["tabular_mlp"] / "model.json").read_text())
+    batch = inputs("tabular_mlp", info, batch=70_000)
+    with torch.no_grad():
+        expected = eager_model("tabular_mlp", checkpoints["tabular_mlp"])(*batch.values())
+        program = torch.export.load(exported["tabular_mlp"] / "model.pt2").module()(*batch.values())
+    assert program.shape[0] == 70_000
+    torch.testing.assert_close(program, expected, rtol=0, atol=1e-4)
+
+
 def test_a_character_level_einsum_transformer_exports_with_its_vocabulary(run_inprocess, request, tmp_path):
     """The einsum attention is exported as the same math in SDPA, and checked against the einsum model."""
     args = [*smoke_args("tiny_transformer", request), "--vocab", "chars", "--attention", "einsum"]
