@@ -563,11 +563,11 @@ def as_read(column: pa.ChunkedArray) -> pa.ChunkedArray:
     if not pa.types.is_dictionary(column.type):  # Parquet's own types, and the columns added
         return column
     text = column.cast(pa.string())
-    text = pc.if_else(pc.is_in(pc.utf8_lower(text), value_set=MISSING), None, text)  # "", "NA", "?": missing
+    present = pc.if_else(pc.is_in(pc.utf8_lower(text), value_set=MISSING), None, text)  # "", "NA", "?": null
     for kind in (pa.int64(), pa.float64()):
         with contextlib.suppress(pa.ArrowInvalid):
-            return text.cast(kind)
-    return text
+            return present.cast(kind)
+    return text  # words: every cell as the file spells it
 
 
 # ----------------------------------------------------------------------------------------------------
