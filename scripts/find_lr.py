@@ -292,9 +292,6 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"arguments --from and --to: need 0 < --from < --to, got {args.start} and {args.end}")
     if args.plot.suffix.lower() != ".png":
         parser.error(f"argument --plot: {args.plot} must end in .png")
-    if why := not_replaceable(args.plot):  # found before the range test, not after it
-        print(f"error: cannot write --plot {args.plot}: {why}", file=sys.stderr)
-        return 1
     if taken := first_given(options, OWN_STEPS):
         parser.error(f"{taken}: the range test runs the recipe in a run directory of its own, for its own steps")
     if taken := first_given(options, ("--lr", "--max-lr")):  # the ramp sets it, step by step
@@ -307,6 +304,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"argument RECIPE: {err}")
     if taken := first_given(replayed(recipe, options), ("--patience", *NOT_TRAINING)):  # it passes the others itself
         parser.error(f"--config sets {taken}, which the range test cannot take: replay a copy of the file without it")
+    if why := not_replaceable(args.plot):  # found before the range test, not after it
+        print(f"error: cannot write --plot {args.plot}: {why}", file=sys.stderr)
+        return 1
     try:
         known = recipe_options(recipe)
         option = "--max-lr" if "--max-lr" in known else "--lr"
