@@ -67,8 +67,9 @@ def read_shape(path: Path) -> dict:
         raise RecipeError(f"{path} has no config.json: not a Hugging Face model folder (get one with "
                           "`hf download gpt2 --local-dir gpt2`)")
     config = read_json(path / "config.json")
-    if config.get("model_type") != "gpt2":
-        kind = config.get("model_type") or ", ".join(config.get("architectures") or []) or "no model_type"
+    architectures = config.get("architectures") or []  # without a model_type, GPT2LMHeadModel still reads it
+    if config.get("model_type", "gpt2" if "GPT2LMHeadModel" in architectures else None) != "gpt2":
+        kind = config.get("model_type") or ", ".join(architectures) or "no model_type"
         raise RecipeError(f"{path} holds a model of another kind ({kind}), not GPT-2: --init-from takes GPT-2 folders "
                           "(model_type gpt2)")
     try:
@@ -103,8 +104,8 @@ def read_tensors(path: Path) -> dict[str, torch.Tensor]:
         files = [path / "model.safetensors"]
     elif index.is_file():
         weight_map = read_json(index).get("weight_map")
-        if not isinstance(weight_map, dict):
-            raise RecipeError(f"{index} has no weight_map")
+        if not isinstance(weight_map, dict) or not all(isinstance(name, str) for name in weight_map.values()):
+            raise RecipeError(f"{index} has no weight_map (weight names -> file names)")
         files = [path / name for name in sorted(set(weight_map.values()))]
     else:
         other = sorted(p.name for p in path.glob("*.bin")) or sorted(p.name for p in path.glob("*.h5"))
@@ -131,8 +132,9 @@ def recipe_names(n_layer: int):
 def from_hf(tensors: dict[str, torch.Tensor], shape: dict, source: Path) -> tuple[dict, bool]:
     """GPT-2's tensors (GPT2LMHeadModel's names, with or without ``transformer.``) -> (the recipe's state dict,
     fp32, and whether it needs biases: not when every bias is zero)."""
-    given = {key if key.startswith("transformer.") or key == "lm_head.weight" else f"transformer.{key}": value
-             for key, value in tensors.items() if not BUFFER.fullmatch(key.removeprefix("transformer."))}
+    named = {key if key.startswith("transformer.") or key == "lm_head.weight" else f"transformer.{key}": key
+             for key in tensors if not BUFFER.fullmatch(key.removeprefix("transformer."))}  # ours -> the file's
+    given = {name: tensors[key] for name, key in named.items()}
     head = given.pop("lm_head.weight", None)
     state = {name: given.pop(f"transformer.{name}", None) for name in ("wte.weight", "wpe.weight")}
     missing = [f"transformer.{name}" for name, value in state.items() if value is None]
@@ -145,8 +147,9 @@ def from_hf(tensors: dict[str, torch.Tensor], shape: dict, source: Path) -> tupl
             state[f"{ours}.bias"] = bias
             biases.append(bias)
     if missing or given:
+        unexpected = sorted(named[name] for name in given)  # as the file names them
         problems = [f"{label} {', '.join(keys[:4])}{' ...' if len(keys) > 4 else ''}"
-                    for label, keys in (("lacks", missing), ("holds unexpected", sorted(given))) if keys]
+                    for label, keys in (("lacks", missing), ("holds unexpected", unexpected)) if keys]
         raise RecipeError(f"{source}'s weights are not those of its config.json's GPT-2: it {'; '.join(problems)}")
     if head is not None and not (head.shape == state["wte.weight"].shape and torch.equal(head, state["wte.weight"])):
         raise RecipeError(f"{source}'s lm_head.weight differs from wte.weight: the recipe's GPT ties them")

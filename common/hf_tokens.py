@@ -26,13 +26,21 @@ from common.cli import RecipeError
 END_OF_TEXT = "<|endoftext|>"  # GPT-2's one special token: bos, eos and unk
 
 
+def whole(tokenizer):
+    """``tokenizer`` without truncation or padding (transformers saves them once a call used them): a corpus is
+    encoded whole, a prompt as it is."""
+    tokenizer.no_truncation()
+    tokenizer.no_padding()
+    return tokenizer
+
+
 def read_tokenizer(path: Path):
     """The folder's tokenizer: tokenizer.json, else AutoTokenizer's from vocab.json and merges.txt (GPT-2's files)."""
     from tokenizers import Tokenizer
 
     if (path / "tokenizer.json").is_file():
         try:
-            return Tokenizer.from_file(str(path / "tokenizer.json"))
+            return whole(Tokenizer.from_file(str(path / "tokenizer.json")))
         except Exception as err:  # tokenizers raises a plain Exception for a file it cannot parse
             reason = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
             raise RecipeError(f"cannot read {path / 'tokenizer.json'}: {reason}") from None
@@ -41,7 +49,7 @@ def read_tokenizer(path: Path):
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(str(path), local_files_only=True).backend_tokenizer
+        return whole(AutoTokenizer.from_pretrained(str(path), local_files_only=True).backend_tokenizer)
     except Exception as err:
         reason = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
         raise RecipeError(f"cannot read {path}'s vocab.json and merges.txt: {reason}") from None
@@ -122,6 +130,6 @@ def checkpoint_vocab(checkpoint: dict) -> object:
     from tokenizers import Tokenizer
 
     try:
-        return Tokenizer.from_str(checkpoint["tokenizer"])
+        return whole(Tokenizer.from_str(checkpoint["tokenizer"]))
     except Exception:
         raise RecipeError("the checkpoint's tokenizer is damaged (not a tokenizers JSON)") from None

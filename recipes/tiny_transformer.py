@@ -726,8 +726,9 @@ def main(
     split = int(0.9 * len(tokens))
     train_tokens, val_tokens = tokens[:split], tokens[split:]
     if len(val_tokens) <= block_size:
-        raise cli.RecipeError(f"the text has {len(tokens)} tokens: too short for --block-size {block_size} "
-                              f"(its last 10%, the validation split, needs more than one block)")
+        blocks = f"--block-size {block_size}" if init_from is None else f"{init_from}'s blocks ({block_size} tokens)"
+        raise cli.RecipeError(f"the text has {len(tokens)} tokens: too short for {blocks} (its last 10%, the "
+                              "validation split, needs more than one block)")
     # Validation batches of the global batch's size, each rank its slice: the same figures at any world size
     rows = slice(rank * batch_size * grad_accum, (rank + 1) * batch_size * grad_accum)  # this rank's sequences
     val_stream = RandomWindows(val_tokens, block_size, global_batch, seed + 1, rows=rows)

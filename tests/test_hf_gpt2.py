@@ -306,6 +306,17 @@ def damage(case: str, folder: Path) -> str:
         config["activation_function"] = "relu"
         (folder / "config.json").write_text(json.dumps(config))
         return 'activation_function "relu"'
+    if case == "an index naming no file":  # sharded weights whose index maps a weight to a number
+        tensors = load_file(weights)
+        weights.unlink()
+        save_file(tensors, folder / "model-00001-of-00001.safetensors", metadata={"format": "pt"})
+        weight_map = dict.fromkeys(tensors, "model-00001-of-00001.safetensors") | {"lm_head.weight": 5}
+        (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+        return "model.safetensors.index.json has no weight_map (weight names -> file names)"
+    if case == "a classifier's head":  # named as the file names it, not with a "transformer." of ours
+        tensors = load_file(weights)
+        save_file(tensors | {"score.weight": torch.zeros(3, 32)}, weights, metadata={"format": "pt"})
+        return "it holds unexpected score.weight"
     if case == "a file, not a folder":
         shutil.rmtree(folder)
         folder.write_text("not a folder")
@@ -319,7 +330,7 @@ def damage(case: str, folder: Path) -> str:
 @pytest.mark.parametrize("case", ["another architecture", "no config.json", "config.json not JSON", "no weights",
                                   "truncated safetensors", "random bytes for safetensors", "a weight missing",
                                   "no tokenizer", "an activation it does not compute", "a file, not a folder",
-                                  "no such folder"])
+                                  "no such folder", "an index naming no file", "a classifier's head"])
 def test_a_folder_that_is_not_gpt2_is_one_line(case, gpt2_dir, text_file, run_inprocess, tmp_path):
     folder = copy_of(gpt2_dir, tmp_path / "gpt2")
     message = damage(case, folder)
@@ -328,6 +339,45 @@ def test_a_folder_that_is_not_gpt2_is_one_line(case, gpt2_dir, text_file, run_in
     assert result.code == 1 and result.stderr.startswith("error: ") and result.stderr.count("\n") == 1, result.stderr
     assert message in result.stderr and "Traceback" not in result.stderr
     assert not (tmp_path / "run").exists()  # nothing left behind
+
+
+def test_a_tokenizer_saved_with_truncation_or_padding_encodes_the_whole_text(gpt2_dir, text_file, run_inprocess,
+                                                                              tmp_path):
+    """transformers saves truncation and padding in tokenizer.json once a call used them: the corpus was cut to
+    the first max_length tokens, and a prompt padded with end-of-text tokens, without a word."""
+    from tokenizers import Tokenizer
+
+    folder = copy_of(gpt2_dir, tmp_path / "gpt2")
+    tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    tokenizer.enable_truncation(max_length=16)
+    tokenizer.enable_padding(length=12, pad_id=0, pad_token="<|endoftext|>")
+    tokenizer.save(str(folder / "tokenizer.json"))
+    result = run_inprocess(RECIPE, "--init-from", folder, "--text", text_file, *RUN, "--steps", 1,
+                           "--run-dir", tmp_path / "run")
+    plain = run_inprocess(RECIPE, "--init-from", gpt2_dir, "--text", text_file, *RUN, "--steps", 1,
+                          "--run-dir", tmp_path / "plain")
+    assert result.code == plain.code == 0, result.stderr
+    counts = re.search(r"[\d,]+ train / [\d,]+ val tokens", plain.stdout)[0]
+    assert counts in result.stdout  # the same tokens as from the folder as it was saved before
+    sample = run_inprocess(RECIPE, "--sample-only", "--init-from", folder, "--prompt", "def ", "--sample-tokens", 4)
+    assert sample.code == 0 and sample.stdout.startswith("def ") and "<|endoftext|>" not in sample.stdout[:20]
+
+
+def test_a_text_too_short_for_the_folders_blocks_names_the_folder(gpt2_dir, tmp_path, run_inprocess):
+    """--block-size, which the message asked to lower, contradicts the folder: the folder's size is named."""
+    (tmp_path / "short.txt").write_text("def f():\n    return 1\n" * 3)
+    result = run_inprocess(RECIPE, "--init-from", gpt2_dir, "--text", tmp_path / "short.txt", *RUN, "--steps", 1,
+                           "--run-dir", tmp_path / "run")
+    assert result.code == 1 and f"too short for {gpt2_dir}'s blocks (32 tokens)" in result.stderr, result.stderr
+
+
+def test_a_config_without_model_type_but_gpt2s_architecture_is_read(gpt2_dir, text_file, run_inprocess, tmp_path):
+    folder = copy_of(gpt2_dir, tmp_path / "gpt2")
+    config = json.loads((folder / "config.json").read_text())
+    del config["model_type"]
+    (folder / "config.json").write_text(json.dumps(config | {"architectures": ["GPT2LMHeadModel"]}))
+    result = run_inprocess(RECIPE, "--sample-only", "--init-from", folder, "--prompt", "def ", "--sample-tokens", 4)
+    assert result.code == 0 and result.stdout.startswith("def "), result.stderr
 
 
 @pytest.mark.parametrize(("option", "value", "theirs"), [("--n-layer", 4, "n_layer 2"), ("--n-head", 2, "n_head 4"),
