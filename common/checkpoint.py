@@ -228,8 +228,9 @@ class Checkpointer:
                               f"{checkpoint['data_id']}, this run's {self.data_id}): resume with the data it was "
                               "started with, or start afresh in another --run-dir")
         try:  # a checkpoint of an older version of the recipe may lack a part, or hold it in another form
-            if self.scheduler is not None:  # its load_state_dict takes any dict, even one without its settings
-                if missing := self.scheduler.state_dict().keys() - checkpoint["scheduler"].keys():
+            if self.scheduler is not None:  # its load_state_dict takes any dict: one without its settings (public
+                settings = {key for key in self.scheduler.state_dict() if not key.startswith("_")}  # names) is junk
+                if missing := settings - checkpoint["scheduler"].keys():
                     raise KeyError(f"scheduler {', '.join(sorted(missing))}")
                 self.scheduler.load_state_dict(checkpoint["scheduler"])
             if self.scaler is not None and checkpoint["scaler"] is not None:

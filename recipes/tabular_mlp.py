@@ -542,8 +542,8 @@ def predict(checkpoint_path: Path, table_path: Path, output: Path, device: torch
     try:
         with open(tmp, "wb") as f:  # as read: .parquet, .tsv (tabs), else CSV; .gz compressed
             name = output.name.lower()
-            if name.endswith(".parquet"):  # typed: a CSV's columns of numbers as numbers, not text
-                pq.write_table(pa.table([as_read(table[c]) for c in table.column_names], names=table.column_names), f)
+            if name.endswith(".parquet"):  # a CSV's cells as text, as spelled: a type guessed here could drop a
+                pq.write_table(table, f)       # code's leading zeros or round a long ID
             else:
                 with pa.CompressedOutputStream(f, "gzip") if name.endswith(".gz") else pa.PythonFile(f) as out:
                     delimiter = "\t" if name.removesuffix(".gz").endswith(".tsv") else ","
@@ -556,18 +556,6 @@ def predict(checkpoint_path: Path, table_path: Path, output: Path, device: torch
             raise cli.RecipeError(f"cannot write {output}: {err.strerror or err}") from None
         raise
     return table.num_rows
-
-
-def as_read(column: pa.ChunkedArray) -> pa.ChunkedArray:
-    """A CSV column (text) as integers or floats where every present cell is one, as pandas would read it."""
-    if not pa.types.is_dictionary(column.type):  # Parquet's own types, and the columns added
-        return column
-    text = column.cast(pa.string())
-    present = pc.if_else(pc.is_in(pc.utf8_lower(text), value_set=MISSING), None, text)  # "", "NA", "?": null
-    for kind in (pa.int64(), pa.float64()):
-        with contextlib.suppress(pa.ArrowInvalid):
-            return present.cast(kind)
-    return text  # words: every cell as the file spells it
 
 
 # ----------------------------------------------------------------------------------------------------

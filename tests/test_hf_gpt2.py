@@ -378,6 +378,9 @@ def test_a_config_without_model_type_but_gpt2s_architecture_is_read(gpt2_dir, te
     (folder / "config.json").write_text(json.dumps(config | {"architectures": ["GPT2LMHeadModel"]}))
     result = run_inprocess(RECIPE, "--sample-only", "--init-from", folder, "--prompt", "def ", "--sample-tokens", 4)
     assert result.code == 0 and result.stdout.startswith("def "), result.stderr
+    for odd in ({"model_type": None}, {"model_type": "gpt2", "architectures": 1}):  # null; not a list
+        (folder / "config.json").write_text(json.dumps(config | odd))
+        assert hf_gpt2.read_shape(folder)["n_layer"] == config["n_layer"]
 
 
 @pytest.mark.parametrize(("option", "value", "theirs"), [("--n-layer", 4, "n_layer 2"), ("--n-head", 2, "n_head 4"),

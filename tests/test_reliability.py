@@ -3,6 +3,7 @@
 What a user can rely on is in the README's "Resuming and failures" section; each promise there is a test here.
 """
 
+import json
 import math
 import os
 import random
@@ -498,3 +499,20 @@ def test_relaunching_a_finished_run_does_not_score_the_test_set_again(recipe, ru
     result = run_inprocess(recipe, *args)
     assert result.code == 0, result.stderr
     assert "already finished" in result.stdout and snapshot(tmp_path) == before
+
+
+@pytest.mark.parametrize("recipe", ["tabular_mlp", "mnist_onecycle"])
+def test_a_scheduler_state_without_a_private_field_of_this_torch_resumes(recipe, run_inprocess, request, trained,
+                                                                         tmp_path):
+    """A torch release adds bookkeeping fields (``_is_initial``) that an older one's checkpoint lacks: only the
+    schedule's own settings (its public names) must be there."""
+    state = torch.load(trained(recipe) / "checkpoints" / "last.pt", weights_only=True)
+    assert "_is_initial" in state["scheduler"]
+    del state["scheduler"]["_is_initial"]
+    state["step"] = 1  # not at its end: a finished checkpoint is refused before it is restored
+    torch.save(state, tmp_path / "older.pt")
+    result = run_inprocess(recipe, *smoke_args(recipe, request), "--resume", tmp_path / "older.pt", "--run-dir",
+                           tmp_path / "run")
+    assert result.code == 0, result.stderr
+    finished = json.loads((trained(recipe) / "metrics.json").read_text())["steps"]
+    assert json.loads((tmp_path / "run" / "metrics.json").read_text())["steps"] == finished
