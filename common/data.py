@@ -120,6 +120,9 @@ def load_mnist(data_dir: Path, *, train: bool) -> tuple[torch.Tensor, torch.Tens
     if data.shape[1:] != (28, 28) or not labelled:
         raise RecipeError(f"MNIST files in {raw} hold {len(data)} images of {tuple(data.shape[1:])} pixels and "
                           f"{len(labels)} labels, not 28x28 digits labelled 0-9; delete them to download again")
+    if train and len(labels) < 2:  # a run holds out at least one to validate on (no IDX file holds none)
+        raise RecipeError(f"MNIST files in {raw} hold 1 training digit: too few to train and validate on; delete "
+                          "them to download again")
     # uint8 (N, 28, 28) -> float32 (N, 1, 28, 28): a channel axis for the convolutions, values standardised
     images = (data.unsqueeze(1).float() / 255 - MNIST_MEAN) / MNIST_STD
     return images, labels

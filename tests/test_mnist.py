@@ -187,6 +187,20 @@ def test_a_set_too_small_to_train_on_says_so_not_blaming_an_option_not_given(rec
     assert "is larger than the training set (2 samples)" in result.stderr
 
 
+@pytest.mark.parametrize("recipe", [RECIPE, "ddp_mlp"])
+def test_files_of_one_training_digit_say_so(recipe, run_inprocess, tmp_path):
+    """It was blamed on --val-size, not given. (An IDX file of no digits is refused as corrupt.)"""
+    from conftest import synthetic_digits
+
+    from benchmarks.mnist_files import write_mnist
+
+    raw = write_mnist(tmp_path / "data", synthetic_digits(1, seed=1), synthetic_digits(3, seed=2))
+    result = run_inprocess(recipe, "--data-dir", tmp_path / "data", "--batch-size", 1, "--run-dir", tmp_path / "run")
+    assert result.code == 1 and result.stderr == (f"error: MNIST files in {raw.resolve()} hold 1 training digit: too "
+                                                  "few to train and validate on; delete them to download again\n")
+    assert not (tmp_path / "run").exists()
+
+
 def test_finetune_starts_from_the_backbone_with_its_own_learning_rate(run_inprocess, mnist_dir, tmp_path):
     mnist = load_recipe(RECIPE)
     assert run_inprocess(RECIPE, "--epochs", 1, "--batch-size", 32, "--data-dir", mnist_dir,
