@@ -67,9 +67,10 @@ def read_shape(path: Path) -> dict:
         raise RecipeError(f"{path} has no config.json: not a Hugging Face model folder (get one with "
                           "`hf download gpt2 --local-dir gpt2`)")
     config = read_json(path / "config.json")
-    architectures = [a for a in config.get("architectures") or [] if isinstance(a, str)] if isinstance(
-        config.get("architectures"), list) else []  # without a model_type, GPT2LMHeadModel still reads it
-    if (config.get("model_type") or ("gpt2" if "GPT2LMHeadModel" in architectures else None)) != "gpt2":
+    named = config.get("architectures")
+    architectures = [a for a in named if isinstance(a, str)] if isinstance(named, list) else []
+    model_type = config.get("model_type") or ("gpt2" if "GPT2LMHeadModel" in architectures else None)  # or untyped
+    if model_type != "gpt2":
         kind = config.get("model_type") or ", ".join(architectures) or "no model_type"
         raise RecipeError(f"{path} holds a model of another kind ({kind}), not GPT-2: --init-from takes GPT-2 folders "
                           "(model_type gpt2)")
