@@ -30,8 +30,7 @@ class RecipeError(Exception):
 
 
 def checked(accepts: Callable[[float], bool], rule: str) -> Callable[[float | None], float | None]:
-    """A Typer callback refusing, as "must be RULE", what ``accepts`` refuses (a chain of comparisons: nan fails
-    every one of them)."""
+    """A Typer callback refusing, as "must be RULE", what ``accepts`` refuses (nan fails every comparison)."""
 
     def check(value: float | None) -> float | None:
         if value is not None and not accepts(value):
@@ -118,8 +117,7 @@ RECORD_KEYS = DERIVED_KEYS | {"recipe", "torch_version", "device_used", "world_s
 
 
 def replay(ctx: typer.Context, path: Path | None) -> Path | None:
-    """--config: a run's config.json (or a file of that form) as this command's defaults; options given win. Not
-    its run directory or resume point: a replay is a new run."""
+    """--config: a run's config.json as this command's defaults (options given win); a replay is a new run."""
     if path is None:
         return None
     try:
@@ -134,6 +132,9 @@ def replay(ctx: typer.Context, path: Path | None) -> Path | None:
         raise typer.BadParameter(f"{path} holds settings this recipe does not have ({', '.join(unknown[:6])}): "
                                  "another recipe's config?")
     ctx.default_map = {k: v for k, v in saved.items() if k in names - {"run_dir", "resume", "config_file"}}
+    if str(saved.get("world_size", 1)) != os.environ.get("WORLD_SIZE", "1") and launched_as_rank_0():
+        print(f"warning: {path} ran as {saved['world_size']} processes, this run as {os.environ.get('WORLD_SIZE', 1)}:"
+              " another global batch, so other numbers than its own", file=sys.stderr)
     return path
 
 
@@ -158,8 +159,7 @@ RUNNING: ContextVar[Command | None] = ContextVar("RUNNING", default=None)
 
 
 def option_given(param: str) -> bool:
-    """Whether the running command's ``param`` is on its command line (``--no-X`` too), not left at its default or
-    replayed by --config; outside a command, True."""
+    """Whether ``param`` is on the running command's line (--no-X too), not a default or --config's; else True."""
     if (command := RUNNING.get()) is None:
         return True
     return any(arg.split("=")[0] in command.flags[param] for arg in command.argv)
@@ -178,8 +178,8 @@ def on_exit(release: Callable[[], None]) -> None:
 
 
 def launched_as_rank_0() -> bool:
-    """Rank 0 under torchrun (which sets RANK for every process it starts), or a plain process: the one that speaks."""
-    return os.environ.get("RANK", "0") == "0"
+    """Rank 0 under torchrun (it sets RANK and WORLD_SIZE in each process), or a process alone: the one that speaks."""
+    return os.environ.get("RANK", "0") == "0" or "WORLD_SIZE" not in os.environ
 
 
 def tell_torchrun(message: str) -> None:
@@ -190,20 +190,17 @@ def tell_torchrun(message: str) -> None:
 
 
 def run_recipe(main: Callable[..., object], argv: list[str] | None = None) -> None:
-    """Run ``main`` as a one-command Typer CLI: exit 0 on success, 2 on usage errors, 1 on RecipeError or OSError. Under
-    torchrun every rank meets the same errors and rank 0 alone prints them. The process group (if any) is
-    destroyed on every way out, so no rank is left waiting on a dead one."""
+    """Run ``main`` as a one-command Typer CLI: exit 0, 2 on usage errors, 1 on RecipeError or OSError. Under torchrun
+    every rank meets the same errors, rank 0 alone prints them, and no rank is left waiting on a dead one."""
     app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, rich_markup_mode=None)
     app.command()(main)
     flags = {param.name: [*param.opts, *param.secondary_opts] for param in typer.main.get_command(app).params}
     quiet = not launched_as_rank_0()
     if hasattr(sys.stdout, "reconfigure"):  # a file name in another encoding prints as \udce9, not a traceback
         sys.stdout.reconfigure(errors="backslashreplace")
-    # SIGTERM before a StopRequest listens (while data loads, say): exit 143 through the clean-ups, as Ctrl-C does,
-    # so that a run directory this run made and never used is removed (the default action leaves it)
+    # SIGTERM before a StopRequest listens: exit 143 through the clean-ups (a new, unused run directory goes), as Ctrl-C
     sigterm = signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
-    # A background thread's OSError (TensorBoard's writer on a full disk) reaches this thread at its next write, and
-    # is reported below in one line; the thread's own traceback would only repeat it.
+    # A background thread's OSError (TensorBoard's writer, disk full) reaches this thread too, reported below in a line
     excepthook = threading.excepthook
     threading.excepthook = lambda args: None if issubclass(args.exc_type, OSError) else excepthook(args)
     try:
@@ -248,3 +245,6 @@ def run_recipe(main: Callable[..., object], argv: list[str] | None = None) -> No
         threading.excepthook = excepthook
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # a torchrun worker, done: interpreter shutdown with gloo's threads alive
+        sys.stdout.flush(), sys.stderr.flush()  # now and then aborts one (SIGABRT), which torchrun reports as failed
+        os._exit(0)

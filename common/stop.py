@@ -53,13 +53,20 @@ class StopRequest:
 
 
 def resume_command(run_dir: Path) -> str:
-    """This process's own command line, made to continue from ``run_dir``'s last checkpoint."""
+    """This process's own command line, made to continue from ``run_dir``'s last checkpoint; under torchrun over
+    several nodes, what to run on each."""
     args, given = [], iter(sys.argv[1:])
     for arg in given:  # --resume and --run-dir are left out, with their values
         if arg in ("--resume", "--run-dir"):
             next(given, None)
         elif not arg.startswith(("--resume=", "--run-dir=")):
             args.append(arg)
-    launcher = ["torchrun", f"--nproc_per_node={os.environ['LOCAL_WORLD_SIZE']}"] if "LOCAL_WORLD_SIZE" in os.environ \
-        else ["python"]  # under torchrun: its options beyond the process count are not known here
-    return shlex.join([*launcher, sys.argv[0], *args, "--resume", "auto", "--run-dir", str(run_dir)])
+    command = shlex.join([sys.argv[0], *args, "--resume", "auto", "--run-dir", str(run_dir)])
+    if "LOCAL_WORLD_SIZE" not in os.environ:
+        return f"python {command}"
+    per_node = int(os.environ["LOCAL_WORLD_SIZE"])  # torchrun's options beyond the process counts are not known here
+    nodes = int(os.environ["WORLD_SIZE"]) // per_node
+    if nodes == 1:
+        return f"torchrun --nproc_per_node={per_node} {command}"
+    return (f"torchrun --nnodes={nodes} --nproc_per_node={per_node} --node-rank=N RDZV {command}\n  (on each node: N "
+            "its --node-rank, RDZV the --rdzv-* options it was launched with)")

@@ -84,6 +84,10 @@ def init_distributed(device_name: str, backend: str) -> tuple[int, int, torch.de
                               "or auto")
     if "RANK" not in os.environ:
         return 0, 1, device
+    numbers = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT")  # what torchrun sets, with MASTER_ADDR
+    if not all(os.environ.get(k, "").isdigit() for k in numbers) or not os.environ.get("MASTER_ADDR"):
+        raise cli.RecipeError("RANK is set, but not all of torchrun's LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and "
+                              "MASTER_PORT: launch with torchrun, or unset RANK")
     rank, local_rank, world_size = (int(os.environ[k]) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
     if device.type == "cuda":
         device = torch.device("cuda", local_rank)
@@ -102,15 +106,9 @@ def init_distributed(device_name: str, backend: str) -> tuple[int, int, torch.de
 
 def leave_process_group() -> None:
     """End a torchrun worker that has finished: every rank reaches the barrier (its files written), then the
-    group is destroyed (no rank waits on one that is gone), then the process leaves with os._exit(0) once
-    stdout and stderr are flushed. A plain exit would run interpreter shutdown with gloo's threads still
-    alive, which now and then aborts a worker ("terminate called without an active exception", SIGABRT)
-    after its work is done, and torchrun then reports a finished job as failed."""
+    group is destroyed, so that no rank waits on one that is gone."""
     dist.barrier()
     dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
 
 def stop_agreed(stop: StopRequest, device: torch.device) -> bool:
@@ -175,7 +173,7 @@ def main(
     # Rank 0 names, checks and locks the run directory (every rank must use that one) and finds the checkpoint;
     # every rank then reads the same checkpoint and resumes from it. Only rank 0 writes files.
     run = from_rank_0(lambda: open_run_dir(RECIPE, run_dir, resume))
-    checkpoint = resume_checkpoint(run, RECIPE, config)
+    checkpoint = resume_checkpoint(run, RECIPE, config, may_change={"backend"})  # gloo or auto: the same numbers
     if already_finished(run, checkpoint, epochs=epochs, max_steps=max_steps):
         if dist.is_initialized():
             leave_process_group()

@@ -483,6 +483,10 @@ def init_distributed(device: torch.device) -> tuple[int, int, torch.device]:
     FSDP run for real (and are checked so on a one-GPU machine). CUDA uses nccl (GPU to GPU), the CPU gloo."""
     if "RANK" not in os.environ:
         return 0, 1, device
+    numbers = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT")  # what torchrun sets, with MASTER_ADDR
+    if not all(os.environ.get(k, "").isdigit() for k in numbers) or not os.environ.get("MASTER_ADDR"):
+        raise cli.RecipeError("RANK is set, but not all of torchrun's LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and "
+                              "MASTER_PORT: launch with torchrun, or unset RANK")
     rank, local_rank, world_size = (int(os.environ[k]) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
     if device.type == "cuda":
         device = torch.device("cuda", local_rank)  # one GPU per process: LOCAL_RANK picks it
@@ -536,15 +540,9 @@ def stop_agreed(stop: StopRequest, device: torch.device) -> bool:
 
 def leave_process_group() -> None:
     """End a torchrun worker that has finished: every rank reaches the barrier (its files written), then the
-    group is destroyed, then the process leaves with os._exit(0) once stdout and stderr are flushed. A plain
-    exit would run interpreter shutdown with gloo's threads still alive, which now and then aborts a worker
-    ("terminate called without an active exception", SIGABRT) after its work is done, and torchrun then
-    reports a finished job as failed."""
+    group is destroyed, so that no rank waits on one that is gone."""
     dist.barrier()
     dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
 
 def main(

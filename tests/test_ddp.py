@@ -208,14 +208,64 @@ def test_a_run_saved_by_two_processes_is_not_resumed_by_one(run_inprocess, mnist
     assert "other options (world size 2 there, 1 here): resume with the options it was started with in 2 processes " \
         "in all (torchrun's --nnodes x --nproc_per_node), or start afresh" in alone.stderr
     assert (run_dir / "checkpoints" / "last.pt").read_bytes() == saved
+    # A replay of its config.json is a new run, free to use one process, but not silently: another global batch
+    replay = run_inprocess("ddp_mlp", "--config", run_dir / "config.json", "--max-steps", 1, "--run-dir",
+                           tmp_path / "replay")
+    assert replay.code == 0 and replay.stderr == (f"warning: {run_dir / 'config.json'} ran as 2 processes, this run "
+                                                   "as 1: another global batch, so other numbers than its own\n")
 
 
 def test_one_process_under_torchrun_is_wrapped_in_ddp_for_real(mnist_dir, tmp_path):
-    """As on a one-GPU machine: a process group of one, and the model in DistributedDataParallel."""
+    """As on a one-GPU machine: a process group of one, and the model in DistributedDataParallel. The worker's
+    clean-ups run as it leaves: here the notice that --profile's steps never came."""
     result = torchrun("--nproc_per_node=1", "recipes/ddp_mlp.py", "--data-dir", mnist_dir, "--epochs", 1,
-                      "--batch-size", 32, "--max-steps", 3, "--run-dir", tmp_path / "run", *SMALL)
+                      "--batch-size", 32, "--max-steps", 3, "--run-dir", tmp_path / "run", "--profile", 100, *SMALL)
     assert result.code == 0, result.stderr
     assert "global batch 32 (1 x 32) | model DistributedDataParallel" in result.stdout
+    assert "profile: the run ended before 100 steps could be profiled after the warm-up\n" in result.stderr
+
+
+def test_a_resume_may_change_the_backend(run_inprocess, mnist_dir, tmp_path):
+    """gloo or auto (gloo on a CPU, nccl on CUDA) say how to talk, not what to train: a resume was refused."""
+    args = ["--data-dir", mnist_dir, "--epochs", 1, "--batch-size", 32, "--run-dir", tmp_path / "run", *SMALL]
+    assert run_inprocess("ddp_mlp", *args, "--max-steps", 2).code == 0
+    resumed = run_inprocess("ddp_mlp", *args, "--max-steps", 4, "--backend", "gloo", "--resume", "auto")
+    assert resumed.code == 0, resumed.stderr
+    assert "resumed at step 2" in resumed.stdout and read_metrics(tmp_path / "run")["steps"] == 4
+
+
+@pytest.mark.parametrize("recipe", ["ddp_mlp", "tiny_transformer"])
+@pytest.mark.parametrize("environment", [{"RANK": "1"}, {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "x"},
+                                         {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_PORT": "29500"}])
+def test_a_stray_rank_variable_is_one_line(recipe, environment, run_inprocess, mnist_dir, tmp_path, monkeypatch):
+    """RANK set outside torchrun (by a cluster's own launcher, say) without the rest of torchrun's variables: a
+    KeyError or ValueError traceback, or none from the rendezvous."""
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in environment.items():
+        monkeypatch.setenv(name, value)
+    (tmp_path / "text.txt").write_text("to be or not to be " * 200)
+    data = ["--data-dir", mnist_dir] if recipe == "ddp_mlp" else ["--text", tmp_path / "text.txt"]
+    result = run_inprocess(recipe, *data, "--max-steps", 1, "--run-dir", tmp_path / "run")
+    assert result.code == 1 and result.stderr == ("error: RANK is set, but not all of torchrun's LOCAL_RANK, "
+                                                  "WORLD_SIZE, MASTER_ADDR and MASTER_PORT: launch with torchrun, or "
+                                                  "unset RANK\n")
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize(("world_size", "shown"), [
+    (2, "torchrun --nproc_per_node=2 recipes/ddp_mlp.py --epochs 2 --resume auto --run-dir 'runs/a b'"),
+    (4, "torchrun --nnodes=2 --nproc_per_node=2 --node-rank=N RDZV recipes/ddp_mlp.py --epochs 2 --resume auto "
+        "--run-dir 'runs/a b'\n  (on each node: N its --node-rank, RDZV the --rdzv-* options it was launched with)"),
+])
+def test_the_resume_command_of_a_run_over_several_nodes_names_them(world_size, shown, monkeypatch):
+    """It said torchrun --nproc_per_node=2 alone, which started a one-node run: refused at another world size."""
+    from common.stop import resume_command
+
+    monkeypatch.setattr("sys.argv", ["recipes/ddp_mlp.py", "--resume", "auto", "--epochs", "2", "--run-dir=x"])
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setenv("WORLD_SIZE", str(world_size))
+    assert resume_command(Path("runs/a b")) == shown
 
 
 def test_a_save_that_fails_on_rank_0_alone_ends_every_rank_with_its_one_line(mnist_dir, small_disk):
