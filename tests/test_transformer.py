@@ -293,6 +293,12 @@ def test_a_replay_with_another_batch_size_takes_it_over_the_recorded_global_batc
     both = run_inprocess(RECIPE, "--config", tmp_path / "first" / "config.json", "--batch-size", 4, "--global-batch",
                          8, "--run-dir", tmp_path / "both")
     assert both.code == 2 and "--global-batch sets it for you" in both.stderr
+    # a run of two processes (4 each) replayed in one: the global batch it recorded is kept, so no warning
+    saved = json.loads((tmp_path / "first" / "config.json").read_text()) | {"world_size": 2, "batch_size": 4}
+    (tmp_path / "two.json").write_text(json.dumps(saved))
+    alone = run_inprocess(RECIPE, "--config", tmp_path / "two.json", "--max-steps", 1, "--run-dir", tmp_path / "alone")
+    assert alone.code == 0 and alone.stderr == "" and "global batch 8 (1 x 8 x 1)" in alone.stdout
+
 
 def test_a_run_shorter_than_the_default_warmup_still_reaches_its_peak_rate(run_inprocess, text_file, tmp_path):
     """The default warm-up is 100 steps, or a tenth of --steps if less; a longer one given is a usage error."""
