@@ -26,6 +26,7 @@ every error is one line ``error: ...`` on stderr.
 
 import argparse
 import ast
+import importlib.util
 import itertools
 import os
 import re
@@ -186,6 +187,11 @@ def parse(path: Path, label: str) -> Source:
         elif names := bound_names([node]):
             definition = Definition(source, node, names)
             source.definitions.update(dict.fromkeys(names, definition))
+    # eject merges the imports at the top of a file; one inside a function would stay, and fail in the copy
+    for node in (n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom)) and n not in tree.body):
+        modules = [node.module or ""] if isinstance(node, ast.ImportFrom) else [alias.name for alias in node.names]
+        if any(module.split(".")[0] == CORE for module in modules):
+            raise EjectError(f"{label}:{node.lineno}: import the core at the top of the file, not inside a block")
     return source
 
 
@@ -265,7 +271,7 @@ class Ejection:
             raise EjectError(f"{self.label}: end the recipe with its `if __name__ == \"__main__\":` block")
         # definition -> its reads of imports, in the order they were reached
         self.taken: dict[Definition, list[tuple[ast.Name, Import]]] = {}
-        self.module_reads: list[ast.Name] = []  # the `cli` of each `cli.Epochs`, to be cut out
+        self.module_reads: dict[Source, list[ast.Name]] = {}  # file -> the `cli` of each `cli.Epochs`, to be cut out
         self.recipe_reads = self.take(self.recipe, self.body)
         self.sections = self.order_sections()
         self.renames = self.check_names()
@@ -305,7 +311,7 @@ class Ejection:
             for name, path in global_refs(node):
                 target = self.resolve(source, path)
                 if name.id in source.core_modules:  # `cli.Epochs` becomes `Epochs` in the merged file
-                    self.module_reads.append(name)
+                    self.module_reads.setdefault(source, []).append(name)
                 if isinstance(target, Import):
                     import_reads.append((name, target))
                 elif isinstance(target, Definition) and target.source is not self.recipe and target not in self.taken:
@@ -355,13 +361,12 @@ class Ejection:
                 owners[alias] = (item.meaning, item.module)
         return renames
 
-    def edited(self, lines: list[str], first: int, reads: list[tuple[ast.Name, Import]]) -> str:
-        """``lines`` (the first is line ``first`` of its file) with each read of an aliased import renamed and
+    def edited(self, source: Source, lines: list[str], first: int, reads: list[tuple[ast.Name, Import]]) -> str:
+        """``lines`` (the first is line ``first`` of ``source``) with each read of an aliased import renamed and
         each ``cli.`` of a core module's name cut out."""
         last = first + len(lines) - 1
         edits = [(name, self.renames[item].alias) for name, item in reads if item in self.renames]
-        edits += [(name, None) for name in self.module_reads if first <= name.lineno <= last
-                  and lines[name.lineno - first].encode()[name.col_offset: name.end_col_offset] == name.id.encode()]
+        edits += [(name, None) for name in self.module_reads.get(source, []) if first <= name.lineno <= last]
         for name, alias in sorted(edits, key=lambda e: (e[0].lineno, e[0].col_offset), reverse=True):
             row = lines[name.lineno - first].encode()  # AST column offsets count UTF-8 bytes
             if alias is None:  # `cli.Epochs` -> `Epochs`
@@ -374,7 +379,8 @@ class Ejection:
     def definition_text(self, definition: Definition) -> str:
         first = first_line(definition)
         lines = definition.source.lines[first - 1 : definition.node.end_lineno]
-        return self.edited(list(lines), first, self.taken[definition]) if definition.source is not self.recipe else ""
+        return self.edited(definition.source, list(lines), first, self.taken[definition]) \
+            if definition.source is not self.recipe else ""
 
     def import_block(self) -> str:
         reads = [*self.recipe_reads, *(read for reads in self.taken.values() for read in reads)]
@@ -392,7 +398,7 @@ class Ejection:
         head = "\n\n".join([*docstring, generated, self.import_block()]).rstrip("\n")
         guard_start = self.body[-1].lineno
         own = lines[self.body_start : guard_start - 1]
-        recipe = self.edited(list(own), self.body_start + 1, []).strip("\n")
+        recipe = self.edited(self.recipe, list(own), self.body_start + 1, []).strip("\n")
         # where the recipe's block starts, in the recipe (1-based, after the blank lines strip() took) and below
         self.recipe_start = self.body_start + 1 + next((i for i, line in enumerate(own) if line), len(own))
         self.recipe_length = len(recipe.splitlines())
@@ -402,7 +408,7 @@ class Ejection:
             for previous, definition in zip(definitions, definitions[1:], strict=False):
                 text += "\n" * (blank_lines(previous, definition) + 1) + self.definition_text(definition)
             blocks.append(f"# ---- from {source.label} ----\n\n\n{text}")
-        blocks.append(self.edited(list(lines[guard_start - 1 :]), guard_start, []).strip("\n"))
+        blocks.append(self.edited(self.recipe, list(lines[guard_start - 1 :]), guard_start, []).strip("\n"))
         self.script_start = len(head.splitlines()) + 5  # a blank line, the block's heading, two blank lines
         return head + "\n\n" + "\n\n\n".join(blocks) + "\n"  # isort wants one blank line after the imports
 
@@ -489,6 +495,12 @@ def main(argv: list[str] | None = None) -> int:
             raise EjectError(f"{output} is part of this repository ({part}); write the script somewhere else")
         if output.exists() and not args.overwrite:  # it may be a copy the user has edited since
             raise EjectError(f"{output} exists; choose another name, or add --overwrite to replace it")
+        # Python puts a script's folder first on sys.path: a typer.py would be what its own `import typer` finds
+        module = output.name.removesuffix(".py")
+        if module.isidentifier() and (module in sys.stdlib_module_names or module in sys.modules
+                                      or importlib.util.find_spec(module)):
+            raise EjectError(f"{output.name} would hide the {module} module from the script (Python looks in "
+                             "the script's folder first); choose another name")
         ejection = Ejection(recipe)
         target = output.resolve()  # through a symbolic link: the file it points to is replaced
         handle, name = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name[:100]}.", suffix=".tmp")

@@ -251,6 +251,9 @@ cli.run_recipe(main)
         (["{tmp}/waits.py", "{tmp}/out.py"], 1, "at waits.py:3 (EOFError: EOF when reading a line)"),
         (["mnist_onecycle", "{tmp}"], 1, "is a folder; give the path of the script to write"),
         (["{tmp}/latin.py", "{tmp}/out.py"], 1, "latin.py is not a Python file in UTF-8"),  # was a traceback
+        (["{tmp}/nested.py", "{tmp}/out.py"], 1, "nested.py:5: import the core at the top of the file, not inside"),
+        (["mnist_onecycle", "{tmp}/typer.py"], 1, "typer.py would hide the typer module from the script"),
+        (["mnist_onecycle", "{tmp}/random.py"], 1, "random.py would hide the random module from the script"),
     ],
 )
 def test_bad_input_is_a_one_line_error(args, code, message, tmp_path):
@@ -262,12 +265,16 @@ def test_bad_input_is_a_one_line_error(args, code, message, tmp_path):
     (tmp_path / "built.py").write_text(BUILT_AT_IMPORT_RECIPE)
     (tmp_path / "waits.py").write_text('"""Asks at import."""\n\nANSWER = input("data folder? ")\n\n'
                                        'if __name__ == "__main__":\n    print(ANSWER)\n')
+    (tmp_path / "nested.py").write_text('"""Imports the core in a function."""\n\n\ndef main():\n'
+                                        '    from common.data import MNIST_MEAN\n    print(MNIST_MEAN)\n\n\n'
+                                        'if __name__ == "__main__":\n    main()\n')
     (tmp_path / "latin.py").write_bytes(b'"""A caf\xe9 in Latin-1."""\n\nif __name__ == "__main__":\n    pass\n')
     result = run_subprocess(["scripts/eject.py", *(arg.format(tmp=tmp_path) for arg in args)])
     assert result.code == code, result.stderr
     assert result.stderr.startswith("error: ") and result.stderr.count("\n") == 1, result.stderr
     assert message in result.stderr
-    assert not (tmp_path / "out.py").exists() and not list(tmp_path.glob(".*.tmp"))
+    assert not [path for path in tmp_path.glob("*") if path.suffix != ".py" or path.stem in ("out", "typer", "random")]
+    assert not list(tmp_path.glob(".*.tmp"))
 
 
 def test_a_copy_is_never_written_over_the_core_or_another_recipe():
@@ -316,6 +323,24 @@ def test_a_core_import_named_like_a_recipe_definition_is_aliased_where_the_core_
     assert "def last_file(run_dir: PathlibPath) -> PathlibPath | None:" in copy and "def Path(text):" in copy
     run = run_subprocess([sys.executable, tmp_path / "out.py"], cwd=tmp_path, env={"PYTHONPATH": ""})
     assert run.code == 0 and run.stdout.split() == ["MINE", "None"], run.stdout + run.stderr
+
+
+def test_a_recipe_line_never_edits_the_core_line_of_the_same_number(tmp_path):
+    """Cutting `cli.` out of the recipe's `cli.option_name` is an edit of the recipe's line only: the core's line of
+    the same number and column (`nn.utils.clip_grad_norm_(`, whose `cli` sits there) is copied as written."""
+    core_line = (ROOT / "common" / "loop.py").read_text().splitlines().index(
+        "        grad_norm = nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm or math.inf)") + 1
+    head = ('"""Reads cli.option_name where the core reads clip_grad_norm_."""\n\nfrom common import cli\n'
+            "from common.loop import train_step\n\n\ndef main():\n    print(train_step.__name__,\n")
+    padding = "\n" * (core_line - 1 - head.count("\n"))  # blank lines inside the call's parentheses
+    call = " " * len("        grad_norm = nn.utils.") + 'cli.option_name("max_grad_norm"))\n'
+    (tmp_path / "aligned.py").write_text(head + padding + call + '\n\nif __name__ == "__main__":\n    main()\n')
+    assert (tmp_path / "aligned.py").read_text().splitlines()[core_line - 1].index("cli.") == 29
+    result = run_subprocess(["scripts/eject.py", tmp_path / "aligned.py", tmp_path / "out.py"])
+    assert result.code == 0, result.stderr
+    assert "        grad_norm = nn.utils.clip_grad_norm_(model.parameters()" in (tmp_path / "out.py").read_text()
+    run = run_subprocess([sys.executable, tmp_path / "out.py"], cwd=tmp_path, env={"PYTHONPATH": ""})
+    assert run.code == 0 and run.stdout.split() == ["train_step", "max", "grad", "norm"], run.stdout + run.stderr
 
 
 def test_a_script_that_fails_at_import_leaves_an_existing_output_as_it_was(tmp_path):
