@@ -207,8 +207,8 @@ def read_digit(path: Path) -> torch.Tensor:
         # chunk before the pixels); torchvision makes one up for other palettes and 1-bit PNGs, wrongly
         png = data.startswith(b"\x89PNG\r\n\x1a\n") and len(data) > 25
         alpha = png and (data[25] in (4, 6) or data[25] == 3 and b"tRNS" in data[: data.find(b"IDAT")])
-        # (grey, alpha) or (grey,), uint8 (uint16: a 16-bit PNG)
-        image = decode_image(torch.frombuffer(bytearray(data), dtype=torch.uint8),
+        # (grey, alpha) or (grey,), uint8 (uint16: a 16-bit PNG), turned upright as a phone's EXIF tag says
+        image = decode_image(torch.frombuffer(bytearray(data), dtype=torch.uint8), apply_exif_orientation=True,
                              mode=ImageReadMode.GRAY_ALPHA if alpha else ImageReadMode.GRAY)
     except (RuntimeError, ValueError, OSError):
         image = None

@@ -161,6 +161,24 @@ def test_a_digit_on_a_transparent_canvas_reads_as_its_ink(tmp_path):
     assert torch.equal(mnist.read_digit(tmp_path / "opaque.png"), mnist.read_digit(tmp_path / "white-on-black.png"))
 
 
+def test_a_phone_photo_is_turned_upright_as_its_exif_orientation_says(checkpoint, run_inprocess, tmp_path):
+    """A phone stores a portrait photo's pixels sideways and says so in EXIF (Orientation 6: turn 90 degrees
+    clockwise); read as stored, the digit was sideways, and another digit was predicted."""
+    from PIL import Image
+
+    for label, image in one_digit_per_class():
+        upright = Image.fromarray(255 - image[0].numpy())  # dark ink on paper, as photographed
+        upright.save(tmp_path / f"{label}-upright.jpg", quality=100)
+        exif = Image.Exif()
+        exif[0x0112] = 6  # Orientation
+        upright.rotate(90, expand=True).save(tmp_path / f"{label}-sideways.jpg", quality=100, exif=exif)
+    upright, sideways = (mnist.read_digit(tmp_path / f"7-{name}.jpg") for name in ("upright", "sideways"))
+    assert (upright - sideways).abs().max() < 0.1  # the same picture, but for JPEG's loss
+    predictions = parse(run_inprocess(RECIPE, "--predict", tmp_path, "--resume", checkpoint).stdout)
+    for label in range(10):
+        assert predictions[f"{label}-sideways.jpg"][0] == predictions[f"{label}-upright.jpg"][0] == label
+
+
 def test_an_image_named_in_another_encoding_is_read(tmp_path):
     """torchvision's read_file refused the name (a lone surrogate): "not a readable PNG or JPEG image"."""
     import os
