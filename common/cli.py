@@ -1,9 +1,8 @@
 """The options every recipe shares, declared once, and the error handling around a recipe's command.
 
-A recipe declares each common option in one line, e.g. ``epochs: cli.Epochs = 3`` after ``from common import
-cli``. Bad values are usage errors (exit 2, a message naming the option and what it accepts); problems a user
-can cause at run time raise ``RecipeError`` and end as one line ``error: ...`` on stderr with exit 1. No
-traceback either way.
+A recipe declares each common option in one line, e.g. ``epochs: cli.Epochs = 3`` after ``from common import cli``.
+Bad values are usage errors (exit 2, a message naming the option and what it accepts); problems a user can cause at
+run time raise ``RecipeError`` and end as one line ``error: ...`` on stderr with exit 1. No traceback either way.
 """
 
 import atexit
@@ -78,8 +77,7 @@ Steps = Annotated[int, typer.Option(min=1, help="Optimizer steps to train for.")
 MaxSteps = Annotated[int | None, typer.Option(min=1, help="Stop after this many optimizer steps.")]
 BatchSize = Annotated[int, typer.Option(min=1, help="Samples per batch.")]
 LearningRate = Annotated[float, typer.Option(callback=positive_float, help="Peak learning rate.")]
-# Bitwise repeats on a CPU only: on a GPU, cuDNN's convolutions, SDPA's backward and atomic-add reductions may
-# sum in another order each run.
+# Bitwise repeats on a CPU only: cuDNN's convolutions, SDPA's backward and atomic adds sum in any order on a GPU
 Seed = Annotated[int, typer.Option(min=0, max=2**31 - 1, help="Seed for python and torch. Same seed, device and "
                                    "options: the same numbers on a CPU; close, not bitwise, on a GPU.")]
 Device = Annotated[str, typer.Option(callback=device_name, help="auto (cuda, else mps, else cpu), cpu, cuda, cuda:N "
@@ -108,12 +106,13 @@ KeepBest = Annotated[int, typer.Option(min=1, help="Keep the K best checkpoints 
 Patience = Annotated[int | None, typer.Option(min=1, help="Stop after N evaluations without a better score.")]
 
 
-# Settings a recipe derives from its options and the machine (MFU's denominator, say): recorded, and free to differ
-# on a resume
+# Settings a recipe derives from its options and the machine (MFU's denominator, say): free to differ on a resume
 DERIVED_KEYS = {"precision_reason", "peak_flops_used", "peak_source", "attention_used", "num_embedding_used", "lr_used"}
 # What config.json records beside the options: where and how the run ran, the fold of a cross-validation
 RECORD_KEYS = DERIVED_KEYS | {"recipe", "torch_version", "device_used", "world_size", "tf32", "checkpoint_format",
                              "fold"}
+# What torch.compile's backend raised where it is not installed here (a C++ compiler, tvm's package), not a bug
+COMPILER_MISSING = ("ImportError", "ModuleNotFoundError", "OSError", "InvalidCxxCompiler", "CppCompileError")
 
 
 def replay(ctx: typer.Context, path: Path | None) -> Path | None:
@@ -160,9 +159,7 @@ RUNNING: ContextVar[Command | None] = ContextVar("RUNNING", default=None)
 
 def option_given(param: str) -> bool:
     """Whether ``param`` is on the running command's line (--no-X too), not a default or --config's; else True."""
-    if (command := RUNNING.get()) is None:
-        return True
-    return any(arg.split("=")[0] in command.flags[param] for arg in command.argv)
+    return (command := RUNNING.get()) is None or any(arg.split("=")[0] in command.flags[param] for arg in command.argv)
 
 
 def option_name(param: str) -> str:
@@ -210,6 +207,9 @@ def run_recipe(main: Callable[..., object], argv: list[str] | None = None) -> No
                 status = app(args=argv, standalone_mode=False)
             except (RuntimeError, TypeError) as err:  # the machine's memory (a size past 2**63 too), a peer's end
                 reason = re.sub(r"^\[[^]]*\]\s*", "", str(err).strip().split("\n")[0])
+                if type(cause := getattr(err, "inner_exception", None)).__name__ in COMPILER_MISSING:
+                    raise RecipeError(f"torch.compile cannot compile the model here: {type(cause).__name__}: "
+                                      + str(cause).split("\n")[0]) from None
                 if re.search("out of memory|can't allocate|not enough memory|overflow when unpacking", reason, re.I):
                     if size := re.search(r"tried to allocate ([\d.]+) ?(\w+)", reason, re.I):  # N bytes (CPU), 2.00 GiB
                         size = f"{float(size[1]) / 2**30:,.1f} GiB" if size[2] == "bytes" else f"{size[1]} {size[2]}"

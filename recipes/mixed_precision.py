@@ -162,9 +162,10 @@ def train(epochs: int, max_steps: int | None, batch_size: int, lr: float, sample
 
 
 def seconds_per_step(device: torch.device, precision: str, width: int, depth: int, batch_size: int,
-                     steps: int = 3) -> tuple[float, str]:
-    """Seconds per step of ``precision`` on ``device`` after a warm-up step, or an error message."""
+                     steps: int = 3, compile: bool = False) -> tuple[float, str]:
+    """Seconds per step of ``precision`` on ``device`` after a warm-up step (it compiles), or an error message."""
     model = MLP(width=width, depth=depth).to(device)
+    model = torch.compile(model) if compile else model  # timed as it trains
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     batch = synthetic_classification(batch_size, 784, 10, seed=0)[:]
     scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
@@ -182,7 +183,7 @@ def seconds_per_step(device: torch.device, precision: str, width: int, depth: in
 
 
 def measure_speed(device: torch.device, width: int, depth: int, batch_size: int, repeats: int = 3,
-                  steps: int = 5) -> dict[str, list[float]]:
+                  steps: int = 5, compile: bool = False) -> dict[str, list[float]]:
     """Seconds per step of each precision, interleaved (fp32, bf16, fp16, fp32, ...) and repeated, so that a
     machine whose load drifts slows all alike: each round a fresh model per precision, its median step of
     ``steps`` after a warm-up. bf16 and fp16 get 2 steps each: where they are emulated (no native units), each
@@ -191,7 +192,7 @@ def measure_speed(device: torch.device, width: int, depth: int, batch_size: int,
     for _ in range(repeats):
         for precision in PRECISIONS:
             seconds[precision].append(seconds_per_step(device, precision, width, depth, batch_size,
-                                                       steps if precision == "fp32" else 2)[0])
+                                                       steps if precision == "fp32" else 2, compile=compile)[0])
     return seconds
 
 
@@ -204,7 +205,8 @@ def compare(options: dict, run_dir: Path, max_slowdown: float, repeats: int = 3)
     """Speed: every precision timed in interleaved, repeated rounds (``measure_speed``). Quality: the same seed
     trained for the same steps in each precision fast enough to train here; one table of both."""
     device = resolve_device(options["device"])
-    seconds = measure_speed(device, options["width"], options["depth"], options["batch_size"], repeats)
+    seconds = measure_speed(device, options["width"], options["depth"], options["batch_size"], repeats,
+                            compile=options["compile"])
     rows, fp32 = {}, None
     for precision in PRECISIONS:
         speedup = [f / s for f, s in zip(seconds["fp32"], seconds[precision], strict=True)]
@@ -231,7 +233,8 @@ def compare(options: dict, run_dir: Path, max_slowdown: float, repeats: int = 3)
         print(f"| {precision} | {spread(row['ms_per_step'])} | {statistics.median(row['samples_per_s']):,.0f} | "
               f"{spread(row['speedup'])}x | {quality}")
     wide = [p for p, row in rows.items() if max(row["ms_per_step"]) > 1.25 * min(row["ms_per_step"])]
-    print(f"speed: median (min-max) of {repeats} interleaved rounds of a few steps each, fresh models"
+    print(f"speed: median (min-max) of {repeats} interleaved rounds of a few steps each, fresh "
+          f"{'compiled ' if options['compile'] else ''}models"
           + (f"; warning: {', '.join(wide)} varied by over 25% between rounds: the machine is busy, so compare "
              "with care or rerun" if wide else ""))
     write_json(run_dir / "metrics.json", {"recipe": RECIPE, "repeats": repeats, "compare": rows})

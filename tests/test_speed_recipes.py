@@ -11,7 +11,7 @@ import statistics
 
 import pytest
 import torch
-from conftest import assert_same_weights, load_recipe, load_weights, read_metrics, read_scalars
+from conftest import ROOT, assert_same_weights, load_recipe, load_weights, read_metrics, read_scalars, run_subprocess
 
 MP_SMALL = ["--samples", 256, "--batch-size", 64, "--width", 32, "--depth", 2]
 CM_SMALL = ["--samples", 512, "--batch-size", 128, "--width", 16, "--depth", 2]
@@ -254,8 +254,8 @@ def test_a_backend_that_cannot_compile_here_is_one_line(run_inprocess, tmp_path)
     tiny = ["--width", 8, "--depth", 1, "--batch-size", 8, "--samples", 64]
     for args in (["--compile", "--max-steps", 1, *tiny, "--run-dir", tmp_path / "run"], ["--traps"]):
         result = run_inprocess("compiled_model", *args, "--backend", "tvm")
-        assert result.code == 1 and result.stderr.startswith("error: --backend tvm cannot compile the model here: "
-                                                             "ImportError: "), result.stderr
+        assert result.code == 1 and result.stderr.startswith("error: torch.compile cannot compile the model here: "
+                                                             "ImportError: Please install apache-tvm"), result.stderr
         assert result.stderr.count("\n") == 1
     assert not (tmp_path / "run").exists()  # a fresh run that saved nothing leaves no folder
 
@@ -264,6 +264,12 @@ def test_unknown_backend_is_a_usage_error(run_inprocess):
     result = run_inprocess("compiled_model", "--backend", "turbo")
     assert result.code == 2
     assert re.search(r"'turbo' is not one of .*inductor", result.stderr) and "TESTING_ONLY" not in result.stderr
+    # Dynamo's debugging backends (a minifier's, say) are registered too, but fail with a TypeError on a model
+    for debug in ("dynamo_minifier_backend", "aot_eager_decomp_partition_with_mode", "eager_debug"):
+        result = run_inprocess("compiled_model", "--compile", "--backend", debug)
+        listed = re.search(r"is not one of (.*)", " ".join(result.stderr.split()))[1]
+        assert result.code == 2 and {"inductor", "eager", "aot_eager", "cudagraphs"} <= set(listed.split(", "))
+        assert "minifier" not in listed and "debug" not in listed and "TESTING" not in listed
     # --mode is Inductor's own: another backend would ignore it (with only a Dynamo warning)
     result = run_inprocess("compiled_model", "--compile", "--backend", "aot_eager", "--mode", "max-autotune")
     assert result.code == 2
@@ -319,6 +325,10 @@ def test_compiled_compare_warns_when_the_blocks_disagree(run_inprocess, tmp_path
     (["--backend", "eager"], "Invalid value for --backend: sets how torch.compile compiles"),
     (["--compile", "--mode", "reduce-overhead", "--device", "cpu"], "Invalid value for --mode: captures CUDA graphs, "
                                                                     "which a cpu has not: use default or max-autotune"),
+    (["--compile", "--backend", "cudagraphs", "--device", "cpu"], "Invalid value for --backend: captures CUDA "
+                                                                  "graphs, which a cpu has not: use inductor"),
+    (["--compare", "--no-compile"], "Invalid value for --compile: --compare trains both eager and compiled: leave it"),
+    (["--compare", "--compile"], "Invalid value for --compile: --compare trains both eager and compiled: leave it"),
     (["--traps", "--device", "cpu"], "Invalid value for --traps: counts compilations on the CPU, with --backend and "
                                      "--seed only: not --device"),
     (["--traps", "--resume", "x.pt", "--epochs", 2], "with --backend and --seed only: not --epochs, --resume")])
@@ -375,3 +385,29 @@ def test_compare_times_both_models_in_the_precision_asked_for(run_inprocess, tmp
     assert result.code == 0, result.stderr
     assert len(precisions) > 100 and set(precisions) == {"bf16"}  # 2 x (1 + 5 x 10) timed steps, 2 x 4 trained
     assert read_metrics(tmp_path / "cmp")["precision"] == "bf16" and "speed in bf16: median" in result.stdout
+
+
+@pytest.mark.parametrize(("recipe", "args"), [("mixed_precision", MP_SMALL), ("compiled_model", CM_SMALL)])
+def test_compile_without_a_cpp_compiler_is_one_line(recipe, args, tmp_path):
+    """Inductor writes C++ on a CPU: where no compiler is installed, --compile ended in a traceback."""
+    result = run_subprocess([ROOT / "recipes" / f"{recipe}.py", "--compile", *args, "--max-steps", 1, "--run-dir",
+                             tmp_path / "run"], env={"CXX": "/no/such/g++", "TORCHINDUCTOR_CACHE_DIR": str(tmp_path)})
+    assert result.code == 1 and result.stderr == "error: torch.compile cannot compile the model here: " \
+        "InvalidCxxCompiler: No working C++ compiler found in torch._inductor.config.cpp.cxx: (None, '/no/such/g++')\n"
+    assert not (tmp_path / "run").exists()  # a fresh run that saved nothing leaves no folder
+
+
+def test_compare_times_the_models_compiled_where_it_trains_them_compiled(run_inprocess, tmp_path, monkeypatch):
+    """mixed_precision --compare --compile trained compiled models but timed eager ones."""
+    mixed, steps = load_recipe("mixed_precision"), []
+    monkeypatch.setattr(mixed, "amp_step", lambda model, *args: steps.append(type(model).__name__))
+    for compile in (True, False):
+        mixed.seconds_per_step(torch.device("cpu"), "fp32", 8, 1, 4, steps=1, compile=compile)
+    assert steps == ["OptimizedModule"] * 2 + ["MLP"] * 2
+    timed, trained = [], []
+    monkeypatch.setattr(mixed, "seconds_per_step", lambda *args, compile, **kwargs: timed.append(compile) or (1.0, ""))
+    monkeypatch.setattr(mixed, "train", lambda **options: trained.append(options["compile"]) or
+                        {"train_loss": 1.0, "val_loss": 1.0, "val_acc": 0.5, "losses": [1.0]})
+    result = run_inprocess("mixed_precision", "--compare", "--compile", *MP_SMALL, "--run-dir", tmp_path / "cmp")
+    assert result.code == 0, result.stderr
+    assert timed == [True] * 9 and trained == [True] * 3 and "fresh compiled models" in result.stdout
