@@ -65,17 +65,15 @@ def open_run_dir(recipe: str, run_dir: Path | None, resume: str | None,
     if held is None and foreign:
         raise RecipeError(f"{run_dir} holds a {' and a '.join(foreign)} that no {recipe} run wrote, which this run "
                           "would overwrite: choose another --run-dir")
-    if resume is None and held is not None:
+    own = held and next((run_dir / "checkpoints").rglob("*.pt"), None)  # a run's own, whole or not (best.pt first)
+    other = (own if holds_runs else None if own else held) if held else None  # the other kind of run's checkpoints
+    if resume is None and held is not None and (other is None or not resumable):
         how = "continue it with --resume auto, or choose" if resumable else "this command starts afresh: choose"
         raise RecipeError(f"{run_dir} already holds checkpoints; {how} another --run-dir")
-    if resume == "auto" and held is not None:  # the other kind of run may be there: refused, not started beside
-        own = next((run_dir / "checkpoints").rglob("*.pt"), None)  # a run's own, whole or not (best.pt before last.pt)
-        other = own if holds_runs else None if own else held
-        if other is not None:
-            what = f"a single run ({other})" if holds_runs else f"runs in sub-folders ({other})"
-            raise RecipeError(f"{run_dir} holds {what}, which this command would not continue but start afresh "
-                              "beside: resume it with the options it was started with (--cv or not), or choose another "
-                              "--run-dir")
+    if resume in (None, "auto") and other is not None:  # refused, not started beside (--resume auto would be too)
+        what = f"a single run ({other})" if holds_runs else f"runs in sub-folders ({other})"
+        raise RecipeError(f"{run_dir} holds {what}, which this command would not continue but start afresh beside: "
+                          "choose another --run-dir, or to continue it, give the options it was started with")
     if last is None and not holds_runs and recorded_recipe(run_dir / "metrics.json") == recipe:
         raise RecipeError(f"{run_dir} holds a finished run (its metrics.json) but not its checkpoints/last.pt: nothing "
                           "to continue, and a new run there would overwrite its records; choose another --run-dir")

@@ -371,6 +371,11 @@ def test_a_run_dir_holding_sub_runs_is_not_overwritten_by_a_fresh_run(tmp_path):
     fold = run_dir / "fold-0" / "checkpoints" / "last.pt"
     ckpt.save_checkpoint(fold, {"model": {}, "recipe": "t", "config": {}})
     with pytest.raises(RecipeError, match="already holds checkpoints; continue it with --resume auto, or choose"):
+        open_run_dir("t", run_dir, None, holds_runs=True)  # the --cv command again
+    # a single run's command: --resume auto would not continue the sub-runs (it was suggested, then refused)
+    with pytest.raises(RecipeError, match=r"holds runs in sub-folders \(.*fold-0.*\), which this command would not "
+                       "continue but start afresh beside: choose another --run-dir, or to continue it, give the "
+                       "options it was started with$"):
         open_run_dir("t", run_dir, None)
     with pytest.raises(RecipeError, match="already holds checkpoints; this command starts afresh: choose another"):
         open_run_dir("t", run_dir, None, resumable=False)  # --compare, which refuses --resume

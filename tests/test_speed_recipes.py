@@ -104,6 +104,12 @@ def assert_a_second_compare_is_refused_without_a_hint_to_resume(run_inprocess, r
     assert again.code == 1
     assert again.stderr == f"error: {run_dir} already holds checkpoints; this command starts afresh: choose another " \
                            "--run-dir\n"
+    for resume in ([], ["--resume", "auto"]):  # a single run there was told to --resume auto, then refused
+        single = run_inprocess(recipe, *resume, "--run-dir", run_dir)
+        assert single.code == 1 and "--cv" not in single.stderr and single.stderr.startswith(
+            f"error: {run_dir} holds runs in sub-folders ("), single.stderr
+        assert single.stderr.endswith("start afresh beside: choose another --run-dir, or to continue it, give the "
+                                      "options it was started with\n")
     assert (run_dir / "metrics.json").read_bytes() == summary
 
 
