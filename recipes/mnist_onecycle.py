@@ -247,8 +247,6 @@ def predict_digits(checkpoint_path: Path, paths: list[Path], device: torch.devic
 
 def predict_command(images: list[Path], more_images: list[Path], resume: str | None, device: str) -> None:
     """--predict: print one line per image (file, digit, probability), then the done line."""
-    if not images:
-        raise typer.BadParameter(f"{more_images[0]}: image files are given with --predict", param_hint="IMAGE")
     if resume is None or resume == "auto":
         raise typer.BadParameter("give the checkpoint to predict with, e.g. --resume .../best.pt",
                                  param_hint="--resume")
@@ -310,12 +308,15 @@ def main(
     ema_decay: cli.EMADecay = None,
 ):
     """Train a small CNN on MNIST with the one-cycle learning-rate schedule, or predict digits in images."""
-    if predict or more_images:
+    if more_images and not predict:  # `--compile true`, say: a flag takes no value, so `true` lands here
+        raise typer.BadParameter(f"unexpected extra argument {str(more_images[0])!r} (a flag such as --compile takes "
+                                 "no value; images to predict follow --predict)", param_hint="IMAGE")
+    if predict:
         if unused := [name for name in locals() if name not in ("predict", "more_images", "resume", "device")
                       and cli.option_given(name)]:
             raise typer.BadParameter("predicts with the checkpoint's model on --device: not "
                                      f"{', '.join(map(cli.option_name, unused))}", param_hint="--predict")
-        predict_command(predict or [], more_images or [], resume, device)
+        predict_command(predict, more_images or [], resume, device)
         return
     if cli.option_given("backbone_lr_scale") and finetune is None:  # it would do nothing
         raise typer.BadParameter("sets the rate of the layers --finetune loads: give --finetune too",

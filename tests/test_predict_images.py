@@ -196,6 +196,16 @@ def test_a_28x28_image_is_kept_as_it_is_framed():
     assert torch.allclose(mnist.to_mnist_format(255 - image), image.float() / 255)
 
 
+@pytest.mark.parametrize("args", [["--compile", "true"], ["--epochs", 2, 3]])
+def test_an_extra_argument_without_predict_is_named_not_blamed_on_predict(run_inprocess, args, tmp_path):
+    """--compile takes no value, so `true` was read as an image: "Invalid value for --predict: ... not --compile"."""
+    result = run_inprocess(RECIPE, *args, "--run-dir", tmp_path / "run")
+    assert result.code == 2 and "--predict: predicts" not in result.stderr
+    assert f"Invalid value for IMAGE: unexpected extra argument '{args[-1]}' (a flag such as --compile takes no " \
+        "value; images to predict follow --predict)" in " ".join(result.stderr.split()), result.stderr
+    assert not (tmp_path / "run").exists()
+
+
 @pytest.mark.parametrize("case", ["not an image", "empty file", "empty folder", "missing file", "text only folder",
                                   "gif"])
 def test_bad_images_are_one_line_errors(case, checkpoint, run_inprocess, tmp_path):
@@ -249,7 +259,8 @@ def test_a_checkpoint_without_its_width_is_a_one_line_error(config, run_inproces
 @pytest.mark.parametrize(("args", "text"), [
     (["--predict", "d.png"], "Invalid value for --resume"),
     (["--predict", "d.png", "--resume", "auto"], "Invalid value for --resume"),
-    (["stray.png"], "image files are given with --predict"),
+    (["stray.png"], "unexpected extra argument 'stray.png' (a flag such as --compile takes no value; images to "
+                    "predict follow --predict)"),
     # training options do nothing to a prediction: refused, not silently ignored
     (["--predict", "d.png", "--resume", "m.pt", "--epochs", "5", "--precision=bf16"],
      "Invalid value for --predict: predicts with the checkpoint's model on --device: not --epochs, --precision"),
@@ -257,4 +268,4 @@ def test_a_checkpoint_without_its_width_is_a_one_line_error(config, run_inproces
 ])
 def test_usage_errors(args, text, run_inprocess):
     result = run_inprocess(RECIPE, *args)
-    assert result.code == 2 and text in result.stderr, result.stderr
+    assert result.code == 2 and text in " ".join(result.stderr.split()), result.stderr
