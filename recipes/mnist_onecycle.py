@@ -153,6 +153,13 @@ def misclassified_grid(model: nn.Module, val_set: TensorDataset, device: torch.d
 # Prediction on image files
 
 
+def image_path(value: str) -> Path:
+    """--predict's value; an empty one (an unset shell variable, say) is refused, not read as the current folder."""
+    if not value.strip():
+        raise typer.BadParameter("is empty; give an image file or a folder of them")
+    return Path(value)
+
+
 def image_files(paths: list[Path]) -> list[Path]:
     """The images to read: files as given, folders as their .png/.jpg/.jpeg files in sorted order."""
     files = []
@@ -287,11 +294,12 @@ def main(
     ] = 0.1,
     predict: Annotated[
         list[Path] | None,
-        typer.Option(metavar="IMAGE", help="Only predict: these PNG/JPEG digit images, or folders of them, with the "
-                     "model from --resume; prints file, digit and probability. More images may follow as arguments."),
+        typer.Option(parser=image_path, metavar="IMAGE", help="Only predict: these PNG/JPEG digit images, or folders "
+                     "of them, with the model from --resume; prints file, digit and probability. More images may "
+                     "follow as arguments."),
     ] = None,
     more_images: Annotated[  # the usage line shows them as [IMAGE]...
-        list[Path] | None, typer.Argument(metavar="IMAGE", hidden=True, show_default=False)
+        list[Path] | None, typer.Argument(parser=image_path, metavar="IMAGE", hidden=True, show_default=False)
     ] = None,
     seed: cli.Seed = 0,
     device: cli.Device = "auto",

@@ -259,6 +259,8 @@ def test_a_checkpoint_without_its_width_is_a_one_line_error(config, run_inproces
 @pytest.mark.parametrize(("args", "text"), [
     (["--predict", "d.png"], "Invalid value for --resume"),
     (["--predict", "d.png", "--resume", "auto"], "Invalid value for --resume"),
+    (["--predict", "", "--resume", "m.pt"], "Invalid value for '--predict': is empty; give an image file or a folder"),
+    (["--predict", "d.png", " ", "--resume", "m.pt"], "Invalid value for 'IMAGE': is empty; give an image file"),
     (["stray.png"], "unexpected extra argument 'stray.png' (a flag such as --compile takes no value; images to "
                     "predict follow --predict)"),
     # training options do nothing to a prediction: refused, not silently ignored
