@@ -26,7 +26,6 @@ every error is one line ``error: ...`` on stderr.
 
 import argparse
 import ast
-import importlib.util
 import itertools
 import os
 import re
@@ -36,9 +35,11 @@ import sys
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
+from importlib.machinery import PathFinder
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+HERE = Path(__file__).resolve().parent  # scripts/, first on sys.path here but not where the script will run
+ROOT = HERE.parent
 CORE = "common"
 FUNCTIONS = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)
 COMPREHENSIONS = (ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)
@@ -496,9 +497,8 @@ def main(argv: list[str] | None = None) -> int:
         if output.exists() and not args.overwrite:  # it may be a copy the user has edited since
             raise EjectError(f"{output} exists; choose another name, or add --overwrite to replace it")
         # Python puts a script's folder first on sys.path: a typer.py would be what its own `import typer` finds
-        module = output.name.removesuffix(".py")
-        if module.isidentifier() and (module in sys.stdlib_module_names or module in sys.modules
-                                      or importlib.util.find_spec(module)):
+        module, places = output.name.removesuffix(".py"), [p for p in sys.path if p and Path(p).resolve() != HERE]
+        if module.isidentifier() and (module in sys.stdlib_module_names or PathFinder.find_spec(module, places)):
             raise EjectError(f"{output.name} would hide the {module} module from the script (Python looks in "
                              "the script's folder first); choose another name")
         ejection = Ejection(recipe)

@@ -254,6 +254,7 @@ cli.run_recipe(main)
         (["{tmp}/nested.py", "{tmp}/out.py"], 1, "nested.py:5: import the core at the top of the file, not inside"),
         (["mnist_onecycle", "{tmp}/typer.py"], 1, "typer.py would hide the typer module from the script"),
         (["mnist_onecycle", "{tmp}/random.py"], 1, "random.py would hide the random module from the script"),
+        (["mnist_onecycle", "{tmp}/torch.py"], 1, "torch.py would hide the torch module from the script"),
     ],
 )
 def test_bad_input_is_a_one_line_error(args, code, message, tmp_path):
@@ -273,7 +274,8 @@ def test_bad_input_is_a_one_line_error(args, code, message, tmp_path):
     assert result.code == code, result.stderr
     assert result.stderr.startswith("error: ") and result.stderr.count("\n") == 1, result.stderr
     assert message in result.stderr
-    assert not [path for path in tmp_path.glob("*") if path.suffix != ".py" or path.stem in ("out", "typer", "random")]
+    written = ("out", "typer", "random", "torch")
+    assert not [path for path in tmp_path.glob("*") if path.suffix != ".py" or path.stem in written]
     assert not list(tmp_path.glob(".*.tmp"))
 
 
@@ -359,6 +361,12 @@ def test_an_output_behind_a_link_is_written_where_the_link_points_and_keeps_its_
     assert result.code == 0, result.stderr
     assert (tmp_path / "link.py").is_symlink() and "def amp_step(" in (tmp_path / "real.py").read_text()
     assert (tmp_path / "real.py").stat().st_mode & 0o777 == 0o755
+
+
+def test_an_output_named_like_one_of_this_repositorys_scripts_is_written(tmp_path):
+    """scripts/ is first on eject's own sys.path, not on the copy's: export.py hides no module of the copy's."""
+    result = run_subprocess(["scripts/eject.py", "mixed_precision", tmp_path / "export.py"])
+    assert result.code == 0 and (tmp_path / "export.py").is_file(), result.stderr
 
 
 def test_an_existing_output_is_replaced_only_with_overwrite(tmp_path):
