@@ -358,6 +358,16 @@ def test_adult_offline_suggests_csv(run_inprocess, tmp_path, monkeypatch):
         # were tracebacks: bytes that are no text, and a target that is an ID (it said "diverged ... lower --lr")
         ("bytes.parquet", pa.table({"a": pa.array([b"caf\xe9", b"x"] * 20, pa.binary()), "label": ["x", "y"] * 20}),
          "bytes.parquet: column 'a' holds bytes that are not UTF-8 text"),
+        # were tracebacks: a header in Latin-1, and UTF-16 (read as one garbled column it said "not readable")
+        ("latin1.csv", b"caf\xe9,label\n" + b"".join(b"%d,%s\n" % (i, b"xy"[i % 2:][:1]) for i in range(40)),
+         "latin1.csv is not UTF-8 text; re-save it as UTF-8"),
+        ("utf16.csv", "a,label\n1,x\n2,y\n".encode("utf-16"), "utf16.csv is UTF-16 text; re-save it as UTF-8"),
+        ("uuids.parquet", pa.table({"a": pa.array([bytes([i, 255] * 8) for i in range(40)], pa.binary(16)),
+                                    "label": ["x", "y"] * 20}),
+         "uuids.parquet: column 'a' holds bytes that are not UTF-8 text"),
+        ("prediction.csv", "prediction,label\n" + "".join(f"{i},{'xy'[i % 2]}\n" for i in range(40)),
+         "feature column 'prediction' is named like a column that --predict adds, so no table could be predicted "
+         "on: rename it"),
         ("ids.csv", "a,label\n" + "".join(f"{i % 7},id{i}\n" for i in range(100)),
          "no validation row's 'label' is a class seen in training (80 classes): an ID column? choose another --target"),
     ],
@@ -728,3 +738,56 @@ def test_a_header_over_a_megabyte_is_read(tmp_path):
     path.write_text(",".join([*names, "y"]) + "\n" + "\n".join(",".join(["1"] * 2200 + [str(i % 2)]) for i in range(4)))
     table = tabular.read_table(path)
     assert table.column_names == [*names, "y"] and table["y"].to_pylist() == ["0", "1", "0", "1"]
+
+
+def test_new_rows_spell_classes_by_the_training_rows_rule():
+    """Classes "01" and "10" were fitted as numbers; rows holding also a rare word were read as text, so every "01"
+    row was a class unseen in training and silently dropped. And text classes "01" and "1" stay two classes in rows
+    that happen to hold only numbers."""
+    rows = [[str(i), ["01", "10"][i % 2]] for i in range(20)]
+    spec = tabular.fit_features(text_table(["x", "y"], rows), "y", "classification")
+    assert spec["classes"] == ["01", "10"]
+    new = [["1", label] for label in ["01", "10", "x", "", "1", "10.0"]]
+    assert tabular.encode(spec, text_table(["x", "y"], new))[2].tolist() == [0, 1, tabular.UNSEEN_CLASS,
+                                                                            tabular.MISSING_CLASS, 0, 1]
+    rows = [[str(i), ["01", "1", "a"][i % 3]] for i in range(30)]
+    spec = tabular.fit_features(text_table(["x", "y"], rows), "y", "classification")
+    assert spec["classes"] == ["01", "1", "a"]
+    assert tabular.encode(spec, text_table(["x", "y"], [["1", "1"], ["2", "01"]]))[2].tolist() == [1, 0]
+
+
+def test_val_acc_counts_rows_of_a_class_unseen_in_training_as_wrong(run_inprocess, tmp_path):
+    """It left them out: 0.97 printed where the model was right on 57% of the validation rows."""
+    n, seed, val_frac = 300, 0, 0.5
+    labels = [f"rare{i}" if i % 10 < 3 else "ab"[i % 100 < 50] for i in range(n)]  # 30% of rows: a label of their own
+    path = tmp_path / "rare.csv"
+    path.write_text("x,label\n" + "".join(f"{i % 100},{label}\n" for i, label in enumerate(labels)))
+    result = run_inprocess(RECIPE, "--csv", path, "--target", "label", "--val-frac", val_frac, "--seed", seed,
+                           "--epochs", 20, "--run-dir", tmp_path / "run", *RAW)
+    assert result.code == 0, result.stderr
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).numpy()
+    n_val = round(val_frac * n)
+    seen = {labels[i] for i in order[n_val:]}
+    unseen = sum(labels[i] not in seen for i in order[:n_val])
+    assert unseen > 30 and f"{unseen} validation rows hold a class unseen in training: val_acc counts them as " \
+                           "wrong" in result.stdout
+    val_acc = read_metrics(tmp_path / "run")["val_acc"]
+    assert val_acc <= (n_val - unseen) / n_val  # those rows cannot be right
+    assert abs(val_acc * n_val - round(val_acc * n_val)) < 1e-6  # a count of right rows over all n_val
+
+
+def test_a_regression_target_past_1e154_trains_to_finite_metrics_and_predictions(run_inprocess, tmp_path):
+    """Its standard deviation overflowed (the squares of such numbers are past float64's range): inf metrics, and
+    Infinity in metrics.json. A feature of such numbers was standardised by inf to all zeros."""
+    rows = "".join(f"{i % 10}e200,{i % 7},{(i % 10) * 3 + 1}e200\n" for i in range(200))
+    (tmp_path / "big.csv").write_text("x,z,y\n" + rows)
+    result = run_inprocess(RECIPE, "--csv", tmp_path / "big.csv", "--target", "y", "--task", "regression",
+                           "--epochs", 5, "--run-dir", tmp_path / "run", *RAW)
+    assert result.code == 0, result.stderr
+    assert "Infinity" not in (tmp_path / "run" / "metrics.json").read_text()
+    assert 0 < read_metrics(tmp_path / "run")["val_rmse"] < 5e200  # y spans 1e200 .. 28e200 (std about 8.6e200)
+    spec = torch.load(tmp_path / "run" / "checkpoints" / "best.pt", weights_only=True)["features"]
+    x = torch.randperm(200, generator=torch.Generator().manual_seed(0)).numpy()[40:] % 10  # the training rows'
+    assert (spec["target_mean"], spec["target_std"]) == pytest.approx(((3 * x + 1).mean() * 1e200,
+                                                                        (3 * x + 1).std() * 1e200), rel=1e-12)
+    assert spec["numeric"]["x"] == pytest.approx((x.mean() * 1e200, x.std() * 1e200), rel=1e-12)
