@@ -10,8 +10,9 @@ global optimizer pre-hook: no recipe knows it is being measured). Each step's tr
 logs to TensorBoard anyway, is smoothed by an exponential moving average (beta 0.98, bias-corrected: the
 first steps are not pulled towards 0); the test ends where the smoothed loss passes 4x its lowest (or the run
 diverges). The suggestion is the rate where the smoothed loss falls fastest (its steepest descent against
-log rate): high enough to learn fast, well below where the loss turns up. A recipe with a one-cycle schedule is
-given it as ``--max-lr``, the others as ``--lr``.
+log rate): high enough to learn fast, well below where the loss turns up; none if it never falls below its
+first steps' mean by more than their noise. A recipe with a one-cycle schedule is given it as ``--max-lr``, the
+others as ``--lr``.
 
 Writes a PNG of loss against rate (``--plot``, default lr_find.png) and prints the suggested option and the
 command line to train with it. Your run directories are untouched: the test's own is removed afterwards.
@@ -29,6 +30,7 @@ import json
 import math
 import shlex
 import signal
+import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -110,6 +112,7 @@ def until_divergence(smooth: list[float], factor: float = 4.0) -> int:
 
 
 SETTLING = 10  # points the smoothed loss needs before its slope means anything
+MIN_FALL = 1e-3  # a smaller fall, relative to where the loss started, is rounding, not learning
 
 
 def steepest(smooth: list[float], skip_start: int = SETTLING) -> int | None:
@@ -124,13 +127,23 @@ def steepest(smooth: list[float], skip_start: int = SETTLING) -> int | None:
     return skip_start + best if slopes[best] < 0 else None
 
 
-def training_losses(run_dir: Path) -> dict[int, float]:
-    """train/loss by step from the run's TensorBoard events."""
+def fell(losses: list[float], smooth: list[float], skip_start: int = SETTLING) -> bool:
+    """Whether the smoothed loss, once settled, goes below the mean of the first ``skip_start`` losses by more than
+    their noise (two standard errors of that mean) and more than rounding (MIN_FALL of it): at rates too low to
+    learn it wanders, and its steepest stretch is no place to train."""
+    first = losses[:skip_start]
+    mean = statistics.fmean(first)
+    margin = max(2 * statistics.stdev(first) / math.sqrt(len(first)), MIN_FALL * abs(mean))
+    return min(smooth[skip_start:]) < mean - margin
+
+
+def logged_scalars(run_dir: Path) -> dict[str, dict[int, float]]:
+    """Every scalar of the run's TensorBoard events, by tag and step."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     events = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
     events.Reload()
-    return {e.step: e.value for e in events.Scalars("train/loss")} if "train/loss" in events.Tags()["scalars"] else {}
+    return {tag: {e.step: e.value for e in events.Scalars(tag)} for tag in events.Tags()["scalars"]}
 
 
 def run_quietly(recipe, args: list[str]) -> tuple[int, str]:
@@ -152,17 +165,18 @@ def run_quietly(recipe, args: list[str]) -> tuple[int, str]:
 
 
 def range_test(recipe, options: list[str], rates: list[float], work: Path) -> tuple[list[float], list[float], str]:
-    """Run the recipe with ``options`` for len(rates) steps at those rates; (rates, losses) up to where it ended,
-    and how it ended."""
+    """Run the recipe with ``options`` for len(rates) steps, its updates at those rates in turn; (rates, losses) up
+    to where it ended, and how it ended. An fp16 step that the GradScaler skips updates nothing and logs no loss:
+    it takes no rate, so each logged loss stays paired with the rate its step applied."""
     import torch
     from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-    taken = [0]
+    applied = []  # the rate of each optimizer.step(), in order
 
     def set_rate(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+        applied.append(rates[min(len(applied), len(rates) - 1)])
         for group in optimizer.param_groups:
-            group["lr"] = rates[min(taken[0], len(rates) - 1)]
-        taken[0] += 1
+            group["lr"] = applied[-1]
 
     run_dir = work / "run"
     run_dir.mkdir()  # ours: the recipe does not remove a folder it did not make, so a diverged run's events stay
@@ -177,17 +191,20 @@ def range_test(recipe, options: list[str], rates: list[float], work: Path) -> tu
         raise FinderError(f"the recipe refused its options: {message}", exit_code=2)
     if code and "diverged" not in message:
         raise FinderError(message.removeprefix("error: ") or f"the recipe exited with status {code}")
-    losses = training_losses(run_dir)
-    steps = sorted(s for s in losses if s <= len(rates))
+    scalars = logged_scalars(run_dir)
+    losses = scalars.get("train/loss", {})  # a step's loss, logged unless the GradScaler skipped the step
+    steps = sorted(losses)[:len(applied)]  # the updates in order: the n-th logged loss's step took applied[n]
     if not steps and not code:
         raise FinderError(f"the recipe logged no train/loss to TensorBoard in {run_dir.name}/: the range test reads "
                           "each step's loss there")
-    if not code and steps[-1] < len(rates):  # early stopping, say: the rest of the ramp was never tried
-        last = steps[-1]
-        raise FinderError(f"the recipe stopped after {last} of the {len(rates)} steps, at {rates[last - 1]:.1e}: leave "
+    ran = max(scalars.get("train/lr", losses), default=0)  # train/lr: logged for every step, a skipped one too
+    if not code and ran < len(rates):  # early stopping, say: the rest of the ramp was never tried
+        raise FinderError(f"the recipe stopped after {ran} of the {len(rates)} steps, at {applied[-1]:.1e}: leave "
                           "out what ends it early (--patience, a --config that sets it)")
     ending = "diverged" if code else "ran every step"
-    return [rates[s - 1] for s in steps], [losses[s] for s in steps], ending
+    if skipped := ran - len(losses) if not code else 0:
+        ending += f"; fp16's GradScaler skipped {skipped} more"
+    return applied[:len(steps)], [losses[s] for s in steps], ending
 
 
 def long_enough(known: set[str], steps: int) -> list[str]:
@@ -316,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
         smooth = smoothed(losses)
         kept = until_divergence(smooth)
         rates, losses, smooth = rates[:kept], losses[:kept], smooth[:kept]
-        best = steepest(smooth)
+        best = steepest(smooth) if len(smooth) < SETTLING + 3 or fell(losses, smooth) else None
         if best is None and len(smooth) < SETTLING + 3:
             at = rates[-1] if rates else args.start
             raise FinderError(f"the loss diverged after {len(losses)} steps, at {at:g}: too few to find its slope; "

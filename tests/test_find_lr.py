@@ -70,7 +70,7 @@ def test_the_pieces_of_the_range_test():
 def test_a_real_recipe_gets_its_own_option_and_the_user_runs_are_untouched(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     args = ["mixed_precision", "--samples", "1024", "--width", "32", "--batch-size", "64", "--device", "cpu",
-            "--ramp-steps", "40", "--plot", str(tmp_path / "mp.png")]
+            "--ramp-steps", "60", "--plot", str(tmp_path / "mp.png")]
     assert find_lr.main(args) == 0
     out = capsys.readouterr().out
     assert re.search(r"suggested: --lr [\d.e-]+", out)
@@ -131,7 +131,7 @@ def test_an_ejected_copy_is_measured_like_the_recipe(tmp_path, capsys, monkeypat
 
     monkeypatch.chdir(tmp_path)
     assert run_subprocess(["scripts/eject.py", "mixed_precision", tmp_path / "mine.py"]).code == 0
-    args = ["--samples", "1024", "--width", "32", "--batch-size", "64", "--device", "cpu", "--ramp-steps", "40"]
+    args = ["--samples", "1024", "--width", "32", "--batch-size", "64", "--device", "cpu", "--ramp-steps", "60"]
     assert find_lr.main([str(tmp_path / "mine.py"), *args, "--plot", str(tmp_path / "mine.png")]) == 0
     copy = capsys.readouterr().out
     assert find_lr.main(["mixed_precision", *args, "--plot", str(tmp_path / "recipe.png")]) == 0
@@ -247,3 +247,42 @@ def test_a_failed_write_of_the_plot_leaves_the_earlier_one_as_it_was(tmp_path):
     result = run_subprocess([sys.executable, "-c", draw], max_file_bytes=len(before) // 2)
     assert result.code == 1 and "OSError: [Errno 27] File too large" in result.stderr, result.stderr
     assert out.read_bytes() == before and [p.name for p in tmp_path.iterdir()] == ["lr.png"]
+
+
+def test_steps_the_gradscaler_skips_take_no_rate_and_are_no_early_stop(tmp_path, capsys, monkeypatch):
+    """fp16: a step the GradScaler skips calls no optimizer.step() and logs no loss. The ramp counted calls but paired
+    losses with rates by step number, so every loss after a skip was plotted at a rate its step never applied, and
+    a skipped last step was reported as early stopping ("stopped after 19 of the 20 steps")."""
+    monkeypatch.chdir(tmp_path)
+    skipping = textwrap.dedent(LEAST_SQUARES).replace("        optimizer.step()\n", """\
+        writer.add_scalar("train/lr", lr, step)  # every step, as the recipes log it
+        if step % 5 == 0:  # the GradScaler found inf in the gradients: no update, no loss logged
+            continue
+        optimizer.step()
+        applied.append((optimizer.param_groups[0]["lr"], loss.item()))
+""").replace("    writer.close()\n", "    writer.close()\n    Path('applied.json').write_text(json.dumps(applied))\n")
+    (tmp_path / "skipping.py").write_text("import json\napplied = []\n" + skipping)
+    drawn = []
+    monkeypatch.setattr(find_lr, "plot", lambda rates, losses, *_: drawn.append((rates, losses)))
+    assert find_lr.main([str(tmp_path / "skipping.py"), "--ramp-steps", "20", "--to", "0.5"]) == 0, \
+        capsys.readouterr().err
+    applied = json.loads((tmp_path / "applied.json").read_text())
+    assert len(applied) == 16 and drawn == [([rate for rate, _ in applied], [loss for _, loss in applied])]
+    assert [rate for rate, _ in applied] == pytest.approx(find_lr.ramp(1e-7, 0.5, 20)[:16])  # the ramp in turn
+    assert "16 steps from 1.0e-07 to " in capsys.readouterr().out
+
+
+def test_no_rate_is_suggested_where_the_loss_never_fell_below_its_start(tmp_path, capsys, monkeypatch):
+    """At 1e-9 to 1e-8 nothing moves: the smoothed loss's lowest was its first point, and a rate was suggested."""
+    noise = [2.0 + 0.05 * ((-1) ** i) for i in range(20)]  # batches that differ: a smoothed loss that wanders
+    assert find_lr.steepest(find_lr.smoothed(noise)) is not None and not find_lr.fell(noise, find_lr.smoothed(noise))
+    falling = noise[:10] + [1.9, 1.8, 1.7, 1.75, 1.6, 1.5, 1.4, 1.45, 1.3, 1.2]
+    assert find_lr.fell(falling, find_lr.smoothed(falling))
+    assert not find_lr.fell([2.0 - 1e-7 * i for i in range(20)], find_lr.smoothed([2.0 - 1e-7 * i for i in range(20)]))
+    (tmp_path / "least_squares.py").write_text(textwrap.dedent(LEAST_SQUARES))
+    monkeypatch.chdir(tmp_path)
+    assert find_lr.main([str(tmp_path / "least_squares.py"), "--from", "1e-9", "--to", "1e-8", "--ramp-steps", "20",
+                         "--plot", str(tmp_path / "lr.png")]) == 1
+    assert capsys.readouterr().err == "error: the loss did not fall over 20 steps from 1e-09 to 1e-08: try a wider " \
+                                      "range (--from, --to) or more --ramp-steps\n"
+    assert not (tmp_path / "lr.png").exists()
