@@ -19,7 +19,8 @@ PyTorch's Performance Tuning Guide checked against the live run.
    they pass the same test; otherwise the best of them alone is.
 
 One table (rule or alternative, what was measured, verdict) and the command; ``--json FILE`` writes the same
-figures. Nothing is written where your runs are: every run is in a temporary folder, removed afterwards.
+figures: the throughput as given per round (``as_given_samples_per_s``, or tokens), and each alternative's speed-ups
+over it (``speedups``). Nothing is written where your runs are: every run is in a temporary folder, removed afterwards.
 Exit status 0; 1 with one line ``error: ...`` when the recipe fails as given; 2 on a usage error; 130 on Ctrl-C or
 SIGTERM, the temporary folders removed.
 """
@@ -394,9 +395,9 @@ def main(argv: list[str] | None = None) -> int:
               f"{shlex.join(['python', name, *options])}")
     if args.json:
         report = {"recipe": recipe_path.stem, "options": options, "measured_with": length, "rows": table,
-                  "window": window,
-                  "speedups": measured, "recommended": recommended if chosen else options,
-                  "recommended_options": chosen}
+                  "window": window, f"as_given_{unit}_per_s": measured["as given"],  # per round, as the speed-ups
+                  "speedups": {name: m for name, m in measured.items() if name != "as given"},  # over it, or why not
+                  "recommended": recommended if chosen else options, "recommended_options": chosen}
         try:
             write_atomically(args.json, (json.dumps(report, indent=2) + "\n").encode())
         except OSError as err:
