@@ -76,10 +76,10 @@ def load_checkpoint(path: Path, recipe: str, entry: str = "model") -> dict:
     return state
 
 
-def load_model_state(model: nn.Module, state_dict: dict, source: Path) -> None:
+def load_model_state(model: nn.Module, state_dict: dict, source: Path, what: str = "checkpoint") -> None:
     """``load_state_dict`` with an error that lists what did not match, e.g. a checkpoint of another model."""
     if not isinstance(state_dict, dict):
-        raise RecipeError(f"checkpoint {source} is damaged: its weights are a {type(state_dict).__name__}, not a dict")
+        raise RecipeError(f"{what} {source} is damaged: its weights are a {type(state_dict).__name__}, not a dict")
     model = unwrap(model)
     ours = model.state_dict()
     problems = {"missing": sorted(ours.keys() - state_dict.keys()),
@@ -88,7 +88,7 @@ def load_model_state(model: nn.Module, state_dict: dict, source: Path) -> None:
     if any(problems.values()):
         shown = "; ".join(f"{label}: {', '.join(keys[:5])}{' ...' * (len(keys) > 5)}"
                           for label, keys in problems.items() if keys)
-        raise RecipeError(f"checkpoint {source} does not fit this model ({shown})")
+        raise RecipeError(f"{what} {source} does not fit this model ({shown})")
     model.load_state_dict(state_dict)
 
 

@@ -453,7 +453,7 @@ def trained_model(checkpoint_path: Path | None, init_from: Path | None, device: 
     if checkpoint_path is None:
         folder = hf_gpt2.read_folder(init_from)
         model = GPT(GPTConfig(**folder.shape)).to(device)
-        load_model_state(model, folder.weights, init_from)
+        load_model_state(model, folder.weights, init_from, "GPT-2 folder")
         return model, folder.vocab
     checkpoint = load_trainer_state(checkpoint_path, RECIPE)
     model = GPT(GPTConfig(**checkpoint["model_config"])).to(device)
@@ -737,7 +737,7 @@ def main(
 
     model = GPT(model_config).to(device)
     if folder:
-        load_model_state(model, folder.weights, init_from)
+        load_model_state(model, folder.weights, init_from, "GPT-2 folder")
     model.checkpoint_blocks = activation_checkpointing
     flops_per_token = model.flops_per_token()
     if parallel == "ddp" and dist.is_initialized():

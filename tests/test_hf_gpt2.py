@@ -298,6 +298,11 @@ def damage(case: str, folder: Path) -> str:
         del tensors["transformer.h.1.mlp.c_fc.weight"]
         save_file(tensors, weights, metadata={"format": "pt"})
         return "lacks transformer.h.1.mlp.c_fc.weight"
+    if case == "a config.json its weights disagree with":  # was called a "checkpoint"
+        config = json.loads((folder / "config.json").read_text())
+        config["n_positions"] += 8
+        (folder / "config.json").write_text(json.dumps(config))
+        return f"error: GPT-2 folder {folder} does not fit this model (wrong shape: wpe.weight)\n"
     if case == "no tokenizer":
         (folder / "tokenizer.json").unlink()
         return "has no tokenizer"
@@ -330,7 +335,8 @@ def damage(case: str, folder: Path) -> str:
 @pytest.mark.parametrize("case", ["another architecture", "no config.json", "config.json not JSON", "no weights",
                                   "truncated safetensors", "random bytes for safetensors", "a weight missing",
                                   "no tokenizer", "an activation it does not compute", "a file, not a folder",
-                                  "no such folder", "an index naming no file", "a classifier's head"])
+                                  "no such folder", "an index naming no file", "a classifier's head",
+                                  "a config.json its weights disagree with"])
 def test_a_folder_that_is_not_gpt2_is_one_line(case, gpt2_dir, text_file, run_inprocess, tmp_path):
     folder = copy_of(gpt2_dir, tmp_path / "gpt2")
     message = damage(case, folder)
