@@ -237,7 +237,7 @@ def target_task(column: pa.ChunkedArray, name: str, task: str, rows: str = "") -
 def mean_and_std(values: np.ndarray) -> tuple[float, float]:
     """Their mean and standard deviation (1 for a constant), taken in units of a power of two near the largest: the
     squares of numbers past 1e154 overflow float64, and dividing by a power of two rounds nothing."""
-    scale = 2.0 ** np.frexp(np.abs(values).max())[1]
+    scale = 2.0 ** (np.frexp(np.abs(values).max())[1] - 1)  # -1: 2**1024 is no float64; values / scale < 2
     return float((values / scale).mean() * scale), float((values / scale).std() * scale) or 1.0
 
 
@@ -305,6 +305,14 @@ def encode(spec: dict, table: pa.Table, *, with_target: bool = True):
     if np.isnan(values).any():
         raise cli.RecipeError(f"target column {spec['target']!r} has missing or non-numeric values")
     return numeric, categorical, ((values - spec["target_mean"]) / spec["target_std"]).astype(np.float32)
+
+
+def unseen_as_missing(target: np.ndarray, classification: bool) -> np.ndarray:
+    """Mark the rows of a class unseen in training MISSING_CLASS, in place: no loss can be taken on them, so the loss
+    and evaluate() leave them out. Which rows they were (none for a regression, whose targets are numbers)."""
+    unseen = target == UNSEEN_CLASS if classification else np.zeros(len(target), dtype=bool)
+    target[unseen] = MISSING_CLASS
+    return unseen
 
 
 class TabularDataset(Dataset):
@@ -815,8 +823,7 @@ def train(csv_path: Path | None, target: str, task: str, val_frac: float, cv: in
     if classification and (arrays[2].take(val_rows) < 0).all():  # every class unseen in training: no score to take
         raise cli.RecipeError(f"no validation row's {target!r} is a class seen in training ({len(spec['classes'])} "
                               "classes): an ID column? choose another --target")
-    unseen = int((arrays[2].take(val_rows) == UNSEEN_CLASS).sum())  # the model cannot name them: wrong in val_acc
-    arrays[2][arrays[2] == UNSEEN_CLASS] = MISSING_CLASS  # no loss can be taken on them: left out like missing ones
+    unseen = int(unseen_as_missing(arrays[2], classification).take(val_rows).sum())  # wrong in val_acc, below
     train_set = TabularDataset(*(a.take(train_rows, axis=0) for a in arrays))  # take: 4x faster than a[rows]
     val_set = TabularDataset(*(a.take(val_rows, axis=0) for a in arrays))
     del table, arrays  # the text columns are no longer needed
@@ -917,8 +924,10 @@ def train(csv_path: Path | None, target: str, task: str, val_frac: float, cv: in
     if test_table is not None:  # Adult's official test file
         best_path = run.path / "checkpoints" / "best.pt"
         load_model_state(model, load_checkpoint(best_path, RECIPE)["model"], best_path)
-        test_set = TabularDataset(*encode(spec, test_table))  # Adult's two classes: none unseen in training
-        test = validate(model, make_loader(test_set, 1024, train=False, collate_fn=built_batch), unseen=0)
+        *features, labels = encode(spec, test_table)
+        unseen_in_test = int(unseen_as_missing(labels, classification).sum())  # --target hours, say: a rare value
+        test_loader = make_loader(TabularDataset(*features, labels), 1024, train=False, collate_fn=built_batch)
+        test = validate(model, test_loader, unseen=unseen_in_test)
     test = {f"test_{k}": v for k, v in test.items()}
     return log.finish(step, best.metrics() | {"stopped_early": stopped_early} | test)
 

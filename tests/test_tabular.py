@@ -787,7 +787,43 @@ def test_a_regression_target_past_1e154_trains_to_finite_metrics_and_predictions
     assert "Infinity" not in (tmp_path / "run" / "metrics.json").read_text()
     assert 0 < read_metrics(tmp_path / "run")["val_rmse"] < 5e200  # y spans 1e200 .. 28e200 (std about 8.6e200)
     spec = torch.load(tmp_path / "run" / "checkpoints" / "best.pt", weights_only=True)["features"]
+    assert tabular.mean_and_std(np.array([1.7e308, 1.7e308, 1.6e308])) == pytest.approx((1.6667e308, 4.714e306),
+                                                                                          rel=1e-4)  # 2**1023 on
     x = torch.randperm(200, generator=torch.Generator().manual_seed(0)).numpy()[40:] % 10  # the training rows'
     assert (spec["target_mean"], spec["target_std"]) == pytest.approx(((3 * x + 1).mean() * 1e200,
                                                                         (3 * x + 1).std() * 1e200), rel=1e-12)
     assert spec["numeric"]["x"] == pytest.approx((x.mean() * 1e200, x.std() * 1e200), rel=1e-12)
+
+
+def test_adults_test_rows_of_a_class_unseen_in_training_count_as_wrong(run_inprocess, tmp_path, monkeypatch):
+    """--target sex, and a test file with a value the training rows lack: the loss was handed a -2 target (an
+    IndexError traceback). The test rows of such a class count as wrong, as in val_acc."""
+    (tmp_path / "adult").mkdir()
+    (tmp_path / "adult" / "adult.data").write_text("\n".join(fake_adult(tmp_path, 200, 0)) + "\n")
+    test_lines = [line.replace(", Male,", ", Other,").replace(", Female,", ", Other,") if i % 10 == 0 else line
+                  for i, line in enumerate(fake_adult(tmp_path, 100, 1))]
+    (tmp_path / "adult" / "adult.test").write_text("|1x3 Cross validator\n" + "\n".join(test_lines) + "\n")
+    monkeypatch.setattr(tabular, "ADULT_FILES", {name: (hashlib.md5((tmp_path / "adult" / name).read_bytes())
+                                                        .hexdigest(), rows)
+                                                 for name, rows in [("adult.data", 200), ("adult.test", 100)]})
+    result = run_inprocess(RECIPE, "--data-dir", tmp_path, "--target", "sex", "--max-steps", 5, "--run-dir",
+                           tmp_path / "run")
+    assert result.code == 0, result.stderr
+    state = torch.load(tmp_path / "run" / "checkpoints" / "best.pt", weights_only=True)
+    model = tabular.model_from_checkpoint(state, tmp_path / "run" / "checkpoints" / "best.pt").eval()
+    numeric, categorical, target = tabular.encode(state["features"], tabular.load_adult(tmp_path)[1])
+    assert (target == tabular.UNSEEN_CLASS).sum() == 10
+    with torch.no_grad():
+        right = model(torch.from_numpy(numeric), torch.from_numpy(categorical)).argmax(1).numpy() == target
+    assert read_metrics(tmp_path / "run")["test_acc"] == pytest.approx(right.mean())  # over all 100 rows
+
+
+def test_a_regression_target_at_minus_two_is_a_number_not_an_unseen_class():
+    """A standardised regression target of exactly -2.0 (two standard deviations below the mean) was taken for
+    UNSEEN_CLASS and overwritten with -1."""
+    target = np.array([-2.0, 0.5, -1.0], dtype=np.float32)
+    assert not tabular.unseen_as_missing(target, classification=False).any()
+    assert target.tolist() == [-2.0, 0.5, -1.0]
+    classes = np.array([0, tabular.UNSEEN_CLASS, tabular.MISSING_CLASS, 1])
+    assert tabular.unseen_as_missing(classes, classification=True).tolist() == [False, True, False, False]
+    assert classes.tolist() == [0, tabular.MISSING_CLASS, tabular.MISSING_CLASS, 1]
