@@ -128,13 +128,14 @@ def steepest(smooth: list[float], skip_start: int = SETTLING) -> int | None:
 
 
 def fell(losses: list[float], smooth: list[float], skip_start: int = SETTLING) -> bool:
-    """Whether the smoothed loss, once settled, goes below the mean of the first ``skip_start`` losses by more than
-    their noise (two standard errors of that mean) and more than rounding (MIN_FALL of it): at rates too low to
-    learn it wanders, and its steepest stretch is no place to train."""
-    first = losses[:skip_start]
-    mean = statistics.fmean(first)
-    margin = max(2 * statistics.stdev(first) / math.sqrt(len(first)), MIN_FALL * abs(mean))
-    return min(smooth[skip_start:]) < mean - margin
+    """Whether the smoothed loss, once settled, goes below its value then (about the mean of the first
+    ``skip_start`` losses) by more than their noise (two standard errors of that mean) and more than rounding
+    (MIN_FALL of it): at rates too low to learn it wanders, and its steepest stretch is no place to train. The
+    noise is read from the changes between successive losses, which a loss already falling does not inflate."""
+    changes = [b - a for a, b in zip(losses[:skip_start], losses[1:skip_start], strict=False)]
+    noise = statistics.stdev(changes) / math.sqrt(2)  # a change holds two draws of the noise
+    settled = smooth[skip_start - 1]
+    return min(smooth[skip_start:]) < settled - max(2 * noise / math.sqrt(skip_start), MIN_FALL * abs(settled))
 
 
 def logged_scalars(run_dir: Path) -> dict[str, dict[int, float]]:
@@ -358,9 +359,10 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as err:  # the temporary run directory, say
         print(f"error: {err.strerror or err}{f': {err.filename}' if err.filename else ''}", file=sys.stderr)
         return 1
-    lowest = smooth.index(min(smooth))
+    lowest = smooth.index(min(smooth[SETTLING:]), SETTLING)  # a suggestion needs more steps than SETTLING
     print(f"range test: {len(losses)} steps from {rates[0]:.1e} to {rates[-1]:.1e} ({ending}; smoothed loss "
-          f"{smooth[0]:.4f} -> lowest {smooth[lowest]:.4f} at {rates[lowest]:.1e}); plot in {args.plot}")
+          f"{smooth[SETTLING - 1]:.4f} after {SETTLING} steps -> lowest {smooth[lowest]:.4f} at {rates[lowest]:.1e}); "
+          f"plot in {args.plot}")
     print(f"suggested: {option} {suggestion:g} (steepest descent of the smoothed loss)")
     name = args.recipe if args.recipe.endswith(".py") else f"recipes/{args.recipe}.py"
     print(f"  {shlex.join(['python', name, *without(options, option), option, f'{suggestion:g}'])}")

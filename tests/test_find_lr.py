@@ -279,6 +279,8 @@ def test_no_rate_is_suggested_where_the_loss_never_fell_below_its_start(tmp_path
     falling = noise[:10] + [1.9, 1.8, 1.7, 1.75, 1.6, 1.5, 1.4, 1.45, 1.3, 1.2]
     assert find_lr.fell(falling, find_lr.smoothed(falling))
     assert not find_lr.fell([2.0 - 1e-7 * i for i in range(20)], find_lr.smoothed([2.0 - 1e-7 * i for i in range(20)]))
+    steadily = [10 * 0.7 ** i for i in range(20)]  # falling from the first step: no noise, however steep
+    assert find_lr.fell(steadily, find_lr.smoothed(steadily))
     (tmp_path / "least_squares.py").write_text(textwrap.dedent(LEAST_SQUARES))
     monkeypatch.chdir(tmp_path)
     assert find_lr.main([str(tmp_path / "least_squares.py"), "--from", "1e-9", "--to", "1e-8", "--ramp-steps", "20",
@@ -286,3 +288,7 @@ def test_no_rate_is_suggested_where_the_loss_never_fell_below_its_start(tmp_path
     assert capsys.readouterr().err == "error: the loss did not fall over 20 steps from 1e-09 to 1e-08: try a wider " \
                                       "range (--from, --to) or more --ramp-steps\n"
     assert not (tmp_path / "lr.png").exists()
+    # a loss that falls fast from the first step is no noise: 5.63 -> 0.86 still gets its suggestion
+    assert find_lr.main([str(tmp_path / "least_squares.py"), "--from", "0.05", "--to", "1", "--ramp-steps", "20",
+                         "--plot", str(tmp_path / "lr.png")]) == 0
+    assert 0.05 <= float(re.search(r"suggested: --lr ([\d.e-]+)", capsys.readouterr().out)[1]) <= 0.70
