@@ -112,7 +112,7 @@ def until_divergence(smooth: list[float], factor: float = 4.0) -> int:
 
 
 SETTLING = 10  # points the smoothed loss needs before its slope means anything
-MIN_FALL = 1e-3  # a smaller fall, relative to where the loss started, is rounding, not learning
+MIN_FALL = 1e-3  # a smaller fall, relative to where the smoothed loss settled, is rounding, not learning
 
 
 def steepest(smooth: list[float], skip_start: int = SETTLING) -> int | None:
