@@ -203,7 +203,8 @@ def range_test(recipe, options: list[str], rates: list[float], work: Path) -> tu
         raise FinderError(f"the recipe stopped after {ran} of the {len(rates)} steps, at {applied[-1]:.1e}: leave "
                           "out what ends it early (--patience, a --config that sets it)")
     ending = "diverged" if code else "ran every step"
-    if skipped := ran - len(losses) if not code else 0:
+    skipped = ran - len(losses)  # steps that logged a rate but no loss
+    if skipped and not code:
         ending += f"; fp16's GradScaler skipped {skipped} more"
     return applied[:len(steps)], [losses[s] for s in steps], ending
 
@@ -334,7 +335,9 @@ def main(argv: list[str] | None = None) -> int:
         smooth = smoothed(losses)
         kept = until_divergence(smooth)
         rates, losses, smooth = rates[:kept], losses[:kept], smooth[:kept]
-        best = steepest(smooth) if len(smooth) < SETTLING + 3 or fell(losses, smooth) else None
+        best = steepest(smooth)
+        if best is not None and not fell(losses, smooth):  # its steepest stretch is noise at rates too low to learn
+            best = None
         if best is None and len(smooth) < SETTLING + 3:
             at = rates[-1] if rates else args.start
             raise FinderError(f"the loss diverged after {len(losses)} steps, at {at:g}: too few to find its slope; "
