@@ -19,6 +19,7 @@ A good result: about 86% validation accuracy on Adult after 10 epochs, in under 
 
 import codecs
 import contextlib
+import gzip
 import json
 import math
 import re
@@ -92,7 +93,8 @@ def read_table(path: Path) -> pa.Table:
     if delimiter is None and not name.endswith(".parquet"):
         raise cli.RecipeError(f"{path}: not a table file by its name; give a .csv, .tsv, .csv.gz, .tsv.gz or .parquet")
     try:
-        with open(path, "rb") as f:  # UTF-16 would read as one garbled column: its byte order mark says what it is
+        # UTF-16 would read as one garbled column: its byte order mark (inside the gzip stream) says what it is
+        with (gzip.open if name.endswith(".gz") else open)(path, "rb") as f:
             if f.read(2) in (codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE):
                 raise cli.RecipeError(f"{path} is UTF-16 text; re-save it as UTF-8")
         if delimiter is None:

@@ -362,6 +362,8 @@ def test_adult_offline_suggests_csv(run_inprocess, tmp_path, monkeypatch):
         ("latin1.csv", b"caf\xe9,label\n" + b"".join(b"%d,%s\n" % (i, b"xy"[i % 2:][:1]) for i in range(40)),
          "latin1.csv is not UTF-8 text; re-save it as UTF-8"),
         ("utf16.csv", "a,label\n1,x\n2,y\n".encode("utf-16"), "utf16.csv is UTF-16 text; re-save it as UTF-8"),
+        ("utf16.csv.gz", gzip.compress("a,label\n1,x\n2,y\n".encode("utf-16")),
+         "utf16.csv.gz is UTF-16 text; re-save it as UTF-8"),  # was "not a readable table file: CSV parse error"
         ("uuids.parquet", pa.table({"a": pa.array([bytes([i, 255] * 8) for i in range(40)], pa.binary(16)),
                                     "label": ["x", "y"] * 20}),
          "uuids.parquet: column 'a' holds bytes that are not UTF-8 text"),
