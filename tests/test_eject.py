@@ -250,6 +250,8 @@ cli.run_recipe(main)
         (["{tmp}/built.py", "{tmp}/out.py"], 1, "at built.py:8 (NameError: name 'MNIST_MEAN' is not defined)"),
         (["{tmp}/waits.py", "{tmp}/out.py"], 1, "at waits.py:3 (EOFError: EOF when reading a line)"),
         (["mnist_onecycle", "{tmp}"], 1, "is a folder; give the path of the script to write"),
+        # was a file named new_folder: Path drops the slash
+        (["mnist_onecycle", "{tmp}/new_folder/"], 1, "new_folder names a folder (it ends in a slash); give the path"),
         (["{tmp}/latin.py", "{tmp}/out.py"], 1, "latin.py is not a Python file in UTF-8"),  # was a traceback
         (["{tmp}/nested.py", "{tmp}/out.py"], 1, "nested.py:5: import the core at the top of the file, not inside"),
         (["mnist_onecycle", "{tmp}/typer.py"], 1, "typer.py would hide the typer module from the script"),
@@ -280,16 +282,38 @@ def test_bad_input_is_a_one_line_error(args, code, message, tmp_path):
 
 
 def test_a_copy_is_never_written_over_the_core_or_another_recipe():
-    core, other = ROOT / "common" / "ejected_here.py", ROOT / "recipes" / "tabular_mlp.py"
-    before = other.read_bytes()
+    core, other, tool = ROOT / "common" / "ejected_here.py", ROOT / "recipes" / "tabular_mlp.py", ROOT / "README.md"
+    before = other.read_bytes(), tool.read_bytes()
     try:
-        for output, what in [(core, "the core the recipes import"), (other, "another recipe")]:
+        for output, what in [(core, "the core the recipes import"), (other, "another recipe"),
+                             (tool, "not a copy eject wrote")]:  # README.md was replaced
             result = run_subprocess(["scripts/eject.py", "mnist_onecycle", output, "--overwrite"])
             assert result.code == 1 and result.stderr == f"error: {output} is part of this repository ({what}); " \
                 "write the script somewhere else\n", result.stderr
-        assert not core.exists() and other.read_bytes() == before
-    finally:
+        assert not core.exists() and (other.read_bytes(), tool.read_bytes()) == before
+    finally:  # a failure leaves the repository as it was
         core.unlink(missing_ok=True)
+        other.write_bytes(before[0])
+        tool.write_bytes(before[1])
+
+
+def test_an_earlier_copy_in_the_repository_is_replaced_with_overwrite():
+    copy = ROOT / "ejected_copy_of_a_test.py"
+    try:
+        assert run_subprocess(["scripts/eject.py", "ddp_mlp", copy]).code == 0
+        copy.write_text(copy.read_text() + "# an edit of the user's\n")
+        result = run_subprocess(["scripts/eject.py", "ddp_mlp", copy, "--overwrite"])
+        assert result.code == 0, result.stderr
+        assert "an edit of the user's" not in copy.read_text()
+    finally:
+        copy.unlink(missing_ok=True)
+
+
+def test_a_write_error_names_the_output_not_the_draft_beside_it(tmp_path):
+    (tmp_path / "link.py").symlink_to(tmp_path / "gone" / "train.py")  # its folder does not exist
+    result = run_subprocess(["scripts/eject.py", "ddp_mlp", tmp_path / "link.py"])
+    assert result.code == 1 and result.stderr == f"error: cannot write {tmp_path / 'link.py'}: No such file or " \
+        "directory\n", result.stderr  # was ".../gone/.train.py.k2xq9.tmp: No such file or directory"
 
 
 def test_core_names_read_only_after_import_are_accepted(tmp_path):
