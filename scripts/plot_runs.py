@@ -19,6 +19,7 @@ replaced only if it is a figure (a PNG that matplotlib wrote).
 import argparse
 import fnmatch
 import io
+import logging
 import os
 import sys
 from pathlib import Path
@@ -63,6 +64,10 @@ def run_folders(paths: list[Path]) -> list[Path]:
         else:  # a folder of runs: each one, and a note of each run in it that never trained (config.json only)
             found += inside + sorted(d.parent for d in path.glob("**/config.json") if not has_events(d.parent) and
                                      a_run_config(d))
+    unique = {}  # a run named twice (or as runs/a and runs/../runs/a) is drawn once, as first named
+    for run_dir in found:
+        unique.setdefault(run_dir.resolve(), run_dir)
+    found = list(unique.values())
     kept = [d for d in found if has_events(d)]
     for skipped in (d for d in found if d not in kept):
         print(f"skipped {skipped}: no TensorBoard event files (a run that never trained?)", file=sys.stderr)
@@ -76,6 +81,9 @@ def read_scalars(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
     # imported here: a usage error should not wait for tensorboard's import
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+    # A resumed run's SummaryWriter(purge_step=...) drops the killed run's steps past its checkpoint, as it should:
+    # tensorboard warns of "a TensorFlow restart" each time
+    logging.getLogger("tensorboard").setLevel(logging.ERROR)
     accumulator = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})  # 0: keep every point
     try:
         accumulator.Reload()
@@ -94,10 +102,16 @@ def matching(scalars: dict, pattern: str) -> list[str]:
 
 
 def labels(run_dirs: list[Path]) -> list[str]:
-    """Each run's folder name, with its parent's when two runs share a name."""
-    names = [d.resolve().name for d in run_dirs]
-    return [f"{d.resolve().parent.name}/{d.resolve().name}" if names.count(d.resolve().name) > 1 else d.resolve().name
-            for d in run_dirs]
+    """Each run's folder name, with as many of its parents as tell it from the others (exp1/cv/fold-0)."""
+    parts = [d.resolve().parts for d in run_dirs]
+    depths = [1] * len(parts)
+    while True:
+        names = ["/".join(p[-depth:]) for p, depth in zip(parts, depths, strict=True)]
+        shared = [i for i, name in enumerate(names) if names.count(name) > 1 and depths[i] < len(parts[i])]
+        if not shared:
+            return names
+        for i in shared:
+            depths[i] += 1
 
 
 def plot(run_dirs: list[Path], out: Path) -> tuple[list[str], int]:
@@ -195,8 +209,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("curves.png"), metavar="FILE.png",
                         help="the PNG to write [default: curves.png]")
     args = parser.parse_args(argv)
-    if args.out.suffix.lower() != ".png":
-        parser.error(f"argument --out: {args.out} must end in .png")
+    if args.out.suffix.lower() != ".png":  # ".png" alone has no suffix: a name with no stem
+        parser.error(f"argument --out: give a file name that ends in .png, such as curves.png, not {str(args.out)!r}")
     if why := not_replaceable(args.out):  # an earlier figure is replaced; anything else is kept
         print(f"error: cannot write {args.out}: {why}", file=sys.stderr)
         return 1

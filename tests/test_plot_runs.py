@@ -66,6 +66,33 @@ def test_many_runs_get_one_legend_beside_the_plots_and_a_colour_each(tmp_path):
     real_close(figures[0])
 
 
+def test_runs_named_alike_are_told_apart_and_a_run_named_twice_is_drawn_once(tmp_path):
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import plot_runs
+
+    folds = [make_run(tmp_path / experiment / "cv" / "fold-0") for experiment in ("exp1", "exp2")]
+    other = make_run(tmp_path / "exp1" / "cv" / "fold-1")
+    runs = plot_runs.run_folders([*folds, other, folds[0], tmp_path / "exp1" / "cv" / ".." / "cv" / "fold-0"])
+    assert runs == [*folds, other]  # was the first fold three times
+    assert plot_runs.labels(runs) == ["exp1/cv/fold-0", "exp2/cv/fold-0", "fold-1"]  # were both cv/fold-0
+
+
+def test_a_resumed_run_plots_one_curve_without_tensorboards_restart_warning(tmp_path):
+    for first, last in [(1, 10), (6, 12)]:  # killed after step 10, resumed from its checkpoint at step 5
+        writer = SummaryWriter(str(tmp_path / "run"), purge_step=first if first > 1 else None)
+        for step in range(first, last + 1):
+            writer.add_scalar("train/loss", 1.0 / step + (first > 1), step)
+        writer.close()
+    result = plot(tmp_path / "run", "--out", tmp_path / "x.png")
+    assert result.code == 0 and result.stderr == "", result.stderr  # was "Detected out of order event.step ..."
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import plot_runs
+
+    (points,) = plot_runs.read_scalars(tmp_path / "run").values()
+    assert [step for step, _ in points] == list(range(1, 13))
+    assert [round(loss, 4) for _, loss in points[4:6]] == [0.2, round(1 / 6 + 1, 4)]
+
+
 def test_only_the_quantities_logged_are_drawn(tmp_path):
     out = tmp_path / "train_only.png"
     result = plot(make_run(tmp_path / "a", with_val=False), "--out", out)
@@ -199,6 +226,8 @@ def test_usage_errors_exit_2_naming_the_option(tmp_path):
     run = make_run(tmp_path / "a")
     not_png = plot(run, "--out", tmp_path / "x.jpg")
     assert not_png.code == 2 and "argument --out: " in not_png.stderr and ".png" in not_png.stderr
+    no_name = plot(run, "--out", ".png")  # it said ".png must end in .png"
+    assert no_name.code == 2 and "give a file name that ends in .png, such as curves.png, not '.png'" in no_name.stderr
     unknown = plot(run, "--colour", "red")
     assert unknown.code == 2 and "--colour" in unknown.stderr
 
