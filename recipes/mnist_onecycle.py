@@ -179,19 +179,21 @@ def image_files(paths: list[Path]) -> list[Path]:
 def to_mnist_format(image: torch.Tensor) -> torch.Tensor:
     """A (1, H, W) uint8 (or 16-bit) grayscale image of one digit -> (1, 28, 28) floats in [0, 1] framed like MNIST's.
 
-    MNIST digits are white on black, their 20x20 bounding box centred in a 28x28 frame. A photo or scan of
-    dark ink on white paper has a light border, so it is inverted first. A 28x28 image is taken to be framed
-    already (as MNIST's own are, whatever the digit's place); a larger one is cropped to the digit's bounding
-    box, scaled so that its longer side is 20 pixels (keeping its aspect ratio) and centred."""
+    MNIST digits are white on black (background exactly 0, ink up to 1), their 20x20 bounding box centred in a
+    28x28 frame. A photo or scan of dark ink on paper has a border lighter than its ink, so it is inverted first;
+    then background..ink is stretched to 0..1. A 28x28 image is taken to be framed already (as MNIST's own are,
+    whatever the digit's place); a larger one is cropped to the digit's bounding box, scaled so that its longer
+    side is 20 pixels (keeping its aspect ratio) and centred."""
     x = image.float() / torch.iinfo(image.dtype).max  # 255, or 65,535 for a 16-bit PNG
     border = torch.cat([x[0, 0], x[0, -1], x[0, :, 0], x[0, :, -1]])
-    if border.mean() > 0.5:  # light background: dark ink on paper
+    # Which end of the image's range is the paper: dimly lit paper is darker than mid-grey, yet lighter than ink
+    if border.median() > (x.min() + x.max()) / 2:
         x, border = 1 - x, 1 - border
-    if x.shape[-2:] == (28, 28):
-        return x
-    # Paper is rarely pure white nor ink pure black: stretch background..ink to 0..1 before finding the digit.
+    # Paper is rarely pure white nor ink pure black: a grey background the model never saw in MNIST reads as ink
     background, ink = border.median(), x.max()
     x = ((x - background) / (ink - background).clamp(min=1e-6)).clamp(0, 1)
+    if x.shape[-2:] == (28, 28):
+        return x
     rows, cols = torch.nonzero(x[0] > 0.25, as_tuple=True)
     if len(rows) == 0:
         return torch.zeros(1, 28, 28)  # a blank image: nothing to centre
@@ -200,6 +202,7 @@ def to_mnist_format(image: torch.Tensor) -> torch.Tensor:
     scale = 20 / max(h, w)
     size = (max(1, round(h * scale)), max(1, round(w * scale)))
     digit = F.interpolate(digit[None], size=size, mode="bilinear", antialias=True, align_corners=False)[0]
+    digit = digit / digit.max()  # a pen's thin stroke, averaged with the paper beside it, at full brightness again
     frame = torch.zeros(1, 28, 28)
     top, left = (28 - size[0]) // 2, (28 - size[1]) // 2
     frame[:, top : top + size[0], left : left + size[1]] = digit.clamp(0, 1)

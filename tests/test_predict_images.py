@@ -190,10 +190,33 @@ def test_an_image_named_in_another_encoding_is_read(tmp_path):
     assert torch.equal(mnist.read_digit(latin), mnist.read_digit(tmp_path / "plain.png"))
 
 
-def test_a_28x28_image_is_kept_as_it_is_framed():
-    _, image = one_digit_per_class()[6]
-    assert torch.equal(mnist.to_mnist_format(image), image.float() / 255)
-    assert torch.allclose(mnist.to_mnist_format(255 - image), image.float() / 255)
+def test_a_28x28_image_is_kept_as_it_is_framed_on_black_and_its_paper_made_black():
+    digit = torch.zeros(1, 28, 28, dtype=torch.uint8)
+    digit[0, 6:22, 12:16], digit[0, 6:22, 11] = 255, 128  # a "1" with an anti-aliased edge, as MNIST's are
+    assert torch.equal(mnist.to_mnist_format(digit), digit.float() / 255)
+    assert torch.allclose(mnist.to_mnist_format(255 - digit), digit.float() / 255)
+    # ink of 20 on paper of 235: the background stayed 0.078, a grey the model reads as ink (2 digits in 20 right)
+    on_paper = (235 - digit.float() / 255 * (235 - 20)).round().to(torch.uint8)
+    assert torch.allclose(mnist.to_mnist_format(on_paper), digit.float() / 255, atol=1 / 200)
+
+
+def test_paper_darker_than_mid_grey_is_still_the_paper():
+    """A photo in dim light: paper of 110, ink of 20. Its border is below 0.5, so it was taken for MNIST's black
+    background and not inverted (a 7 read as an 8)."""
+    photos = [torch.full((1, 120, 90), paper, dtype=torch.uint8) for paper in (200, 110)]
+    for photo, ink in zip(photos, (30, 20), strict=True):
+        photo[0, 10:50, 60:80] = ink
+    on_white, in_dim_light = (mnist.to_mnist_format(photo) for photo in photos)
+    assert on_white.max() == 1.0 and torch.allclose(in_dim_light, on_white)
+
+
+def test_a_thin_pen_stroke_is_at_full_brightness_after_the_downscale():
+    """A 7 drawn 4 pixels wide in a 400x300 picture: scaled by 1/15 the stroke averaged to 0.27 with the paper
+    beside it, a faint hairline the model read as a 1. MNIST's ink is at full brightness."""
+    photo = torch.full((1, 400, 300), 255, dtype=torch.uint8)
+    photo[0, 50:54, 50:250], photo[0, 50:350, 246:250] = 0, 0
+    x = mnist.to_mnist_format(photo)
+    assert x.max() == 1.0 and (x > 0.5).sum() >= 20  # a stroke along the bar and down the stem
 
 
 @pytest.mark.parametrize("args", [["--compile", "true"], ["--epochs", 2, 3]])
