@@ -161,11 +161,13 @@ def image_path(value: str) -> Path:
 
 
 def image_files(paths: list[Path]) -> list[Path]:
-    """The images to read: files as given, folders as their .png/.jpg/.jpeg files in sorted order."""
+    """The images to read: files as given, folders as their .png/.jpg/.jpeg files in sorted order (hidden ones
+    left out: the ._a.png beside a.png in a folder copied from a Mac holds metadata, not an image)."""
     files = []
     for path in paths:
         if path.is_dir():
-            found = sorted(p for p in path.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES and p.is_file())
+            found = sorted(p for p in path.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES and p.is_file()
+                           and not p.name.startswith("."))
             if not found:
                 raise cli.RecipeError(f"--predict {path}: the folder holds no .png, .jpg or .jpeg files")
             files += found

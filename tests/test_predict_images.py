@@ -81,6 +81,7 @@ def test_files_and_folders_in_the_order_given(checkpoint, run_inprocess, tmp_pat
     write_png(digits[8], str(tmp_path / "more" / "z.png"))
     write_png(digits[1], str(tmp_path / "more" / "a.PNG"))
     write_png(digits[5], str(tmp_path / "c.png"))
+    (tmp_path / "more" / "._z.png").write_bytes(b"\x00\x05\x16\x07")  # a Mac's metadata: it failed the run
     # --predict once, more images as arguments after it; or the option repeated
     for args in (["--predict", tmp_path / "b.png", tmp_path / "more", tmp_path / "c.png"],
                  ["--predict", tmp_path / "b.png", "--predict", tmp_path / "more", "--predict", tmp_path / "c.png"]):
