@@ -497,7 +497,7 @@ def main(argv: list[str] | None = None) -> int:
         if output.resolve() == recipe.resolve():
             raise EjectError(f"{output} is the recipe itself; write the script somewhere else")
         home, core, recipes = output.resolve().parent, (ROOT / "common").resolve(), (ROOT / "recipes").resolve()
-        ours = home.is_relative_to(ROOT) and not ejected(output) if output.exists() else False  # README.md, say
+        ours = output.exists() and home.is_relative_to(ROOT) and not ejected(output)  # README.md, say
         if home == core or (output.exists() and home == recipes) or ours:
             part = {core: "the core the recipes import", recipes: "another recipe"}.get(home, "not a copy eject wrote")
             raise EjectError(f"{output} is part of this repository ({part}); write the script somewhere else")
