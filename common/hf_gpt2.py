@@ -77,11 +77,12 @@ def read_shape(path: Path) -> dict:
     try:
         n_layer, n_head, n_embd, n_positions, vocab_size = (int(config[key]) for key in (
             "n_layer", "n_head", "n_embd", "n_positions", "vocab_size"))
-    except (KeyError, TypeError, ValueError) as err:
+    except (KeyError, TypeError, ValueError, OverflowError) as err:  # OverflowError: 1e400, which JSON reads as inf
         raise RecipeError(f"{path / 'config.json'} lacks a GPT-2 setting or holds it in another form ({err})") from None
     activation = config.get("activation_function", "gelu_new")
     checks = [  # (setting, its value, whether the recipe's GPT computes it, what it computes)
-        ("activation_function", activation, activation in ACTIVATIONS, "one of " + ", ".join(ACTIVATIONS)),
+        ("activation_function", activation, isinstance(activation, str) and activation in ACTIVATIONS,
+         "one of " + ", ".join(ACTIVATIONS)),
         ("layer_norm_epsilon", eps := config.get("layer_norm_epsilon", 1e-5), eps == 1e-5, "1e-05"),
         ("n_inner", inner := config.get("n_inner"), inner in (None, 4 * n_embd), f"null or {4 * n_embd}"),
         *((key, value := config.get(key, default), value is default, json.dumps(default)) for key, default in (
@@ -155,6 +156,8 @@ def from_hf(tensors: dict[str, torch.Tensor], shape: dict, source: Path) -> tupl
         raise RecipeError(f"{source}'s weights are not those of its config.json's GPT-2: it {'; '.join(problems)}")
     if head is not None and not (head.shape == state["wte.weight"].shape and torch.equal(head, state["wte.weight"])):
         raise RecipeError(f"{source}'s lm_head.weight differs from wte.weight: the recipe's GPT ties them")
+    if spoiled := [key for key, value in tensors.items() if value.is_floating_point() and not value.isfinite().all()]:
+        raise RecipeError(f"{source} holds inf or nan weights ({', '.join(spoiled[:4])}): a damaged or diverged model")
     state["lm_head.weight"] = state["wte.weight"]
     bias = any(b.any() for b in biases)
     if not bias:  # all zero: the recipe's model without biases, exactly (an export of one)

@@ -311,6 +311,19 @@ def damage(case: str, folder: Path) -> str:
         config["activation_function"] = "relu"
         (folder / "config.json").write_text(json.dumps(config))
         return 'activation_function "relu"'
+    if case in ("an activation in a list", "a size past float64"):  # were tracebacks (TypeError, OverflowError)
+        config = json.loads((folder / "config.json").read_text())
+        if case == "an activation in a list":
+            config["activation_function"] = ["gelu"]
+            (folder / "config.json").write_text(json.dumps(config))
+            return 'activation_function ["gelu"]'
+        (folder / "config.json").write_text(json.dumps(config | {"n_positions": "@"}).replace('"@"', "1e400"))
+        return "lacks a GPT-2 setting or holds it in another form"
+    if case == "an inf weight":  # training said "diverged ... Try a lower --lr"; sampling was a traceback
+        tensors = load_file(weights)
+        tensors["transformer.h.0.mlp.c_fc.weight"][0, 0] = float("inf")
+        save_file(tensors, weights, metadata={"format": "pt"})
+        return "holds inf or nan weights (transformer.h.0.mlp.c_fc.weight): a damaged or diverged model"
     if case == "an index naming no file":  # sharded weights whose index maps a weight to a number
         tensors = load_file(weights)
         weights.unlink()
@@ -336,7 +349,8 @@ def damage(case: str, folder: Path) -> str:
                                   "truncated safetensors", "random bytes for safetensors", "a weight missing",
                                   "no tokenizer", "an activation it does not compute", "a file, not a folder",
                                   "no such folder", "an index naming no file", "a classifier's head",
-                                  "a config.json its weights disagree with"])
+                                  "a config.json its weights disagree with", "an activation in a list",
+                                  "a size past float64", "an inf weight"])
 def test_a_folder_that_is_not_gpt2_is_one_line(case, gpt2_dir, text_file, run_inprocess, tmp_path):
     folder = copy_of(gpt2_dir, tmp_path / "gpt2")
     message = damage(case, folder)
