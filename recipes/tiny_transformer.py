@@ -446,14 +446,14 @@ def sample_text(model: GPT, vocab: str | object | None, prompt: str, tokens: int
     return decode(out[0].tolist(), vocab)
 
 
-def trained_model(checkpoint_path: Path | None, init_from: Path | None, device: torch.device) -> tuple[GPT, object]:
+def trained_model(checkpoint_path: Path | None, folder: hf_gpt2.Folder | None,
+                  device: torch.device) -> tuple[GPT, object]:
     """--sample-only: the model and its vocabulary from a checkpoint (a single file, last.pt, or a sharded folder,
     whose shards DCP reads into one whole model), or else straight from a GPT-2 folder (what does it say before
     any training?)."""
     if checkpoint_path is None:
-        folder = hf_gpt2.read_folder(init_from)
         model = GPT(GPTConfig(**folder.shape)).to(device)
-        load_model_state(model, folder.weights, init_from, "GPT-2 folder")
+        load_model_state(model, folder.weights, folder.path, "GPT-2 folder")
         return model, folder.vocab
     checkpoint = load_trainer_state(checkpoint_path, RECIPE)
     model = GPT(GPTConfig(**checkpoint["model_config"])).to(device)
@@ -642,7 +642,11 @@ def main(
         if resume == "auto" or (resume is None) == (init_from is None):
             raise typer.BadParameter("--sample-only needs a checkpoint file, or else an --init-from folder (one of "
                                      "them)", param_hint="--resume")
-        model, vocab = trained_model(Path(resume) if resume else None, init_from, resolve_device(device))
+        folder = hf_gpt2.read_folder(init_from) if init_from else None
+        if folder:  # it samples from the folder as it is: an option that contradicts it is refused, as in training
+            hf_gpt2.check_options(folder, vocab=vocab_kind, n_layer=n_layer, n_head=n_head, n_embd=n_embd,
+                                  block_size=block_size)
+        model, vocab = trained_model(Path(resume) if resume else None, folder, resolve_device(device))
         device = next(model.parameters()).device
         text = sample_text(model, vocab, prompt, sample_tokens, temperature, top_k, seed, device)
         if cli.launched_as_rank_0():  # under torchrun every process samples the same text: printed once

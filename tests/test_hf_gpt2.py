@@ -414,6 +414,9 @@ def test_options_that_contradict_the_folder_are_usage_errors(option, value, thei
     assert result.code == 2, result.stderr
     assert f"{option} {value} contradicts {gpt2_dir}'s {theirs}" in result.stderr
     assert not (tmp_path / "run").exists()
+    # --sample-only too, which samples from the folder as it is (it printed a sample, ignoring the option)
+    sample = run_inprocess(RECIPE, "--sample-only", "--init-from", gpt2_dir, "--sample-tokens", 2, option, value)
+    assert sample.code == 2 and f"{option} {value} contradicts {gpt2_dir}'s {theirs}" in sample.stderr, sample.stdout
 
 
 def test_a_resume_without_the_init_from_it_started_with_is_refused(gpt2_dir, text_file, run_inprocess, tmp_path):
