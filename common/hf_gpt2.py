@@ -74,11 +74,12 @@ def read_shape(path: Path) -> dict:
         kind = config.get("model_type") or ", ".join(architectures) or "no model_type"
         raise RecipeError(f"{path} holds a model of another kind ({kind}), not GPT-2: --init-from takes GPT-2 folders "
                           "(model_type gpt2)")
-    try:
-        n_layer, n_head, n_embd, n_positions, vocab_size = (int(config[key]) for key in (
-            "n_layer", "n_head", "n_embd", "n_positions", "vocab_size"))
-    except (KeyError, TypeError, ValueError, OverflowError) as err:  # OverflowError: 1e400, which JSON reads as inf
-        raise RecipeError(f"{path / 'config.json'} lacks a GPT-2 setting or holds it in another form ({err})") from None
+    sizes = ("n_layer", "n_head", "n_embd", "n_positions", "vocab_size")  # whole numbers: int() made 2.5 layers 2
+    if unfit := [f"{key} {json.dumps(config[key]) if key in config else 'missing'}" for key in sizes
+                 if type(config.get(key)) is not int]:
+        raise RecipeError(f"{path / 'config.json'} lacks a GPT-2 setting or holds it in another form: "
+                          f"{'; '.join(unfit)} (each must be a whole number)")
+    n_layer, n_head, n_embd, n_positions, vocab_size = (config[key] for key in sizes)
     activation = config.get("activation_function", "gelu_new")
     checks = [  # (setting, its value, whether the recipe's GPT computes it, what it computes)
         ("activation_function", activation, isinstance(activation, str) and activation in ACTIVATIONS,

@@ -318,7 +318,12 @@ def damage(case: str, folder: Path) -> str:
             (folder / "config.json").write_text(json.dumps(config))
             return 'activation_function ["gelu"]'
         (folder / "config.json").write_text(json.dumps(config | {"n_positions": "@"}).replace('"@"', "1e400"))
-        return "lacks a GPT-2 setting or holds it in another form"
+        return "lacks a GPT-2 setting or holds it in another form: n_positions Infinity"
+    if case in ("a fractional size", "a size in a string"):  # int() read them as 2 layers: the folder loaded
+        config = json.loads((folder / "config.json").read_text())
+        value = config["n_layer"] + 0.5 if case == "a fractional size" else str(config["n_layer"])
+        (folder / "config.json").write_text(json.dumps(config | {"n_layer": value}))
+        return f"lacks a GPT-2 setting or holds it in another form: n_layer {json.dumps(value)} (each must be a whole"
     if case == "an inf weight":  # training said "diverged ... Try a lower --lr"; sampling was a traceback
         tensors = load_file(weights)
         tensors["transformer.h.0.mlp.c_fc.weight"][0, 0] = float("inf")
@@ -350,7 +355,7 @@ def damage(case: str, folder: Path) -> str:
                                   "no tokenizer", "an activation it does not compute", "a file, not a folder",
                                   "no such folder", "an index naming no file", "a classifier's head",
                                   "a config.json its weights disagree with", "an activation in a list",
-                                  "a size past float64", "an inf weight"])
+                                  "a size past float64", "a fractional size", "a size in a string", "an inf weight"])
 def test_a_folder_that_is_not_gpt2_is_one_line(case, gpt2_dir, text_file, run_inprocess, tmp_path):
     folder = copy_of(gpt2_dir, tmp_path / "gpt2")
     message = damage(case, folder)
