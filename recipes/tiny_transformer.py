@@ -300,7 +300,7 @@ def read_text(path: Path) -> bytes:
             raise cli.RecipeError(f"--text {path} is a pipe, which one process reads: under torchrun, give a file")
     data = path.read_bytes()
     if not data.strip():
-        raise cli.RecipeError(f"--text {path} is empty")
+        raise cli.RecipeError(f"--text {path} {'holds only whitespace' if data else 'is empty'}")
     try:
         data.decode("utf-8")
     except UnicodeDecodeError as err:

@@ -417,6 +417,7 @@ def test_ddp_leaves_the_constant_masks_unsent(run_inprocess, text_file, tmp_path
     [
         (None, "no such file"),
         (b"", "is empty"),
+        (b" \n\t\r\n" * 100, "holds only whitespace"),  # was called "empty"
         (b"caf\xe9 au lait " * 40, "is not UTF-8 text"),
         (b"\0" * 400, "holds NUL bytes (byte 0): a binary file, or UTF-16? re-save it as UTF-8"),
         ("def forward(self, x):\n".encode("utf-16-le") * 40, "holds NUL bytes (byte 1)"),
