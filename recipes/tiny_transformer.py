@@ -269,11 +269,12 @@ class GPT(nn.Module):
     @staticmethod
     def sample_next(logits: torch.Tensor, temperature: float, top_k: int | None,
                     generator: torch.Generator | None) -> torch.Tensor:
-        """(B, vocab) logits of the next token -> (B, 1) tokens drawn from them; top_k=1: the most likely."""
+        """(B, vocab) logits of the next token -> (B, 1) tokens drawn from them; top_k=1: the most likely, 0 or
+        None: any token."""
         if top_k == 1:  # greedy: nothing to draw (and the generator is left as it was)
             return logits.argmax(dim=-1, keepdim=True)
         logits = logits / temperature
-        if top_k is not None:
+        if top_k:  # 0 or None: from every token
             kth_best = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
             logits = logits.masked_fill(logits < kth_best, float("-inf"))
         return torch.multinomial(logits.softmax(dim=-1), 1, generator=generator)
@@ -592,7 +593,7 @@ def main(
     sample_tokens: Annotated[int, typer.Option(min=1, help="Tokens per text sample.")] = 300,
     temperature: Annotated[float, typer.Option(callback=cli.checked(lambda v: 0.01 <= v < math.inf, "a finite "
                                                "number >= 0.01"), help="Sampling temperature (<1: safer).")] = 0.8,
-    top_k: Annotated[int | None, typer.Option(min=1, help="Sample only from the k likeliest tokens.")] = 50,
+    top_k: Annotated[int, typer.Option(min=0, help="Sample only from the k likeliest tokens (0: from all).")] = 50,
     prompt: Annotated[str, typer.Option(callback=utf8_text, help="Text the samples continue.")] = "",
     sample_only: Annotated[bool, typer.Option("--sample-only", help="Only generate, from --resume or --init-from; "
                                               "the training options are not used.")] = False,

@@ -189,6 +189,14 @@ def test_greedy_sampling_takes_the_most_likely_token_and_draws_nothing():
     assert not torch.equal(generator.get_state(), state)
 
 
+def test_top_k_draws_only_from_the_k_likeliest_and_0_from_every_token():
+    """--top-k 0 turns the cut off (it was a usage error, so no run could sample from the whole distribution)."""
+    logits = torch.linspace(0, 1, 10).expand(2000, 10)  # token 9 the likeliest, token 0 the least
+    generator = torch.Generator().manual_seed(0)
+    assert set(tt.GPT.sample_next(logits, 1.0, 3, generator).flatten().tolist()) == {7, 8, 9}
+    assert set(tt.GPT.sample_next(logits, 1.0, 0, generator).flatten().tolist()) == set(range(10))
+
+
 def test_random_windows_targets_are_inputs_shifted_by_one():
     tokens = torch.arange(100, dtype=torch.int16)
     x, y = tt.RandomWindows(tokens, 8, 4, seed=0).batch(0)
@@ -265,6 +273,11 @@ def test_smoke_run_and_sampling_from_the_checkpoint(run_inprocess, text_file, tm
     long = run_inprocess(RECIPE, "--sample-only", "--resume", run_dir / "checkpoints" / "last.pt", "--prompt", prompt,
                          "--sample-tokens", 5)
     assert long.code == 0 and long.stdout.startswith(prompt), long.stdout
+    every = run_inprocess(RECIPE, "--sample-only", "--resume", run_dir / "checkpoints" / "last.pt", "--top-k", 0,
+                          "--prompt", "def ", "--sample-tokens", 30)  # 0: from every token
+    assert every.code == 0 and every.stdout.startswith("def ") and every.stdout != sample.stdout, every.stderr
+    negative = run_inprocess(RECIPE, "--sample-only", "--resume", run_dir / "checkpoints" / "last.pt", "--top-k", -1)
+    assert negative.code == 2 and "--top-k" in negative.stderr and "0" in negative.stderr
     monkeypatch.setenv("RANK", "1")  # as torchrun starts the second process: the same text, not printed twice
     monkeypatch.setenv("WORLD_SIZE", "2")
     again = run_inprocess(RECIPE, "--sample-only", "--resume", run_dir / "checkpoints" / "last.pt",
