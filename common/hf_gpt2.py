@@ -111,6 +111,8 @@ def read_tensors(path: Path) -> dict[str, torch.Tensor]:
         if not isinstance(weight_map, dict) or not all(isinstance(name, str) for name in weight_map.values()):
             raise RecipeError(f"{index} has no weight_map (weight names -> file names)")
         files = [path / name for name in sorted(set(weight_map.values()))]
+        if missing := [file.name for file in files if not file.exists()]:  # an interrupted download
+            raise RecipeError(f"{index} names {missing[0]}, which is missing: download it again")
     else:
         other = sorted(p.name for p in path.glob("*.bin")) or sorted(p.name for p in path.glob("*.h5"))
         raise RecipeError(f"{path} has no model.safetensors{f' (only {other[0]})' if other else ''}: download the "

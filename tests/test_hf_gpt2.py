@@ -336,6 +336,16 @@ def damage(case: str, folder: Path) -> str:
         weight_map = dict.fromkeys(tensors, "model-00001-of-00001.safetensors") | {"lm_head.weight": 5}
         (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
         return "model.safetensors.index.json has no weight_map (weight names -> file names)"
+    if case == "a shard missing":  # an interrupted download of sharded weights: was called "damaged"
+        tensors = load_file(weights)
+        weights.unlink()
+        half = len(tensors) // 2
+        for number, keys in enumerate((list(tensors)[:half], list(tensors)[half:]), 1):
+            save_file({k: tensors[k] for k in keys}, folder / f"model-0000{number}-of-00002.safetensors")
+        weight_map = {key: f"model-0000{1 + (i >= half)}-of-00002.safetensors" for i, key in enumerate(tensors)}
+        (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+        (folder / "model-00002-of-00002.safetensors").unlink()
+        return "model.safetensors.index.json names model-00002-of-00002.safetensors, which is missing: download it"
     if case == "a classifier's head":  # named as the file names it, not with a "transformer." of ours
         tensors = load_file(weights)
         save_file(tensors | {"score.weight": torch.zeros(3, 32)}, weights, metadata={"format": "pt"})
@@ -355,7 +365,8 @@ def damage(case: str, folder: Path) -> str:
                                   "no tokenizer", "an activation it does not compute", "a file, not a folder",
                                   "no such folder", "an index naming no file", "a classifier's head",
                                   "a config.json its weights disagree with", "an activation in a list",
-                                  "a size past float64", "a fractional size", "a size in a string", "an inf weight"])
+                                  "a size past float64", "a fractional size", "a size in a string", "an inf weight",
+                                  "a shard missing"])
 def test_a_folder_that_is_not_gpt2_is_one_line(case, gpt2_dir, text_file, run_inprocess, tmp_path):
     folder = copy_of(gpt2_dir, tmp_path / "gpt2")
     message = damage(case, folder)
