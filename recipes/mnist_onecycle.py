@@ -251,7 +251,11 @@ def predict_digits(checkpoint_path: Path, paths: list[Path], device: torch.devic
     model = DigitNet(width).to(device).eval()
     load_model_state(model, checkpoint["model"], checkpoint_path)
     files = image_files(paths)
-    images = (torch.stack([read_digit(f) for f in files]) - MNIST_MEAN) / MNIST_STD  # as load_mnist normalises
+    images = torch.stack([read_digit(f) for f in files])
+    for file, image in zip(files, images, strict=True):
+        if not image.any():  # paper alone, one shade: the model still names a digit, often with confidence
+            print(f"warning: {file} is blank (no digit found): its prediction means nothing", file=sys.stderr)
+    images = (images - MNIST_MEAN) / MNIST_STD  # as load_mnist normalises
     probabilities = torch.cat([model(batch.to(device)).softmax(-1).cpu() for batch in images.split(1000)])
     confidence, digits = probabilities.max(-1)
     return list(zip(files, digits.tolist(), confidence.tolist(), strict=True))

@@ -56,6 +56,19 @@ def test_digits_white_on_black_and_dark_on_paper_are_classified(checkpoint, run_
         assert 0.1 < probability <= 1.0
 
 
+def test_a_blank_image_is_warned_of_and_still_predicted(checkpoint, run_inprocess, tmp_path):
+    """Paper alone, large or 28x28, white or grey: the model names a digit for it, so the user is told."""
+    digit = dict(one_digit_per_class())[4]
+    write_png(255 - digit, str(tmp_path / "a-digit.png"))
+    write_png(torch.full((1, 120, 90), 250, dtype=torch.uint8), str(tmp_path / "b-paper.png"))
+    write_png(torch.full((1, 28, 28), 128, dtype=torch.uint8), str(tmp_path / "c-grey.png"))
+    result = run_inprocess(RECIPE, "--predict", tmp_path, "--resume", checkpoint)
+    assert result.code == 0, result.stderr
+    assert list(parse(result.stdout)) == ["a-digit.png", "b-paper.png", "c-grey.png"]  # one line each, as before
+    assert result.stderr.splitlines() == [f"warning: {tmp_path / name} is blank (no digit found): its prediction "
+                                          "means nothing" for name in ("b-paper.png", "c-grey.png")]
+
+
 def test_colour_images_are_read_as_their_grey_levels(checkpoint, run_inprocess, tmp_path):
     """A photo is RGB: decoded to one grey channel, it gives the grey image's digit and probability."""
     for label, image in one_digit_per_class()[:4]:
