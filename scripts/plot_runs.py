@@ -5,9 +5,10 @@
     python scripts/plot_runs.py                       # every run under runs/, into curves.png
     python scripts/plot_runs.py runs/mnist_onecycle   # a folder of runs: each run in it
 
-Quantities, each drawn when some run logged it: loss (train/loss solid, val/loss dashed), accuracy
-(val/acc, train/acc) or a regression's rmse (val/rmse), bits per byte, character or token (val/bits_per_*),
-the learning rate (train/lr), and throughput (perf/samples_per_s or perf/tokens_per_s).
+Quantities, each drawn when some run logged it: loss (train/loss solid, val/loss dashed, ema_val/loss dotted:
+the averaged weights of a run with --ema), accuracy (val/acc, train/acc) or a regression's rmse (val/rmse), bits
+per byte, character or token (val/bits_per_*), the learning rate (train/lr), and throughput (perf/samples_per_s or
+perf/tokens_per_s). A point with no finite neighbour (a single evaluation) is drawn as a dot.
 The PNG is small (a few tens of KB) so that it can go into an issue or a README.
 
 A folder without event files, or whose event files hold no scalars, is skipped with one line (a run that never
@@ -20,16 +21,18 @@ import argparse
 import fnmatch
 import io
 import logging
+import math
 import os
 import sys
 from pathlib import Path
 
 # (subplot title, y label, [(tag pattern, line style)]): "*" in a pattern stands for any characters
 QUANTITIES = [
-    ("loss", "loss", [("train/loss", "-"), ("val/loss", "--")]),
-    ("accuracy", "accuracy", [("train/acc", "-"), ("val/acc", "--")]),
-    ("rmse", "rmse", [("train/rmse", "-"), ("val/rmse", "--")]),  # a regression's
-    ("bits", "bits per byte, char or token", [("train/bits_per_*", "-"), ("val/bits_per_*", "--")]),
+    ("loss", "loss", [("train/loss", "-"), ("val/loss", "--"), ("ema_val/loss", ":")]),  # ema_val: with --ema
+    ("accuracy", "accuracy", [("train/acc", "-"), ("val/acc", "--"), ("ema_val/acc", ":")]),
+    ("rmse", "rmse", [("train/rmse", "-"), ("val/rmse", "--"), ("ema_val/rmse", ":")]),  # a regression's
+    ("bits", "bits per byte, char or token", [("train/bits_per_*", "-"), ("val/bits_per_*", "--"),
+                                             ("ema_val/bits_per_*", ":")]),
     ("learning rate", "lr", [("train/lr", "-")]),
     ("throughput", "per second", [("perf/*_per_s", "-")]),  # samples or tokens: eager vs compiled, fp32 vs bf16
 ]
@@ -114,6 +117,14 @@ def labels(run_dirs: list[Path]) -> list[str]:
             depths[i] += 1
 
 
+def isolated(values: tuple[float, ...]) -> list[int]:
+    """Where a finite value has no finite neighbour (a run's only evaluation, one between non-finite ones): a line
+    through it is nothing to see, so it gets a marker."""
+    finite = [math.isfinite(v) for v in values]
+    return [i for i, ok in enumerate(finite)
+            if ok and not (i > 0 and finite[i - 1]) and not (i + 1 < len(finite) and finite[i + 1])]
+
+
 def plot(run_dirs: list[Path], out: Path) -> tuple[list[str], int]:
     """Draw the figure; returns the titles of the subplots drawn and the number of runs in them."""
     runs = []
@@ -139,14 +150,16 @@ def plot(run_dirs: list[Path], out: Path) -> tuple[list[str], int]:
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]  # ten; more runs: as many spread over a colour map
     colours = colours if len(runs) <= len(colours) else [plt.get_cmap("turbo")(i / (len(runs) - 1))
                                                          for i in range(len(runs))]
+    styles = {}  # the line styles drawn, and the split each stands for (train solid, val dashed, ema_val dotted)
     for ax, (title, ylabel, tags) in zip(axes[0], present, strict=True):
         for i, (label, scalars) in enumerate(runs):
             for pattern, style in tags:
                 for tag in matching(scalars, pattern):
                     steps, values = zip(*scalars[tag], strict=True)
                     split = tag.split("/")[0]
-                    ax.plot(steps, values, style, color=colours[i % len(colours)], linewidth=1.2,
-                            marker="o" if len(steps) == 1 else None, label=f"{label} {split}")
+                    ax.plot(steps, values, style, color=colours[i % len(colours)], linewidth=1.2, marker="o",
+                            markersize=4, markevery=isolated(values), label=f"{label} {split}")
+                    styles.setdefault(style, split)
         ax.set_title(title, fontsize=10)
         ax.set_xlabel("step", fontsize=9)
         ax.set_ylabel(ylabel, fontsize=9)
@@ -154,12 +167,12 @@ def plot(run_dirs: list[Path], out: Path) -> tuple[list[str], int]:
         ax.grid(alpha=0.3)
         if not many:
             ax.legend(fontsize=7)
-    if many:  # one entry per run by colour, and one per style: train solid, val dashed
+    if many:  # one entry per run by colour, and one per style: train solid, val dashed, ema_val dotted
         from matplotlib.lines import Line2D
 
         entries = [Line2D([], [], color=colours[i]) for i in range(len(runs))]
-        entries += [Line2D([], [], color="grey", linestyle=style) for style in ("-", "--")]
-        fig.legend(entries, [label for label, _ in runs] + ["train", "val"], loc="outside right upper", fontsize=7,
+        entries += [Line2D([], [], color="grey", linestyle=style) for style in styles]
+        fig.legend(entries, [label for label, _ in runs] + list(styles.values()), loc="outside right upper", fontsize=7,
                    ncols=1 + len(entries) // 16)
     else:
         fig.tight_layout()

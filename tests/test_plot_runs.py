@@ -37,13 +37,8 @@ def test_two_runs_make_a_small_valid_png(tmp_path):
     assert result.stdout.strip() == f"wrote {out}: loss, accuracy, bits, learning rate for 2 run(s)"
 
 
-def test_many_runs_get_one_legend_beside_the_plots_and_a_colour_each(tmp_path):
-    runs = [make_run(tmp_path / f"run{i:02d}", lr=0.1 / (i + 1)) for i in range(13)]
-    out = tmp_path / "many.png"
-    result = plot(*runs, "--out", out)
-    assert result.code == 0 and result.stderr == "", result.stderr  # no layout warning
-    width = int.from_bytes(out.read_bytes()[16:20], "big")
-    assert width > 3 * 3.6 * 80  # loss, accuracy, lr at 3.6 inches and 80 dpi, and the legend beside them
+def drawn_figure(run_dirs, out):
+    """plot_runs.plot's figure, kept open to look at."""
     sys.path.insert(0, str(ROOT / "scripts"))
     import matplotlib
 
@@ -55,15 +50,47 @@ def test_many_runs_get_one_legend_beside_the_plots_and_a_colour_each(tmp_path):
     real_close = plt.close
     plt.close = lambda fig: figures.append(fig)  # keep the figure to look at
     try:
-        plot_runs.plot(runs, tmp_path / "again.png")
+        plot_runs.plot(run_dirs, out)
     finally:
         plt.close = real_close
-    (legend,) = figures[0].legends
+    return figures[0]
+
+
+def test_many_runs_get_one_legend_beside_the_plots_and_a_colour_each(tmp_path):
+    runs = [make_run(tmp_path / f"run{i:02d}", lr=0.1 / (i + 1)) for i in range(13)]
+    out = tmp_path / "many.png"
+    result = plot(*runs, "--out", out)
+    assert result.code == 0 and result.stderr == "", result.stderr  # no layout warning
+    width = int.from_bytes(out.read_bytes()[16:20], "big")
+    assert width > 3 * 3.6 * 80  # loss, accuracy, lr at 3.6 inches and 80 dpi, and the legend beside them
+    figure = drawn_figure(runs, tmp_path / "again.png")
+    (legend,) = figure.legends
     labels = [text.get_text() for text in legend.get_texts()]
     assert labels == [f"run{i:02d}" for i in range(13)] + ["train", "val"]
     colours = {tuple(line.get_color()) for line in legend.get_lines()[:13]}
-    assert len(colours) == 13 and not any(ax.get_legend() for ax in figures[0].axes)
-    real_close(figures[0])
+    assert len(colours) == 13 and not any(ax.get_legend() for ax in figure.axes)
+
+
+def test_an_ema_run_draws_its_averaged_weights_dotted_and_a_lone_point_as_a_dot(tmp_path):
+    """ema_val/* (a run with --ema) was never drawn; a value between non-finite ones was an invisible line."""
+    writer = SummaryWriter(str(tmp_path / "ema"))
+    for step, loss in zip(range(5, 35, 5), [1.0, float("nan"), 0.5, float("nan"), 0.3, 0.2], strict=True):
+        writer.add_scalar("train/loss", 2.0 / step, step)
+        writer.add_scalar("val/loss", loss, step)
+        writer.add_scalar("ema_val/loss", 0.9 / step, step)
+        writer.add_scalar("ema_val/acc", 0.5 + step / 100, step)
+    writer.close()
+    figure = drawn_figure([tmp_path / "ema"], tmp_path / "ema.png")
+    loss, accuracy = figure.axes
+    lines = {line.get_label(): line for line in loss.get_lines()}
+    assert list(lines) == ["ema train", "ema val", "ema ema_val"]
+    assert [lines[name].get_linestyle() for name in lines] == ["-", "--", ":"]
+    assert lines["ema val"].get_markevery() == [0, 2]  # 1.0 and 0.5 stand alone; 0.3 and 0.2 make a line
+    assert lines["ema train"].get_markevery() == []
+    assert [line.get_label() for line in accuracy.get_lines()] == ["ema ema_val"]
+    many = drawn_figure([make_run(tmp_path / f"run{i}") for i in range(5)] + [tmp_path / "ema"], tmp_path / "m.png")
+    (legend,) = many.legends
+    assert [text.get_text() for text in legend.get_texts()][-3:] == ["train", "val", "ema_val"]
 
 
 def test_runs_named_alike_are_told_apart_and_a_run_named_twice_is_drawn_once(tmp_path):
