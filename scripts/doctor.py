@@ -52,9 +52,10 @@ from scripts.find_lr import (  # noqa: E402
     recipe_options,
     replayed,
     run_quietly,
+    typed,
 )
 from scripts.find_lr import FinderError as DoctorError  # noqa: E402 - the same one-line error
-from scripts.plot_runs import write_atomically  # noqa: E402
+from scripts.plot_runs import cannot_write_in, write_atomically  # noqa: E402
 
 ALTERNATIVES = ["bf16", "compile", "workers", "batch"]
 OWN_OPTIONS = ("--run-dir", "--resume", "--max-steps", "--log-every", "--profile", "--checkpoint-every")
@@ -214,12 +215,14 @@ def alternatives(known: set[str], options: list[str], config: dict, wanted: list
         else:
             rows.append(("--precision bf16", "not measured", f"no native bf16 matmul on this {device.type}: "
                          "emulated, it would be slower"))
-    if "compile" in wanted and "--compile" in known and "--compile" not in options:
+    # what the live run used (its config.json: a --config file replays options too), not only the command line
+    if "compile" in wanted and "--compile" in known and not config.get("compile", "--compile" in options):
         if device.type == "cpu" and not (shutil.which(os.environ.get("CXX", "g++")) or shutil.which("c++")):
             rows.append(("--compile", "not measured", "torch.compile on a CPU needs a C++ compiler (g++): none found"))
         else:
             found["--compile"] = (["--compile"], False)
-    if "workers" in wanted and "--num-workers" in known and int(option_value(options, "--num-workers") or 0) == 0:
+    workers_used = int(config.get("num_workers", option_value(options, "--num-workers") or 0))
+    if "workers" in wanted and "--num-workers" in known and workers_used == 0:
         workers = min(4, max(1, (os.cpu_count() or 2) - 1))
         found[f"--num-workers {workers}"] = (["--num-workers", str(workers)], False)
     batch = option_value(options, "--batch-size") or str(config.get("batch_size") or "")
@@ -282,14 +285,21 @@ def rule_rows(observed: Observed, config: dict, profile: dict, options: list[str
     return rows
 
 
-def written_by_another(path: Path) -> bool:
-    """Whether ``path`` holds something a report must not replace: anything but an earlier report."""
+def not_a_report(path: Path) -> str | None:
+    """Why a report must not be written to ``path`` (a folder; a file that is no earlier report; a folder that cannot
+    be written), or None."""
+    if path.is_dir():
+        return "it is a folder"
+    if not path.parent.is_dir():
+        return f"{path.parent} is not a folder"
     try:
-        return "recommended_options" not in json.loads(path.read_text())
+        if "recommended_options" not in json.loads(path.read_text()):
+            return "it exists and is no doctor's report (a run's config.json?): choose another"
     except FileNotFoundError:
-        return False
+        pass
     except (OSError, ValueError, TypeError):  # unreadable, not JSON, JSON but no object
-        return True
+        return "it exists and is no doctor's report (a run's config.json?): choose another"
+    return cannot_write_in(path.parent)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -312,7 +322,8 @@ def main(argv: list[str] | None = None) -> int:
     if not 1 <= args.rounds <= 100 or (args.window is not None and not 1 <= args.window <= 10_000):
         parser.error("arguments --rounds and --window: from 1 to 100 rounds, of 1 to 10,000 steps")
     if args.json is not None and args.json.suffix.lower() != ".json":  # not a checkpoint or a table by mistake
-        parser.error(f"argument --json: {args.json} must end in .json")
+        parser.error(f"argument --json: give a file name that ends in .json, such as report.json, not "
+                     f"{str(args.json)!r}")
     if taken := first_given(options, OWN_OPTIONS):
         parser.error(f"{taken}: the doctor runs the recipe in run directories of its own, for its own steps")
     if taken := first_given(options, NOT_TRAINING):
@@ -323,9 +334,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"argument RECIPE: {err}")
     if taken := first_given(replayed(recipe, options), ("--profile", "--checkpoint-every", *NOT_TRAINING)):
         parser.error(f"--config sets {taken}, which the doctor cannot take: replay a copy of the file without it")
-    if args.json is not None and (args.json.is_dir() or not args.json.parent.is_dir() or written_by_another(args.json)):
-        why = "it is a folder" if args.json.is_dir() else f"{args.json.parent} is not a folder" if not \
-            args.json.parent.is_dir() else "it exists and is no doctor's report (a run's config.json?): choose another"
+    if args.json is not None and (why := not_a_report(args.json)):  # found before measuring, not after it
         print(f"error: cannot write --json {args.json}: {why}", file=sys.stderr)
         return 1
     try:
@@ -381,7 +390,7 @@ def main(argv: list[str] | None = None) -> int:
     print("| rule or alternative | measured | verdict |\n|---|---|---|")
     for row in table:
         print("| " + " | ".join(row) + " |")
-    name = f"recipes/{recipe_path.name}" if recipe_path.parent == ROOT / "recipes" else str(recipe_path)
+    name = typed(recipe_path)  # as a command run here names it
     if chosen:
         if chosen != faster:
             together = measured["together"]  # its figures, or why it could not run

@@ -82,6 +82,13 @@ def interrupt(signum: int, frame) -> None:
     raise KeyboardInterrupt
 
 
+def typed(path: Path) -> str:
+    """``path`` as a command run here names it: relative to the current folder when inside it, else whole (the
+    printed command then works where the user is, as the recipe's own relative paths, --csv say, do)."""
+    path = path.resolve()
+    return str(path.relative_to(Path.cwd())) if path.is_relative_to(Path.cwd()) else str(path)
+
+
 def first_given(options: list[str], names: tuple[str, ...]) -> str | None:
     """The first of ``names`` that ``options`` give (``--cv 3`` or ``--cv=3``), or None."""
     return next((name for name in names if any(a == name or a.startswith(name + "=") for a in options)), None)
@@ -307,10 +314,12 @@ def main(argv: list[str] | None = None) -> int:
     args, options = parser.parse_known_args(argv)
     if not 20 <= args.ramp_steps <= 100_000:
         parser.error(f"argument --ramp-steps: from 20 to 100,000 steps, got {args.ramp_steps}")
-    if not 0 < args.start < args.end < math.inf:
-        parser.error(f"arguments --from and --to: need 0 < --from < --to, got {args.start} and {args.end}")
-    if args.plot.suffix.lower() != ".png":
-        parser.error(f"argument --plot: {args.plot} must end in .png")
+    if not 0 < args.start < args.end < math.inf or args.end / args.start == math.inf:  # 1e-300 to 1e300: inf apart
+        parser.error(f"arguments --from and --to: need 0 < --from < --to, less than 1e300 times --from, got "
+                     f"{args.start} and {args.end}")
+    if args.plot.suffix.lower() != ".png":  # ".png" alone has no suffix: a name with no stem
+        parser.error(f"argument --plot: give a file name that ends in .png, such as lr_find.png, not "
+                     f"{str(args.plot)!r}")
     if taken := first_given(options, OWN_STEPS):
         parser.error(f"{taken}: the range test runs the recipe in a run directory of its own, for its own steps")
     if taken := first_given(options, ("--lr", "--max-lr")):  # the ramp sets it, step by step
@@ -349,10 +358,11 @@ def main(argv: list[str] | None = None) -> int:
         suggestion = float(f"{rates[best]:.1e}")
         try:
             plot(rates, losses, smooth, suggestion, option, args.plot)
-        except OSError as err:
+            not_plotted = None
+        except OSError as err:  # a full disk, say: the suggestion is printed all the same, then this
             from common.rundir import why_not_written
 
-            raise FinderError(f"cannot write {args.plot}: {why_not_written(args.plot.parent, err)}") from None
+            not_plotted = f"cannot write --plot {args.plot}: {why_not_written(args.plot.parent, err)}"
     except FinderError as err:
         print(f"error: {' '.join(str(err).split())}", file=sys.stderr)
         return err.exit_code
@@ -365,10 +375,13 @@ def main(argv: list[str] | None = None) -> int:
     lowest = smooth.index(min(smooth[SETTLING:]), SETTLING)  # a suggestion needs more steps than SETTLING
     print(f"range test: {len(losses)} steps from {rates[0]:.1e} to {rates[-1]:.1e} ({ending}; smoothed loss "
           f"{smooth[SETTLING - 1]:.4f} after {SETTLING} steps -> lowest {smooth[lowest]:.4f} at {rates[lowest]:.1e}); "
-          f"plot in {args.plot}")
+          f"{'no plot' if not_plotted else f'plot in {args.plot}'}")
     print(f"suggested: {option} {suggestion:g} (steepest descent of the smoothed loss)")
-    name = args.recipe if args.recipe.endswith(".py") else f"recipes/{args.recipe}.py"
-    print(f"  {shlex.join(['python', name, *without(options, option), option, f'{suggestion:g}'])}")
+    command = ["python", typed(Path(recipe.__file__)), *without(options, option), option, f"{suggestion:g}"]
+    print(f"  {shlex.join(command)}")
+    if not_plotted:
+        print(f"error: {not_plotted}", file=sys.stderr)
+        return 1
     return 0
 
 

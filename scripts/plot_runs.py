@@ -24,6 +24,7 @@ import logging
 import math
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 # (subplot title, y label, [(tag pattern, line style)]): "*" in a pattern stands for any characters
@@ -183,19 +184,33 @@ def plot(run_dirs: list[Path], out: Path) -> tuple[list[str], int]:
 
 def not_replaceable(out: Path) -> str | None:
     """Why ``out`` must not be replaced by a figure (a folder, or a file that is no earlier one: not a PNG that
-    matplotlib wrote), or None."""
+    matplotlib wrote), or cannot be written at all; or None."""
     if out.is_dir():
         return "it is a folder"
     try:
         with open(out, "rb") as f:
             head = f.read(256)  # matplotlib's tEXt Software chunk comes before the pixels
-    except (FileNotFoundError, NotADirectoryError):  # nothing there to keep (a folder on its way is a file: the
-        return None                                   # write says so)
+    except (FileNotFoundError, NotADirectoryError):  # nothing there to keep
+        return cannot_write_in(out.parent)
     except OSError as err:
         return f"it cannot be read to check that it is an earlier figure ({err.strerror or err})"
     if head.startswith(b"\x89PNG\r\n\x1a\n") and b"tEXtSoftware\x00Matplotlib" in head:
-        return None
+        return cannot_write_in(out.parent)
     return "it exists and is no figure of ours (a PNG that matplotlib wrote): choose another name"
+
+
+def cannot_write_in(folder: Path) -> str | None:
+    """Why no file can be made in ``folder`` (or in the nearest of its parents that exists, where the others would
+    be made), or None. Tried with a file removed at once: permissions alone miss a read-only or immutable folder,
+    and everything is permitted to root."""
+    existing = next((p for p in [folder, *folder.parents] if p.exists()), folder)  # ".": a relative one's last
+    if not existing.is_dir():
+        return f"{existing} is a file, not a folder"
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            return None
+    except OSError as err:
+        return f"no file can be made in {existing} ({err.strerror or err})"
 
 
 def save_png(fig, out: Path) -> None:

@@ -114,7 +114,10 @@ RECIPES = ", ".join(sorted(p.stem for p in (doctor.ROOT / "recipes").glob("*.py"
      "10,000 steps"),  # (it measured for hours)
     (["mixed_precision", "--rounds", "0"], "arguments --rounds and --window: from 1 to 100 rounds, of 1 to 10,000 "
      "steps"),
-    (["mixed_precision", "--json", "best.pt"], "argument --json: best.pt must end in .json"),
+    (["mixed_precision", "--json", "best.pt"], "argument --json: give a file name that ends in .json, such as "
+     "report.json, not 'best.pt'"),
+    (["mixed_precision", "--json", ".json"], "argument --json: give a file name that ends in .json, such as "
+     "report.json, not '.json'"),  # was ".json must end in .json"
     (["mixed_precision", "--checkpoint-every", "1"], "--checkpoint-every: the doctor runs the recipe in run "
      "directories of its own, for its own steps"),
     # options that make a recipe do something other than train: nothing to measure (they were tracebacks)
@@ -156,6 +159,10 @@ def test_the_recipes_own_usage_errors_exit_2_and_an_unwritable_json_is_found_bef
         assert capsys.readouterr().err == f"error: cannot write --json {tmp_path / 'config.json'}: it exists and is " \
                                           "no doctor's report (a run's config.json?): choose another\n"
         assert (tmp_path / "config.json").read_text() == content
+    # a folder no file can be made in (it measured everything, printed the table, then failed)
+    assert doctor.main(["mixed_precision", "--json", "/proc/report.json"]) == 1
+    assert capsys.readouterr().err.startswith("error: cannot write --json /proc/report.json: no file can be made in "
+                                              "/proc (")
     with pytest.raises(SystemExit):
         doctor.main(["--help"])
     assert "and the rules of PyTorch's Performance Tuning Guide checked against the live run." in \
@@ -184,6 +191,18 @@ def test_a_batch_size_the_recipe_chooses_is_a_row_not_measured():
                                      "give --batch-size")]
     found, rows = doctor.alternatives({"--batch-size"}, ["--batch-size=64"], {"batch_size": 64}, ["batch"])
     assert found == {"--batch-size 128": (["--batch-size", "128"], True)} and rows == []
+
+
+def test_what_a_config_file_replays_is_not_tried_again():
+    """--config replaying --num-workers 1 or --compile: the run as given was measured against itself, and could be
+    recommended ("--num-workers 1 | 1.51x | faster in every round"). The live run's config.json says what it used."""
+    known, wanted = {"--num-workers", "--compile"}, ["workers", "compile"]
+    found, _ = doctor.alternatives(known, ["--config", "c.json"], {"num_workers": 1, "compile": True}, wanted)
+    assert found == {}
+    found, _ = doctor.alternatives(known, [], {"num_workers": 0, "compile": False}, ["workers"])
+    assert list(found) == [f"--num-workers {min(4, max(1, (os.cpu_count() or 2) - 1))}"]
+    found, _ = doctor.alternatives(known, ["--num-workers", "2", "--compile"], {}, wanted)  # no record: as given
+    assert found == {}
 
 
 def test_cudnn_benchmark_is_asked_of_every_convolution_model_on_cuda():

@@ -86,6 +86,11 @@ RECIPES = ", ".join(sorted(p.stem for p in (find_lr.ROOT / "recipes").glob("*.py
     (["mixed_precision", "--ramp-steps", "5"], 2, "argument --ramp-steps: from 20 to 100,000 steps, got 5"),
     (["mixed_precision", "--ramp-steps", "1000000000"], 2, "from 20 to 100,000 steps, got 1000000000"),
     (["mixed_precision", "--from", "1", "--to", "0.1"], 2, "need 0 < --from < --to"),
+    # a ratio past float64: every rate after the first was inf, and called a divergence
+    (["mixed_precision", "--from", "1e-300", "--to", "1e300"], 2, "arguments --from and --to: need 0 < --from < --to, "
+     "less than 1e300 times --from, got 1e-300 and 1e+300"),
+    (["mixed_precision", "--plot", ".png"], 2, "argument --plot: give a file name that ends in .png, such as "
+     "lr_find.png, not '.png'"),  # was ".png must end in .png"
     (["no_such_recipe"], 2, f"error: argument RECIPE: no recipe 'no_such_recipe'; give one of {RECIPES}, or the "
      "path of a recipe file\n"),
     # options that make a recipe do something other than train: no steps to measure (was "did not fall over 0 steps")
@@ -218,6 +223,36 @@ def test_an_existing_plot_that_is_no_figure_is_kept_and_found_before_the_test(tm
     assert capsys.readouterr().err == f"error: cannot write --plot {tmp_path / 'lr_find.png'}: it exists and is no " \
                                       "figure of ours (a PNG that matplotlib wrote): choose another name\n"
     assert (tmp_path / "lr_find.png").read_text() == "my notes"
+    # a folder no file can be made in: found before the range test too (it ran, then failed, the suggestion lost)
+    assert find_lr.main(["mixed_precision", "--plot", "/proc/lr_find.png"]) == 1
+    assert capsys.readouterr().err.startswith("error: cannot write --plot /proc/lr_find.png: no file can be made in "
+                                              "/proc (")
+
+
+def test_a_plot_that_fails_to_be_written_keeps_the_suggestion(tmp_path, capsys, monkeypatch):
+    """A full disk as the PNG is written, after the range test: the suggestion is printed all the same, then the
+    error (it was the error alone, the whole test's result lost)."""
+    (tmp_path / "least_squares.py").write_text(textwrap.dedent(LEAST_SQUARES))
+
+    def full_disk(*args):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(find_lr, "plot", full_disk)
+    assert find_lr.main([str(tmp_path / "least_squares.py"), "--plot", str(tmp_path / "lr.png")]) == 1
+    out, err = capsys.readouterr()
+    assert "; no plot" in out and re.search(r"suggested: --lr [\d.e-]+", out) and "--lr" in out.splitlines()[-1]
+    assert err == f"error: cannot write --plot {tmp_path / 'lr.png'}: No space left on device\n"
+
+
+def test_the_printed_command_runs_from_the_folder_the_user_is_in(tmp_path, capsys, monkeypatch):
+    """It said python recipes/NAME.py wherever it ran: from another folder there is no recipes/ to run."""
+    (tmp_path / "least_squares.py").write_text(textwrap.dedent(LEAST_SQUARES))
+    monkeypatch.chdir(tmp_path)
+    assert find_lr.typed(find_lr.ROOT / "recipes" / "mixed_precision.py") == \
+        str(find_lr.ROOT / "recipes" / "mixed_precision.py")
+    assert find_lr.typed(tmp_path / "least_squares.py") == "least_squares.py"
+    monkeypatch.chdir(find_lr.ROOT)
+    assert find_lr.typed(find_lr.ROOT / "recipes" / "mixed_precision.py") == "recipes/mixed_precision.py"
 
 
 def test_sigterm_is_one_line_and_leaves_no_temporary_folder(tmp_path):

@@ -135,6 +135,9 @@ def test_bad_input_is_one_error_line(tmp_path):
     assert result.code == 1
     assert result.stderr.strip().splitlines() == [f"error: {tmp_path / 'absent'} does not exist or is not a directory"]
     assert not out.exists()
+    result = plot(good, "--out", "/proc/curves.png")  # found before the event files are read and drawn
+    assert result.code == 1 and result.stderr.startswith("error: cannot write /proc/curves.png: no file can be made "
+                                                         "in /proc ("), result.stderr
     (tmp_path / "afile").write_text("")
     result = plot(good, "--out", tmp_path / "afile" / "x.png")  # a file where the folder should be
     assert result.code == 1 and result.stderr == f"error: cannot write {tmp_path / 'afile' / 'x.png'}: " \
