@@ -134,7 +134,10 @@ class RunLog:
         if window_ends:
             eta = (self.total_steps - last.step) * seconds / len(self.pending)
             speed = f"{items / seconds:,.0f} {self.unit}/s  " if items else ""
-            self.print(f"{self.position(last.step)}  loss {self.train_loss:.4f}  lr {last.lr:.2e}  {speed}"
+            skipped = sum(skip == 1 for _, _, skip in rows)  # the loss shown is the last step's that counted
+            loss = "n/a" if skipped == len(rows) else f"{self.train_loss:.4f}"  # none did: no earlier one as if new
+            skips = f" ({skipped} of {len(rows)} steps skipped: fp16 overflow)" if skipped else ""
+            self.print(f"{self.position(last.step)}  loss {loss}{skips}  lr {last.lr:.2e}  {speed}"
                        f"eta {eta // 60:.0f}m{eta % 60:02.0f}s")
         self.pending.clear()
         self.window_start = time.perf_counter()

@@ -469,6 +469,20 @@ def test_fp16_skipped_steps_are_counted_not_fatal(tmp_path):
     assert Path(tmp_path / "metrics.json").is_file()
 
 
+def test_a_window_of_skipped_steps_shows_no_earlier_loss_as_its_own(tmp_path, capsys):
+    """Every step of a window skipped (the weights past fp16's range): its line repeated the last good step's loss,
+    with no word of the skipping."""
+    run = Logged(tmp_path, steps=15, every=5)
+    for loss, skipped in [(0.9, False), (0.8, False), (float("inf"), True), (0.7, False), (0.6, False),
+                          *[(float("nan"), True)] * 5, *[(0.5, False)] * 5]:
+        run.train(stats(loss, 1.0, skipped))
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
+    assert [line.split("  lr ")[0] for line in lines] == [
+        "step 5/15  loss 0.6000 (1 of 5 steps skipped: fp16 overflow)",
+        "step 10/15  loss n/a (5 of 5 steps skipped: fp16 overflow)",  # was "loss 0.6000"
+        "step 15/15  loss 0.5000"]
+
+
 def test_fp16_that_never_steps_stops_with_what_to_try(tmp_path):
     run = Logged(tmp_path, steps=200)
     for _ in range(49):
