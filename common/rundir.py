@@ -163,20 +163,25 @@ def already_finished(run: RunFolder, checkpoint: dict | None, *, max_steps: int 
                      steps: int | None = None) -> bool:
     """Whether metrics.json says the run ended at the checkpoint's step: where its schedule ends (``epochs`` of the
     checkpoint's epoch length, or ``steps``), or ``--max-steps``, or early (``--patience``). Relaunched so, the
-    same command on every restart, a run says so before loading any data and leaves its results as they are."""
-    if checkpoint is not None and run.resumes_another_run:
+    same command on every restart, a run says so before loading any data and leaves its results as they are. A
+    checkpoint past where this run ends, of a run not finished there, is a RecipeError: nothing to train."""
+    try:
         step, schedule = checkpoint["step"], steps or epochs * checkpoint["steps_per_epoch"]
-        if step >= (end := min(schedule, max_steps or schedule)):
-            where = "where this run ends" if step == end else f"past where this run ends (step {end})"
-            raise RecipeError(f"checkpoint {run.resume_from} is at step {step}, {where}: nothing is left to train in "
-                              f"{run.path} (use the checkpoint as it is: export it, predict or sample)")
+    except (KeyError, TypeError):  # no checkpoint, or not ours
+        return False
+    end = min(schedule, max_steps or schedule)
     try:
         metrics = json.loads((run.path / "metrics.json").read_text())
-        step, schedule = checkpoint["step"], steps or epochs * checkpoint["steps_per_epoch"]
-        end = min(schedule, max_steps or schedule)
         done = metrics["steps"] == step and (step >= end or metrics.get("stopped_early") is True)
-    except (OSError, ValueError, KeyError, TypeError):  # no checkpoint or metrics (yet), or not ours
-        return False
+    except (OSError, ValueError, KeyError, TypeError):  # no metrics (yet, or killed before them), or not ours
+        done = False
+    # (a checkpoint at the end, without metrics: the run was killed as it finished, and finishes now)
+    if (run.resumes_another_run and step >= end) or (not done and step > end):
+        where = "where this run ends" if step == end else f"past where this run ends (step {end})"
+        goes_on = "use the checkpoint as it is: export it, predict or sample" if run.resumes_another_run else \
+            f"a --max-steps above {step}, or none, goes on with it"
+        raise RecipeError(f"checkpoint {run.resume_from} is at step {step}, {where}: nothing is left to train in "
+                          f"{run.path} ({goes_on})")
     if done and launched_as_rank_0():
         why = ("stopped early by --patience" if step < end else "its schedule is done" if step >= schedule else
                "a larger --max-steps goes on with it")  # (a smaller one than the run's is no reason)

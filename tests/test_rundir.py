@@ -69,6 +69,27 @@ def test_the_same_process_may_open_a_run_directory_again_once_its_command_has_en
     assert again.startswith("already finished: step 3 of 3;") and "(a larger --max-steps goes on with it)" in again
 
 
+def test_an_unfinished_run_resumed_with_a_max_steps_below_its_checkpoint_is_one_line(run_inprocess, tmp_path):
+    """Killed after its checkpoint at step 3, relaunched with --max-steps 1: it trained nothing and wrote a finished
+    run's metrics.json and done line ("done: steps=3"), with an old evaluation's figures."""
+    args = ["--epochs", 2, "--samples", 128, "--batch-size", 64, "--width", 8, "--depth", 1, "--run-dir", tmp_path,
+            "--resume", "auto"]
+    assert run_inprocess("mixed_precision", *args, "--max-steps", 3).code == 0
+    (tmp_path / "metrics.json").unlink()  # as a SIGKILL after the checkpoint at step 3 leaves it
+    before = {p.name: p.stat().st_mtime_ns for p in tmp_path.rglob("*") if p.is_file() and "events" not in p.name}
+    result = run_inprocess("mixed_precision", *args, "--max-steps", 1)
+    last = tmp_path / "checkpoints" / "last.pt"
+    assert (result.code, result.stderr) == (1, f"error: checkpoint {last} is at step 3, past where this run ends "
+                                               f"(step 1): nothing is left to train in {tmp_path} (a --max-steps "
+                                               "above 3, or none, goes on with it)\n")
+    assert not (tmp_path / "metrics.json").exists()
+    assert {p.name: p.stat().st_mtime_ns for p in tmp_path.rglob("*") if p.is_file() and "events" not in p.name} \
+        == before
+    finished = run_inprocess("mixed_precision", *args, "--max-steps", 3)  # killed as it finished: it finishes now
+    assert finished.code == 0 and finished.done_line.startswith("done: steps=3 "), finished.stderr
+    assert json.loads((tmp_path / "metrics.json").read_text())["steps"] == 3
+
+
 def test_a_fresh_run_that_fails_before_its_first_checkpoint_leaves_no_folder(run_inprocess, tmp_path):
     result = run_inprocess("tabular_mlp", "--csv", tmp_path / "missing.csv", "--target", "y",
                            "--run-dir", tmp_path / "run")
