@@ -1,8 +1,7 @@
 """The options every recipe shares, declared once, and the error handling around a recipe's command.
 
-A recipe declares each common option in one line, e.g. ``epochs: cli.Epochs = 3`` after ``from common import cli``.
-Bad values are usage errors (exit 2, a message naming the option and what it accepts); problems a user can cause at
-run time raise ``RecipeError`` and end as one line ``error: ...`` on stderr with exit 1. No traceback either way.
+A recipe declares a common option in one line (``epochs: cli.Epochs = 3``). A bad value is a usage error (exit 2)
+naming the option and what it accepts; a problem the user can fix, a ``RecipeError``: ``error: ...``, exit 1.
 """
 
 import atexit
@@ -175,8 +174,9 @@ def on_exit(release: Callable[[], None]) -> None:
 
 
 def launched_as_rank_0() -> bool:
-    """Rank 0 under torchrun (it sets RANK and WORLD_SIZE in each process), or a process alone: the one that speaks."""
-    return os.environ.get("RANK", "0") == "0" or "WORLD_SIZE" not in os.environ
+    """Rank 0 under torchrun, or a process alone (no WORLD_SIZE, or a RANK past it set by hand): the one to speak."""
+    rank, world_size = os.environ.get("RANK", "0"), os.environ.get("WORLD_SIZE", "")
+    return rank == "0" or not (rank.isdecimal() and world_size.isdecimal() and int(rank) < int(world_size))
 
 
 def tell_torchrun(message: str) -> None:

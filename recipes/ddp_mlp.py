@@ -53,6 +53,7 @@ from common.rundir import already_finished, open_run_dir
 from common.runlog import RunLog, log_interval
 from common.runtime import autocast, from_rank_0, resolve_device, resolve_precision, seed_everything
 from common.stop import StopRequest
+from common.torchrun import torchrun_env
 
 RECIPE = "ddp_mlp"
 
@@ -82,13 +83,10 @@ def init_distributed(device_name: str, backend: str) -> tuple[int, int, torch.de
     if backend == "nccl" and device.type != "cuda":
         raise cli.RecipeError(f"--backend nccl runs on CUDA devices only, not {device.type}: use --backend gloo "
                               "or auto")
-    if "RANK" not in os.environ:
+    launched = torchrun_env()  # (rank, local rank, world size), checked; None: plain python
+    if launched is None:
         return 0, 1, device
-    numbers = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT")  # what torchrun sets, with MASTER_ADDR
-    if not all(os.environ.get(k, "").isdigit() for k in numbers) or not os.environ.get("MASTER_ADDR"):
-        raise cli.RecipeError("RANK is set, but not all of torchrun's LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and "
-                              "MASTER_PORT: launch with torchrun, or unset RANK")
-    rank, local_rank, world_size = (int(os.environ[k]) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
+    rank, local_rank, world_size = launched
     if device.type == "cuda":
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)

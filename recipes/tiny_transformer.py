@@ -80,6 +80,7 @@ from common.runtime import (
 )
 from common.sharded import ShardedCheckpointer, last_sharded, load_sharded, load_trainer_state
 from common.stop import StopRequest
+from common.torchrun import torchrun_env
 
 RECIPE = "tiny_transformer"
 
@@ -482,13 +483,10 @@ def init_distributed(device: torch.device) -> tuple[int, int, torch.device]:
     """Join the process group torchrun describes in the environment: (rank, world size, device). With plain
     ``python`` there is none: rank 0 of 1. Under torchrun there is one even of a single process, so that its DDP and
     FSDP run for real (and are checked so on a one-GPU machine). CUDA uses nccl (GPU to GPU), the CPU gloo."""
-    if "RANK" not in os.environ:
+    launched = torchrun_env()  # (rank, local rank, world size), checked; None: plain python
+    if launched is None:
         return 0, 1, device
-    numbers = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT")  # what torchrun sets, with MASTER_ADDR
-    if not all(os.environ.get(k, "").isdigit() for k in numbers) or not os.environ.get("MASTER_ADDR"):
-        raise cli.RecipeError("RANK is set, but not all of torchrun's LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and "
-                              "MASTER_PORT: launch with torchrun, or unset RANK")
-    rank, local_rank, world_size = (int(os.environ[k]) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
+    rank, local_rank, world_size = launched
     if device.type == "cuda":
         device = torch.device("cuda", local_rank)  # one GPU per process: LOCAL_RANK picks it
         torch.cuda.set_device(device)

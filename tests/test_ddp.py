@@ -234,12 +234,27 @@ def test_a_resume_may_change_the_backend(run_inprocess, mnist_dir, tmp_path):
     assert "resumed at step 2" in resumed.stdout and read_metrics(tmp_path / "run")["steps"] == 4
 
 
+HAND_SET = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "localhost", "MASTER_PORT": "29500"}
+NOT_ALL = ("error: RANK is set, but not all of torchrun's LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT: launch "
+           "with torchrun, or unset RANK\n")
+
+
 @pytest.mark.parametrize("recipe", ["ddp_mlp", "tiny_transformer"])
-@pytest.mark.parametrize("environment", [{"RANK": "1"}, {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "x"},
-                                         {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_PORT": "29500"}])
-def test_a_stray_rank_variable_is_one_line(recipe, environment, run_inprocess, mnist_dir, tmp_path, monkeypatch):
-    """RANK set outside torchrun (by a cluster's own launcher, say) without the rest of torchrun's variables: a
-    KeyError or ValueError traceback, or none from the rendezvous."""
+@pytest.mark.parametrize(("environment", "message"), [
+    ({"RANK": "1"}, NOT_ALL), ({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "x"}, NOT_ALL),
+    ({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_PORT": "29500"}, NOT_ALL),
+    (HAND_SET | {"WORLD_SIZE": "\u00b2"}, NOT_ALL),  # a digit to str.isdigit, not to int(): a ValueError traceback
+    # set by hand, no group could have them: tracebacks (TCPStore world size 0; port 70000), or, RANK 1 of 1, a
+    # rendezvous that waited for ever and ignored SIGTERM
+    *((HAND_SET | odd, f"error: RANK {(HAND_SET | odd)['RANK']}, LOCAL_RANK 0, WORLD_SIZE "
+       f"{(HAND_SET | odd)['WORLD_SIZE']}, MASTER_PORT {(HAND_SET | odd)['MASTER_PORT']}: no group of processes has "
+       "these (RANK and LOCAL_RANK below WORLD_SIZE, MASTER_PORT from 1 to 65535): launch with torchrun, or unset "
+       "RANK\n") for odd in ({"WORLD_SIZE": "0"}, {"MASTER_PORT": "70000"}, {"RANK": "1"})),
+])
+def test_a_stray_rank_variable_is_one_line(recipe, environment, message, run_inprocess, mnist_dir, tmp_path,
+                                           monkeypatch):
+    """RANK set outside torchrun (by a cluster's own launcher, say) without the rest of torchrun's variables, or
+    with values no group has: a KeyError or ValueError traceback, or none from the rendezvous."""
     for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(name, raising=False)
     for name, value in environment.items():
@@ -247,9 +262,7 @@ def test_a_stray_rank_variable_is_one_line(recipe, environment, run_inprocess, m
     (tmp_path / "text.txt").write_text("to be or not to be " * 200)
     data = ["--data-dir", mnist_dir] if recipe == "ddp_mlp" else ["--text", tmp_path / "text.txt"]
     result = run_inprocess(recipe, *data, "--max-steps", 1, "--run-dir", tmp_path / "run")
-    assert result.code == 1 and result.stderr == ("error: RANK is set, but not all of torchrun's LOCAL_RANK, "
-                                                  "WORLD_SIZE, MASTER_ADDR and MASTER_PORT: launch with torchrun, or "
-                                                  "unset RANK\n")
+    assert (result.code, result.stderr) == (1, message)
     assert not (tmp_path / "run").exists()
 
 
