@@ -22,9 +22,10 @@ e.g. on a shared file system, so that every rank can resume from the same checkp
         --rdzv-id=mnist-ddp recipes/ddp_mlp.py --run-dir /shared/runs/ddp --resume auto
 
 A good result: about 98% test accuracy after 5 epochs. Two processes on a 2-core CPU, a thread each, trained
-1.65x as many digits per second as one in fp32, but 1.14x in bf16 (``--precision auto`` on a CPU with AVX-512
-BF16), where each step's compute shrinks and the all-reduce does not (the README's Performance table, item 7);
-the bigger the per-process batch, the better the communication, which is fixed per step, is amortised.
+1.65x as many digits per second as one in fp32 (an AMD EPYC), but 1.14x (an Intel Xeon) to 1.40x (an AMD EPYC)
+in bf16 (``--precision auto`` on a CPU with AVX-512 BF16), where each step's compute shrinks and the all-reduce
+does not (docs/benchmarks.md, item 7); the bigger the per-process batch, the better the communication, which is
+fixed per step, is amortised.
 """
 
 import math

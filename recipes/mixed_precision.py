@@ -225,8 +225,8 @@ def compare(options: dict, run_dir: Path, max_slowdown: float, repeats: int = 3)
         differences = [abs(a - b) for a, b in zip(result["losses"], fp32, strict=True) if math.isfinite(a)]
         rows[precision]["max_loss_diff"] = max(differences, default=math.nan)
 
-    print("| precision | ms per step | samples/s | speed-up over fp32 | final loss | max loss diff vs fp32 | "
-          "overflow steps skipped |\n|---|---|---|---|---|---|---|")
+    print("| precision | ms per step | samples/s | speed-up over fp32 | last epoch's mean train loss | max loss diff "
+          "vs fp32 | overflow steps skipped |\n|---|---|---|---|---|---|---|")
     for precision, row in rows.items():
         quality = f"{row['note']} | | |" if "note" in row else \
             f"{row['train_loss']:.4f} | {row['max_loss_diff']:.4f} | {row['skipped_steps']} |"

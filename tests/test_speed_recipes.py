@@ -76,6 +76,7 @@ def test_mixed_precision_compare_table(run_inprocess, tmp_path):
     assert result.code == 0, result.stderr
     table = parse_table(result.stdout)
     assert {"fp32", "bf16", "fp16"} <= table.keys()
+    assert "| speed-up over fp32 | last epoch's mean train loss |" in result.stdout  # was "final loss": not the last
     summary = json.loads((tmp_path / "cmp" / "metrics.json").read_text())
     rows = summary["compare"]
     assert summary["repeats"] == 3 and "median (min-max) of 3 interleaved rounds" in result.stdout
