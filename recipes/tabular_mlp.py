@@ -62,6 +62,9 @@ PLE_BINS, PERIODIC_FREQUENCIES, PERIODIC_SIGMA, EMBEDDING_WIDTH = 32, 32, 0.5, 8
 REPEATED_FROM, PERIODIC_SIGMA_REPEATED = 10, 100.0
 MIN_STEPS = 800  # the default length on a small table (default_epochs)
 EMBED_REGRESSION_FROM = 10_000  # --num-embedding auto: training rows from which a regression embeds (auto_embedding)
+# A standardised number is kept within this many standard deviations: no training value is further (at most
+# sqrt(rows - 1) of them), and a model's first layer stays far from float32's overflow at 3.4e38
+FAR = 10_000
 DEFAULT_LR = {"sgd": 0.05, "adam": 3e-3, "adamw": 3e-3, "lbfgs": 1.0}
 
 # ----------------------------------------------------------------------------------------------------
@@ -102,10 +105,13 @@ def read_table(path: Path) -> pa.Table:
         else:
             parse = pacsv.ParseOptions(delimiter=delimiter, newlines_in_values=True)  # quoted cells may span lines
             blocks = pacsv.ReadOptions(block_size=16 << 20)  # a row must fit in one: a header of 10k columns, say
-            header = pacsv.open_csv(path, blocks, parse).schema.names  # reads the first block only
+            # pyarrow tells gzip by the name's ending, case and all (X.CSV.GZ was read as raw bytes): said here
+            source = (lambda: pa.CompressedInputStream(pa.OSFile(str(path)), "gzip")) if name.endswith(".gz") else \
+                (lambda: path)
+            header = pacsv.open_csv(source(), blocks, parse).schema.names  # reads the first block only
             text = pacsv.ConvertOptions(column_types=dict.fromkeys(header, pa.dictionary(pa.int32(), pa.string())))
             # one dictionary per column instead of one per block read: combining the chunks is then cheap
-            table = pacsv.read_csv(path, blocks, parse, text)
+            table = pacsv.read_csv(source(), blocks, parse, text)
             table = table.unify_dictionaries().combine_chunks()
     except (pa.ArrowException, OSError, UnicodeError) as err:
         if isinstance(err, UnicodeEncodeError):  # a name in another encoding: lone surrogates, which pyarrow refuses
@@ -284,7 +290,10 @@ def encode(spec: dict, table: pa.Table, *, with_target: bool = True):
         values = (numbers(table[name], strict=False) - mean) / std
         if np.isnan(values).all() and numbers(table[name], strict=True) is None:  # words, and not one number
             raise cli.RecipeError(f"column {name!r} holds no numbers, but it did in training: another table's column?")
-        numeric[:, j] = np.where(np.isnan(values), 0.0, values)  # a missing number: the training mean
+        if (far := np.abs(values) > FAR).any():  # (NaN is never far) 1e39 was inf in float32, then a NaN loss
+            print(f"warning: column {name!r}: {far.sum():,} value(s) over {FAR:,.0f} standard deviations from its "
+                  f"training mean, taken as {FAR:,.0f}", file=sys.stderr)
+        numeric[:, j] = np.where(np.isnan(values), 0.0, values.clip(-FAR, FAR))  # a missing number: the training mean
     categorical = np.zeros((table.num_rows, len(spec["categorical"])), dtype=np.int32)
     for j, (name, vocabulary) in enumerate(spec["categorical"].items()):
         indices, words = distinct(table[name])
@@ -750,6 +759,12 @@ def main(
         if batch_size is not None:
             raise typer.BadParameter("lbfgs trains on the whole table at once; leave --batch-size out",
                                      param_hint="--batch-size")
+        if cli.option_given("weight_decay"):  # it was ignored, and recorded as if applied
+            raise typer.BadParameter("lbfgs minimises the loss as it is, with no decay; leave it out",
+                                     param_hint="--weight-decay")
+        if cli.option_given("max_grad_norm"):
+            raise typer.BadParameter("lbfgs takes its step from its line search, unclipped; leave it out",
+                                     param_hint="--max-grad-norm")
     if cv is not None and resume not in (None, "auto"):
         raise typer.BadParameter("--cv resumes every fold with --resume auto", param_hint="--resume")
     if cv is not None and cli.option_given("val_frac"):  # it would do nothing

@@ -425,6 +425,10 @@ def test_each_optimizer_lowers_the_loss(run_inprocess, table_csv, tmp_path, opti
 @pytest.mark.parametrize(("extra", "message"), [
     (["--batch-size", "32"], "lbfgs trains on the whole table at once"),
     (["--precision", "bf16"], "lbfgs needs fp32"),
+    (["--weight-decay", "100"], "Invalid value for --weight-decay: lbfgs minimises the loss as it is, with no decay; "
+     "leave it out"),  # both were ignored, and recorded in config.json as if applied
+    (["--max-grad-norm", "1e-6"], "Invalid value for --max-grad-norm: lbfgs takes its step from its line search, "
+     "unclipped; leave it out"),
 ])
 def test_lbfgs_is_refused_where_it_does_not_fit(run_inprocess, table_csv, extra, message):
     result = run_inprocess(RECIPE, "--csv", table_csv, "--target", "label", "--optimizer", "lbfgs", *extra)
@@ -621,6 +625,40 @@ def test_every_file_type_trains_and_predicts_alike(run_inprocess, table_csv, tmp
         with (gzip.open if name.endswith(".gz") else open)(same_type, "rt", newline="") as f:
             written = list(csv.DictReader(f, delimiter="\t" if ".tsv" in name else ","))
         assert written == rows
+
+
+def test_an_upper_case_gz_name_is_read_as_gzip(table_csv, tmp_path):
+    """pyarrow tells gzip by the name's ending, case and all: TABLE.CSV.GZ was read as raw bytes ("Expected 1
+    columns, got 3: ... binary")."""
+    path = tmp_path / "TABLE.CSV.GZ"
+    path.write_bytes(gzip.compress(table_csv.read_bytes()))
+    assert tabular.read_table(path).equals(tabular.read_table(table_csv))
+
+
+@pytest.mark.parametrize("embedding", ["none", "periodic"])
+def test_a_huge_finite_number_is_clipped_not_a_nan(embedding, run_inprocess, table_csv, tmp_path):
+    """1e39 overflowed float32 after standardising: a NaN validation loss called a divergence ("try a lower --lr"),
+    and predictions of probability nan; with no embedding 1e20 did too."""
+    with open(table_csv, newline="") as f:
+        rows = list(csv.reader(f))
+    validation_row = int(torch.randperm(300, generator=torch.Generator().manual_seed(0))[0])  # the split's first
+    rows[1 + validation_row][1] = "1e39"
+    path = tmp_path / "outlier.csv"
+    with open(path, "w", newline="") as f:
+        csv.writer(f).writerows(rows)
+    run_dir = tmp_path / "run"
+    result = run_inprocess(RECIPE, "--csv", path, "--target", "label", "--num-embedding", embedding, "--epochs", 2,
+                           "--batch-size", 32, "--run-dir", run_dir)
+    assert result.code == 0, result.stderr
+    assert "warning: column 'income': 1 value(s) over 10,000 standard deviations from its training mean, taken as " \
+           "10,000" in result.stderr
+    assert math.isfinite(read_metrics(run_dir)["val_loss"])
+    new = tmp_path / "new.csv"
+    new.write_text("age,income,colour,city\n30,50,red,Oslo\n1e39,3e38,red,Oslo\n1e20,-1e20,blue,Lima\n")
+    result = run_inprocess(RECIPE, "--predict", new, "--resume", run_dir / "checkpoints" / "last.pt")
+    assert result.code == 0, result.stderr
+    with open(tmp_path / "new.predictions.csv", newline="") as f:
+        assert all(0.5 <= float(row["probability"]) <= 1 for row in csv.DictReader(f))  # were nan
 
 
 def test_a_pandas_csv_with_nan_and_inf_cells_trains_and_predicts_finite_values(run_inprocess, tmp_path):
