@@ -39,6 +39,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from common.best import BestScore
 from common.checkpoint import Checkpointer, diverged, fsync_dir, load_checkpoint, not_written, save_checkpoint
 from common.cli import RecipeError
+from common.dcp_metadata import check_dcp_metadata
 from common.resources import local
 from common.rundir import RunFolder, last_file
 from common.runtime import from_rank_0
@@ -82,6 +83,7 @@ def load_trainer_state(path: Path, recipe: str) -> dict:
         return load_checkpoint(path, recipe)
     if not (path / ".metadata").is_file() or not (path / "trainer.pt").is_file():
         raise RecipeError(f"{path} is not a complete sharded checkpoint (no .metadata or trainer.pt)")
+    check_dcp_metadata(path / ".metadata")  # before DCP unpickles it, running what it names
     return {**load_checkpoint(path / "trainer.pt", recipe, entry="step"), "sharded": True}
 
 

@@ -3,6 +3,7 @@ one process, sharded (DCP) checkpoints resume at another world size, a killed wo
 with the same weights, and FSDP holds about 1/N of the model state per rank."""
 
 import os
+import pickle
 import shutil
 import signal
 import socket
@@ -208,6 +209,16 @@ def test_sharded_checkpoint_resumes_at_another_world_size(run_inprocess, one_pro
     assert {path: path.read_bytes() for path in run_dir.rglob("*") if path.is_file()} == files
 
 
+class RunsCode:
+    """A pickle that, unpickled, creates ``path``: what a hostile checkpoint's .metadata would do."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.path}",)
+
+
 def test_bad_input_to_a_sharded_run(run_inprocess, corpus_txt, tmp_path):
     bad = run_inprocess("tiny_transformer", "--parallel", "zero", "--text", corpus_txt)
     assert bad.code == 2 and "--parallel" in bad.stderr
@@ -238,12 +249,23 @@ def test_bad_input_to_a_sharded_run(run_inprocess, corpus_txt, tmp_path):
     assert broken.code == 1 and len(broken.stderr.strip().splitlines()) == 1, broken.stderr
     assert broken.stderr.startswith(f"error: checkpoint {damaged} does not fit this model or optimizer, or is "
                                     "damaged: ")
-    (damaged / ".metadata").write_bytes(b"junk")  # DCP logs tracebacks of its own for this one (to the root logger,
+    (damaged / ".metadata").write_bytes(b"junk")  # DCP logged tracebacks of its own for this one (to the root logger,
     from conftest import run_subprocess  # whose last-resort handler a process of its own shows on stderr)
 
     broken = run_subprocess([RECIPE, *going_on, "--run-dir", tmp_path / "broken2", "--resume", damaged])
     assert broken.code == 1 and len(broken.stderr.strip().splitlines()) == 1, broken.stderr
-    assert "or is damaged: AssertionError: metadata is None" in broken.stderr
+    assert f"error: {damaged / '.metadata'} is not DCP checkpoint metadata (" in broken.stderr
+    # DCP unpickles .metadata with plain pickle: code in it ran on --resume, --sample-only and export, before the error
+    (damaged / ".metadata").write_bytes(pickle.dumps(RunsCode(tmp_path / "ran")))
+    for command in ([RECIPE, *going_on, "--run-dir", tmp_path / "broken3", "--resume", damaged],
+                    [RECIPE, "--sample-only", "--resume", damaged],
+                    ["scripts/export.py", damaged, tmp_path / "exported"]):
+        result = run_subprocess(command)
+        assert result.code == 1 and result.stderr == (
+            f"error: {damaged / '.metadata'} is not DCP checkpoint metadata (it names posix.system, which no DCP "
+            "metadata holds): refused before DCP loads it, which would run any code in it (a checkpoint from "
+            "elsewhere, or damaged)\n"), result.stderr
+        assert not (tmp_path / "ran").exists()
     # another recipe's sharded checkpoint
     trainer = torch.load(step / "trainer.pt", weights_only=True)
     torch.save({**trainer, "recipe": "ddp_mlp"}, step / "trainer.pt")
