@@ -505,7 +505,8 @@ def test_a_sharded_checkpoint_folder_exports_as_a_gpt2_folder(gpt2_dir, text_fil
     assert not (tmp_path / "damaged").exists()
     (step / ".metadata").write_bytes(b"")  # and without DCP's logged tracebacks (a process's stderr, not capsys's)
     result = run_subprocess(["scripts/export.py", step, tmp_path / "damaged"], timeout=120)
-    assert result.code == 1 and result.stderr.startswith("error: cannot read the sharded checkpoint "), result.stderr
+    assert result.code == 1 and result.stderr.startswith(f"error: {step / '.metadata'} is not DCP checkpoint "
+                                                         "metadata (Ran out of input)"), result.stderr
     assert result.stderr.count("\n") == 1 and not (tmp_path / "damaged").exists(), result.stderr
 
 
