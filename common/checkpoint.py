@@ -82,9 +82,9 @@ def load_model_state(model: nn.Module, state_dict: dict, source: Path, what: str
         raise RecipeError(f"{what} {source} is damaged: its weights are a {type(state_dict).__name__}, not a dict")
     model = unwrap(model)
     ours = model.state_dict()
-    problems = {"missing": sorted(ours.keys() - state_dict.keys()),
-                "unexpected": sorted(state_dict.keys() - ours.keys()),
-                "wrong shape": sorted(k for k in ours.keys() & state_dict if ours[k].shape != state_dict[k].shape)}
+    shapes = {key: getattr(value, "shape", None) for key, value in state_dict.items()}  # a weight no tensor: None
+    problems = {"missing": sorted(ours.keys() - shapes.keys()), "unexpected": sorted(map(str, shapes.keys() - ours)),
+                "wrong shape": sorted(k for k in ours.keys() & shapes.keys() if ours[k].shape != shapes[k])}
     if any(problems.values()):
         shown = "; ".join(f"{label}: {', '.join(keys[:5])}{' ...' * (len(keys) > 5)}"
                           for label, keys in problems.items() if keys)

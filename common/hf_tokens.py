@@ -126,7 +126,10 @@ def vocab_state(vocab: object) -> dict:
 def checkpoint_vocab(checkpoint: dict) -> object:
     """The recipe's tokens from a checkpoint (``vocab_state``'s entries): None, a string, or a tokenizer."""
     if not checkpoint.get("tokenizer"):
-        return checkpoint["vocab"]
+        if checkpoint.get("vocab") is not None and not isinstance(checkpoint["vocab"], str):
+            raise RecipeError(f"the checkpoint's vocabulary is damaged (a {type(checkpoint['vocab']).__name__}, not "
+                              "None or a string of characters)")
+        return checkpoint.get("vocab")
     from tokenizers import Tokenizer
 
     try:

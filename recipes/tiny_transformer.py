@@ -448,6 +448,19 @@ def sample_text(model: GPT, vocab: str | object | None, prompt: str, tokens: int
     return decode(out[0].tolist(), vocab)
 
 
+def saved_model_config(checkpoint: dict, path: Path) -> GPTConfig:
+    """The checkpoint's model shape; a damaged one (or another version's) is one line, not an error deep in a layer."""
+    try:
+        config = GPTConfig(**checkpoint["model_config"])
+    except (KeyError, TypeError) as err:  # none, not a dict, or a setting this GPTConfig lacks
+        raise cli.RecipeError(f"checkpoint {path} holds no model shape this recipe builds ({err})") from None
+    sizes = (config.vocab_size, config.block_size, config.n_layer, config.n_head, config.n_embd)
+    if not all(type(size) is int and size >= 1 for size in sizes) or config.n_embd % config.n_head:
+        raise cli.RecipeError(f"checkpoint {path} is damaged: its model's vocab_size, block_size, n_layer, n_head, "
+                              f"n_embd {sizes} make no model (whole numbers, n_head dividing n_embd)")
+    return config
+
+
 def trained_model(checkpoint_path: Path | None, folder: hf_gpt2.Folder | None,
                   device: torch.device) -> tuple[GPT, object]:
     """--sample-only: the model and its vocabulary from a checkpoint (a single file, last.pt, or a sharded folder,
@@ -458,7 +471,7 @@ def trained_model(checkpoint_path: Path | None, folder: hf_gpt2.Folder | None,
         load_model_state(model, folder.weights, folder.path, "GPT-2 folder")
         return model, folder.vocab
     checkpoint = load_trainer_state(checkpoint_path, RECIPE)
-    model = GPT(GPTConfig(**checkpoint["model_config"])).to(device)
+    model = GPT(saved_model_config(checkpoint, checkpoint_path)).to(device)
     if checkpoint.get("sharded"):
         load_sharded(checkpoint_path, model)
     else:
@@ -719,8 +732,8 @@ def main(
         model_config = GPTConfig(256 if vocab is None else len(vocab), block_size, n_layer, n_head, n_embd, dropout,
                                  attention)
     else:  # the folder's shape (a resume's checkpoint has it from there), with this run's dropout and attention
-        model_config = GPTConfig(**{**(checkpoint["model_config"] if checkpoint else folder.shape),
-                                    "dropout": dropout, "attention": attention})
+        model_config = GPTConfig(**{**asdict(saved_model_config(checkpoint, run.resume_from) if checkpoint else
+                                             GPTConfig(**folder.shape)), "dropout": dropout, "attention": attention})
         block_size = model_config.block_size
     tokens = encode(corpus, vocab)
     prompt_tokens(prompt, vocab)  # a --prompt the tokens cannot spell: refused now, not after training

@@ -263,7 +263,8 @@ def read_checkpoint(path: Path) -> dict:
         reason = (f"it refers to Python code ({code.group(1)}) that safe loading refuses to run" if code
                   else "it is corrupt, truncated, or not a PyTorch checkpoint")
         raise ExportError(f"cannot load checkpoint {path}: {reason}") from None
-    if not isinstance(state, dict) or "model" not in state or state.get("recipe") not in BUILDERS:
+    if not isinstance(state, dict) or "model" not in state or not isinstance(state.get("recipe"), str) or \
+            state["recipe"] not in BUILDERS:  # (a list for a name was a TypeError: unhashable)
         raise ExportError(f"{path} is not a checkpoint of a recipe of this project "
                           f"(one of {', '.join(sorted(BUILDERS))})")
     return state
@@ -279,7 +280,7 @@ def read_sharded(path: Path) -> dict:
     except Exception:
         raise ExportError(f"cannot load {path / 'trainer.pt'}: it is corrupt or not a checkpoint") from None
     recipe = trainer.get("recipe") if isinstance(trainer, dict) else None
-    if recipe not in BUILDERS:
+    if not isinstance(recipe, str) or recipe not in BUILDERS:
         raise ExportError(f"{path} is not a checkpoint of a recipe of this project (one of "
                           f"{', '.join(sorted(BUILDERS))})")
     with tempfile.TemporaryDirectory(prefix="export-dcp-") as tmp:

@@ -354,6 +354,15 @@ def bad_case(case: str, checkpoints: dict, tmp_path: Path) -> tuple[list, str]:
         state["model"] = [1]
         torch.save(state, bad)
         return [bad, out], "is damaged: its weights are a list, not a dict"
+    if case in ("a weight that is no tensor", "a recipe named in a list"):  # were tracebacks (AttributeError,
+        state = torch.load(good, weights_only=True)                         # TypeError: unhashable type)
+        if case == "a weight that is no tensor":
+            state["model"]["net.1.bias"] = 5
+        else:
+            state["recipe"] = ["ddp_mlp"]
+        torch.save(state, bad)
+        return [bad, out], ("does not fit this model (wrong shape: net.1.bias" if case == "a weight that is no tensor"
+                            else "is not a checkpoint of a recipe of this project")
     if case == "out dir is a file":
         out.write_text("a file")
         return [good, out], "is a file, not a folder"
@@ -368,8 +377,8 @@ def bad_case(case: str, checkpoints: dict, tmp_path: Path) -> tuple[list, str]:
 
 BAD_CASES = ["missing checkpoint", "random bytes", "truncated checkpoint", "another program's checkpoint",
              "a bare state_dict", "pickle payload", "weights of another shape", "extras missing",
-             "a negative width", "weights that are not a dict", "out dir is a file", "out dir under a file",
-             "checkpoint is a folder"]
+             "a negative width", "weights that are not a dict", "a weight that is no tensor",
+             "a recipe named in a list", "out dir is a file", "out dir under a file", "checkpoint is a folder"]
 
 
 @pytest.mark.parametrize("case", BAD_CASES)

@@ -242,6 +242,27 @@ def test_warmup_then_cosine_schedule():
     assert scheduler.get_last_lr()[0] == pytest.approx(1e-4)  # ends at min_lr_ratio x peak
 
 
+@pytest.mark.parametrize(("damage", "message"), [
+    (lambda s: s.pop("model_config"), "holds no model shape this recipe builds ('model_config')"),
+    (lambda s: s.update(model_config="gpt2"), "holds no model shape this recipe builds ("),
+    (lambda s: s["model_config"].update(n_head=3), "is damaged: its model's vocab_size, block_size, n_layer, n_head, "
+     "n_embd (256, 16, 2, 3, 32) make no model"),
+    (lambda s: s["model_config"].update(vocab_size=-1), "make no model"),
+    (lambda s: s.update(vocab=7), "the checkpoint's vocabulary is damaged (a int, not None or a string"),
+    (lambda s: s["model"].update({"wpe.weight": 5}), "does not fit this model (wrong shape: wpe.weight)"),
+])
+def test_a_damaged_checkpoint_is_one_line_when_sampled_from(damage, message, run_inprocess, text_file, tmp_path):
+    """Each was a traceback (KeyError, TypeError, RuntimeError deep in a layer, AttributeError)."""
+    run_dir = tmp_path / "run"
+    assert run_inprocess(RECIPE, "--text", text_file, *SMALL, "--steps", 2, "--run-dir", run_dir).code == 0
+    state = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)
+    damage(state)
+    torch.save(state, tmp_path / "damaged.pt")
+    result = run_inprocess(RECIPE, "--sample-only", "--resume", tmp_path / "damaged.pt", "--sample-tokens", 4)
+    assert result.code == 1 and result.stderr.startswith("error: ") and result.stderr.count("\n") == 1
+    assert message in result.stderr, result.stderr
+
+
 def test_smoke_run_and_sampling_from_the_checkpoint(run_inprocess, text_file, tmp_path, monkeypatch):
     run_dir = tmp_path / "run"
     result = run_inprocess(RECIPE, "--text", text_file, *SMALL, "--steps", 12, "--eval-every", 6,
