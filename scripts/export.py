@@ -43,6 +43,7 @@ import math
 import os
 import re
 import shutil
+import signal
 import sys
 import tempfile
 import warnings
@@ -545,6 +546,14 @@ def move_files(new: Path, out_dir: Path) -> None:
     new.rmdir()
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (a scheduler's, ``timeout``'s) as Ctrl-C: the temporary folder goes on the way out, as it did not."""
+
+
+def terminate(signum, frame) -> None:
+    raise Terminated
+
+
 class Parser(argparse.ArgumentParser):
     def error(self, message: str):  # one line instead of argparse's usage block; exit 2 like every usage error
         print(f"error: {message} (usage: python scripts/export.py CHECKPOINT OUT_DIR)", file=sys.stderr)
@@ -566,9 +575,10 @@ def main(argv: list[str] | None = None) -> int:
     except ExportError as err:
         print(f"error: {' '.join(str(err).split())}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:  # the export's temporary folder is removed on the way out
-        print(f"error: interrupted; {args.out_dir} left as it was", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as err:  # the export's temporary folder is removed on the way out
+        terminated = isinstance(err, Terminated)
+        print(f"error: {'terminated' if terminated else 'interrupted'}; {args.out_dir} left as it was", file=sys.stderr)
+        return 143 if terminated else 130
     diff = info["check"]["max_abs_diff"]
     print(f"{info['recipe']}: eager vs " + ", vs ".join(f"{name} max difference {value:.2e}" for name, value in
                                                           diff.items())
@@ -578,4 +588,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, terminate)
     sys.exit(main())

@@ -479,3 +479,19 @@ def test_ctrl_c_is_exit_130_in_one_line_and_leaves_no_temporary_folder(checkpoin
     assert export.main([str(checkpoints["ddp_mlp"]), str(tmp_path / "out")]) == 130
     assert capsys.readouterr().err == f"error: interrupted; {tmp_path / 'out'} left as it was\n"
     assert list(tmp_path.iterdir()) == []
+
+
+def test_sigterm_is_exit_143_in_one_line_and_leaves_no_temporary_folder(checkpoints, tmp_path):
+    """SIGTERM (a scheduler's, timeout's) ended the export with no word and left .out.XXXX.tmp/ for good."""
+    import signal
+    import time
+
+    command = [sys.executable, "scripts/export.py", str(checkpoints["tiny_transformer"]), str(tmp_path / "out")]
+    proc = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not list(tmp_path.glob(".out.*")) and time.monotonic() < deadline:
+        time.sleep(0.05)  # until the export writes into its temporary folder
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert (proc.returncode, err) == (143, f"error: terminated; {tmp_path / 'out'} left as it was\n"), err
+    assert list(tmp_path.iterdir()) == []
