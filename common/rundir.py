@@ -60,12 +60,14 @@ def open_run_dir(recipe: str, run_dir: Path | None, resume: str | None,
     if run_dir.is_dir():
         last = last_checkpoint(run_dir)
         held = last or next(run_dir.rglob("*.pt"), None)  # --cv and --compare: runs in sub-folders
+        held = held or next(run_dir.glob("checkpoints/dcp/step-*/*.distcp"), None)  # shards, incomplete (a copy?)
         foreign = [name for name in ("config.json", "metrics.json") if recorded_recipe(run_dir / name) not in
                    (recipe, None)]
     if held is None and foreign:
         raise RecipeError(f"{run_dir} holds a {' and a '.join(foreign)} that no {recipe} run wrote, which this run "
                           "would overwrite: choose another --run-dir")
-    own = held and next((run_dir / "checkpoints").rglob("*.pt"), None)  # a run's own, whole or not (best.pt first)
+    own = held and next((run_dir / "checkpoints").rglob("*.pt"), held if held.suffix == ".distcp" else None)  # its
+    # own, whole or not (best.pt first; shards alone)
     other = (own if holds_runs else None if own else held) if held else None  # the other kind of run's checkpoints
     if resume is None and held is not None and (other is None or not resumable):
         how = "continue it with --resume auto, or choose" if resumable else "this command starts afresh: choose"
@@ -74,6 +76,10 @@ def open_run_dir(recipe: str, run_dir: Path | None, resume: str | None,
         what = f"a single run ({other})" if holds_runs else f"runs in sub-folders ({other})"
         raise RecipeError(f"{run_dir} holds {what}, which this command would not continue but start afresh beside: "
                           "choose another --run-dir, or to continue it, give the options it was started with")
+    if resume == "auto" and last is None and held is not None and held.suffix == ".distcp":  # no complete one
+        raise RecipeError(f"{run_dir}'s only checkpoints are incomplete ({held.parent.name} lacks its trainer.pt or "
+                          ".metadata: a copy in progress?), which this run would start afresh over and delete: "
+                          "complete them, or remove them")
     if last is None and not holds_runs and recorded_recipe(run_dir / "metrics.json") == recipe:
         raise RecipeError(f"{run_dir} holds a finished run (its metrics.json) but not its checkpoints/last.pt: nothing "
                           "to continue, and a new run there would overwrite its records; choose another --run-dir")

@@ -266,6 +266,19 @@ def test_bad_input_to_a_sharded_run(run_inprocess, corpus_txt, tmp_path):
             "metadata holds): refused before DCP loads it, which would run any code in it (a checkpoint from "
             "elsewhere, or damaged)\n"), result.stderr
         assert not (tmp_path / "ran").exists()
+    # a run folder whose only step folder is incomplete (copied by rsync, trainer.pt last): --resume auto trained
+    # from step 0 over it and deleted it when it reached that step; a fresh run started there too
+    copying = tmp_path / "copying"
+    shutil.copytree(run_dir / "checkpoints" / "dcp", copying / "checkpoints" / "dcp")
+    (copying / "checkpoints" / "dcp" / "step-000003" / "trainer.pt").unlink()
+    before = sorted(p.name for p in copying.rglob("*"))
+    again = run_inprocess("tiny_transformer", *going_on, "--run-dir", copying, "--resume", "auto")
+    assert again.code == 1 and again.stderr.splitlines()[-1] == (
+        f"error: {copying}'s only checkpoints are incomplete (step-000003 lacks its trainer.pt or .metadata: a copy in "
+        "progress?), which this run would start afresh over and delete: complete them, or remove them"), again.stderr
+    fresh = run_inprocess("tiny_transformer", *going_on, "--run-dir", copying)
+    assert fresh.code == 1 and "already holds checkpoints" in fresh.stderr, fresh.stderr
+    assert sorted(p.name for p in copying.rglob("*")) == before
     # another recipe's sharded checkpoint
     trainer = torch.load(step / "trainer.pt", weights_only=True)
     torch.save({**trainer, "recipe": "ddp_mlp"}, step / "trainer.pt")
