@@ -51,9 +51,11 @@ def test_the_lock_of_a_killed_run_does_not_block_its_restart(run_inprocess, tmp_
     first = start_slow_run(run_dir)
     first.send_signal(signal.SIGKILL)  # no clean-up at all: the kernel drops the lock with the process
     first.wait()
-    resumed = run_inprocess("mixed_precision", *SLOW, "--max-steps", 12, "--run-dir", run_dir, "--resume", "auto")
+    step = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)["step"]  # 5, or later if it ran on
+    resumed = run_inprocess("mixed_precision", *SLOW, "--max-steps", step + 2, "--run-dir", run_dir, "--resume",
+                            "auto")  # (a fixed --max-steps 12 is below a checkpoint at step 15: refused, as it must be)
     assert resumed.code == 0, resumed.stderr
-    assert "resumed at step" in resumed.stdout
+    assert f"resumed at step {step}" in resumed.stdout and read_metrics(run_dir)["steps"] == step + 2
 
 
 def test_the_same_process_may_open_a_run_directory_again_once_its_command_has_ended(run_inprocess, tmp_path):
