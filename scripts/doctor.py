@@ -293,11 +293,12 @@ def not_a_report(path: Path) -> str | None:
     if not path.parent.is_dir():
         return f"{path.parent} is not a folder"
     try:
-        if "recommended_options" not in json.loads(path.read_text()):
-            return "it exists and is no doctor's report (a run's config.json?): choose another"
+        earlier_report = "recommended_options" in json.loads(path.read_text())
     except FileNotFoundError:
-        pass
+        earlier_report = True  # nothing there to keep
     except (OSError, ValueError, TypeError):  # unreadable, not JSON, JSON but no object
+        earlier_report = False
+    if not earlier_report:
         return "it exists and is no doctor's report (a run's config.json?): choose another"
     return cannot_write_in(path.parent)
 
