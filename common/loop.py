@@ -94,7 +94,7 @@ def evaluate(model: nn.Module, batches: Iterable[Sequence[torch.Tensor]], loss_f
     what it holds and a target the loss ignores (``ignore_index``) counts nowhere, accuracy included."""
     was_training = model.training
     model.eval()  # dropout off, batch norm uses its running statistics
-    totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, counted targets
+    totals = torch.zeros(3, dtype=sum_dtype(device), device=device)  # loss sum, correct, counted targets
     for batch in batches:
         *inputs, target = to_device(batch, device)
         with autocast(device, precision):
@@ -102,7 +102,7 @@ def evaluate(model: nn.Module, batches: Iterable[Sequence[torch.Tensor]], loss_f
             loss = loss_fn(output, target)
         valid = counted(loss_fn, target)
         n = valid.sum()
-        totals[0] += torch.where(n > 0, loss.double() * n, 0.0)
+        totals[0] += torch.where(n > 0, loss.to(totals.dtype) * n, 0.0)
         if accuracy:
             totals[1] += ((output.argmax(-1) == target) & valid).sum()
         totals[2] += n
@@ -112,6 +112,11 @@ def evaluate(model: nn.Module, batches: Iterable[Sequence[torch.Tensor]], loss_f
     if accuracy:
         metrics["acc"] = correct / count if count else math.nan
     return metrics
+
+
+def sum_dtype(device: torch.device) -> torch.dtype:
+    """The dtype of sums over a whole data set: float64, but float32 on MPS, which has no float64."""
+    return torch.float32 if device.type == "mps" else torch.float64
 
 
 def epochs_left(step: int, steps_per_epoch: int, total_steps: int) -> range:

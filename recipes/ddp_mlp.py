@@ -48,7 +48,7 @@ from common import cli
 from common.best import BestScore
 from common.checkpoint import Checkpointer, load_checkpoint, load_model_state, resume_checkpoint
 from common.data import checksum, load_mnist, make_loader
-from common.loop import batches_left, epochs_left, to_device, train_step
+from common.loop import batches_left, epochs_left, sum_dtype, to_device, train_step
 from common.profile import StepProfiler
 from common.rundir import already_finished, open_run_dir
 from common.runlog import RunLog, log_interval
@@ -126,7 +126,7 @@ def evaluate(model: nn.Module, loader, device: torch.device, precision: str) -> 
     shard, then one all-reduce adds the sums of every rank, so every digit counts exactly once and every rank gets
     the same figures."""
     model.eval()
-    totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, digits
+    totals = torch.zeros(3, dtype=sum_dtype(device), device=device)  # loss sum, correct, digits
     for batch in loader:
         images, labels = to_device(batch, device)
         with autocast(device, precision):

@@ -876,3 +876,11 @@ def test_a_disk_turned_read_only_under_a_json_file_is_one_error(tmp_path, monkey
     monkeypatch.setattr(Path, "unlink", read_only)
     with pytest.raises(RecipeError, match=r"^could not write .*metrics.json: Read-only file system$"):
         write_json(tmp_path / "metrics.json", {"steps": 1})
+
+
+def test_sums_over_a_data_set_are_float64_except_on_mps_which_has_none():
+    """evaluate's (and ddp_mlp's) totals: float64 on an MPS device raises TypeError at the first evaluation."""
+    from common.loop import sum_dtype
+
+    assert sum_dtype(torch.device("cpu")) == sum_dtype(torch.device("cuda")) == torch.float64
+    assert sum_dtype(torch.device("mps")) == torch.float32
