@@ -211,11 +211,24 @@ def test_compare_says_when_a_precision_is_too_slow_or_unsupported(run_inprocess,
     assert (tmp_path / "cmp" / "fp32" / "checkpoints" / "last.pt").is_file()
 
 
-def test_compiled_model_matches_eager_and_its_checkpoint_loads_into_a_plain_model(run_inprocess, tmp_path):
+def test_compiled_model_matches_eager_and_its_checkpoint_loads_into_a_plain_model(run_inprocess, tmp_path,
+                                                                                  monkeypatch):
+    recipe, cached = load_recipe("compiled_model"), {}
+    train = recipe.train
+
+    def spied_train(**options):  # what Dynamo already holds of the model's code when each run starts
+        cached[options["compile"]] = len(torch._dynamo.eval_frame._debug_get_cache_entry_list(recipe.GatedMLP.forward))
+        return train(**options)
+
+    monkeypatch.setattr(recipe, "train", spied_train)
     result = run_inprocess("compiled_model", "--compare", *CM_SMALL, "--epochs", 2, "--run-dir", tmp_path / "cmp")
     assert result.code == 0, result.stderr
     summary = json.loads((tmp_path / "cmp" / "metrics.json").read_text())
-    assert summary["loss_diff"] < 1e-4
+    # the compiled run compiles afresh (its first step is its compile), not from the timing's compiled graph
+    assert cached == {False: 0, True: 0}
+    # the printed and saved difference is the two training runs', not the timing models'
+    assert summary["loss_diff"] == abs(summary["eager"]["train_loss"] - summary["compiled"]["train_loss"]) < 1e-4
+    assert f"loss_diff={summary['loss_diff']:.2e}" in result.stdout and "timed_loss_diff" in summary
     assert summary["eager"]["steps"] == summary["compiled"]["steps"] == 8
     # speed: interleaved blocks (5 of 10 steps) in one process, compile time apart and only for the compiled side
     eager, compiled = summary["seconds"]["eager"], summary["seconds"]["compiled"]
@@ -312,7 +325,7 @@ def test_compiled_compare_warns_when_the_blocks_disagree(run_inprocess, tmp_path
     """The timings are fixed here: what is tested is what --compare does with them, not this CPU's speed."""
     recipe = load_recipe("compiled_model")
     fixed = {"seconds": {"eager": [0.010, 0.010, 0.011, 0.010, 0.010], "compiled": [0.005, 0.009, 0.005, 0.005, 0.005]},
-             "compile_s": 2.0, "loss_diff": 0.0}
+             "compile_s": 2.0, "timed_loss_diff": 0.0}
     monkeypatch.setattr(recipe, "measure_speed", lambda *args, **kwargs: fixed)
     result = run_inprocess("compiled_model", "--compare", *CM_SMALL, "--epochs", 1, "--run-dir", tmp_path / "cmp")
     assert result.code == 0, result.stderr

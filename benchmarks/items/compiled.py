@@ -19,7 +19,7 @@ def compiled(quick: bool, work: Path) -> dict:
                              backend="eager" if quick else "inductor")
     runs = speed["seconds"]
     speedup = summarise([e / c for e, c in zip(runs["eager"], runs["compiled"], strict=True)])
-    compile_s, loss_diff = speed["compile_s"], speed["loss_diff"]
+    compile_s, loss_diff = speed["compile_s"], speed["timed_loss_diff"]
     return {"item": f"torch.compile: the recipe's gated MLP ({width} wide, 8 blocks, batch {batch}), steady state, "
                     f"{repeats} interleaved blocks of {block} steps",
             "result": f"{speedup['median']:.2f}x eager ({speedup['min']:.2f}-{speedup['max']:.2f}) after "
