@@ -97,7 +97,7 @@ LogEvery = Annotated[int | None, typer.Option(min=1, help="Print a line (and rea
                                               "every N steps [default: a tenth of an epoch, or of the evaluation "
                                               "interval, at most 50].")]
 Profile = Annotated[int | None, typer.Option(min=1, help="Profile N training steps after a warm-up: a trace in "
-                                             "--run-dir and a table of where a step's time goes.")]
+                                             "--run-dir, a table of a step's time (and slower samples/s).")]
 EMADecay = Annotated[float | None, typer.Option("--ema", callback=ema_decay, help="Also keep an average of the "
                                                 "weights, decay e.g. 0.999 (warmed up): evaluated beside them "
                                                 "(ema_val_*), it chooses best.pt, which then holds it.")]
