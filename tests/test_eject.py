@@ -283,18 +283,24 @@ def test_bad_input_is_a_one_line_error(args, code, message, tmp_path):
 
 def test_a_copy_is_never_written_over_the_core_or_another_recipe():
     core, other, tool = ROOT / "common" / "ejected_here.py", ROOT / "recipes" / "tabular_mlp.py", ROOT / "README.md"
-    before = other.read_bytes(), tool.read_bytes()
+    itself, new_recipe = ROOT / "scripts" / "eject.py", ROOT / "recipes" / "my_train.py"
+    before = other.read_bytes(), tool.read_bytes(), itself.read_bytes()
     try:
         for output, what in [(core, "the core the recipes import"), (other, "another recipe"),
-                             (tool, "not a copy eject wrote")]:  # README.md was replaced
+                             (tool, "not a copy eject wrote"),  # README.md was replaced
+                             (itself, "not a copy eject wrote"),  # it holds the copies' header text: it was replaced
+                             (new_recipe, "the recipes' folder")]:  # it was written, then taken for a recipe
             result = run_subprocess(["scripts/eject.py", "mnist_onecycle", output, "--overwrite"])
             assert result.code == 1 and result.stderr == f"error: {output} is part of this repository ({what}); " \
                 "write the script somewhere else\n", result.stderr
-        assert not core.exists() and (other.read_bytes(), tool.read_bytes()) == before
+        assert not core.exists() and not new_recipe.exists()
+        assert (other.read_bytes(), tool.read_bytes(), itself.read_bytes()) == before
     finally:  # a failure leaves the repository as it was
         core.unlink(missing_ok=True)
+        new_recipe.unlink(missing_ok=True)
         other.write_bytes(before[0])
         tool.write_bytes(before[1])
+        itself.write_bytes(before[2])
 
 
 def test_an_earlier_copy_in_the_repository_is_replaced_with_overwrite():
@@ -402,3 +408,55 @@ def test_an_existing_output_is_replaced_only_with_overwrite(tmp_path):
     assert (tmp_path / "train.py").read_text() == "# my edited copy\n"
     replaced = run_subprocess(["scripts/eject.py", "mixed_precision", tmp_path / "train.py", "--overwrite"])
     assert replaced.code == 0 and "def amp_step(" in (tmp_path / "train.py").read_text()
+
+
+MODULE_READ_RECIPE = '''"""A recipe that reads a core module as a value: a copy has no module to read."""
+
+from common import cli
+
+if __name__ == "__main__":
+    print(getattr(cli, "RecipeError"))
+'''
+
+TWO_STATEMENT_CORE = {"mutated": '''"""A core module whose table is filled in by a second statement."""
+
+EXTRA = {}
+EXTRA["a"] = 1
+''', "rebound": '''"""A core module that binds a name twice."""
+
+LIMIT = 1
+LIMIT = LIMIT + 1
+'''}
+
+
+def test_a_core_module_read_as_a_value_is_refused(tmp_path):
+    """It was cut as `cli.` is: `getattr(cli, "X")` became `getattr( "X")`, written with exit 0, failing at run time."""
+    (tmp_path / "reads_module.py").write_text(MODULE_READ_RECIPE)
+    result = run_subprocess(["scripts/eject.py", tmp_path / "reads_module.py", tmp_path / "out.py"])
+    assert result.code == 1 and result.stderr == "error: reads_module.py:6: cli is read as a " \
+        "module, which a copy does not have; read its names as cli.NAME\n", result.stderr
+    assert not (tmp_path / "out.py").exists()
+
+
+@pytest.mark.parametrize("kind", ["mutated", "rebound"])
+def test_a_core_name_bound_by_two_statements_is_refused(kind, tmp_path):
+    """One statement is copied per name: the copy held EXTRA = {} (the repository's has "a"), or failed to import."""
+    module, name = ROOT / "common" / f"two_statements_{kind}.py", "EXTRA" if kind == "mutated" else "LIMIT"
+    (tmp_path / "recipe.py").write_text(f'''"""Reads a name of a core module bound twice."""
+
+from common.two_statements_{kind} import {name}
+
+if __name__ == "__main__":
+    print({name})
+''')
+    try:
+        module.write_text(TWO_STATEMENT_CORE[kind])
+        result = run_subprocess(["scripts/eject.py", tmp_path / "recipe.py", tmp_path / "out.py"])
+    finally:
+        module.unlink(missing_ok=True)
+    expected = {"mutated": "4: a top-level statement that binds no name is not copied; do this inside a definition",
+                "rebound": "4: LIMIT is bound again at the top level, and eject copies one statement per name; bind "
+                           "it once"}[kind]
+    assert result.code == 1 and result.stderr == f"error: common/two_statements_{kind}.py:{expected}\n", \
+        result.stderr
+    assert not (tmp_path / "out.py").exists()
