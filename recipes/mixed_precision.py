@@ -186,13 +186,13 @@ def measure_speed(device: torch.device, width: int, depth: int, batch_size: int,
                   steps: int = 5, compile: bool = False) -> dict[str, list[float]]:
     """Seconds per step of each precision, interleaved (fp32, bf16, fp16, fp32, ...) and repeated, so that a
     machine whose load drifts slows all alike: each round a fresh model per precision, its median step of
-    ``steps`` after a warm-up. bf16 and fp16 get 2 steps each: where they are emulated (no native units), each
-    is far slower."""
+    ``steps`` after a warm-up. bf16 and fp16 get 3 steps each: where they are emulated (no native units), each
+    is far slower, and 3 is the fewest whose median leaves out a step slowed by the machine."""
     seconds = {p: [] for p in PRECISIONS}
     for _ in range(repeats):
         for precision in PRECISIONS:
             seconds[precision].append(seconds_per_step(device, precision, width, depth, batch_size,
-                                                       steps if precision == "fp32" else 2, compile=compile)[0])
+                                                       steps if precision == "fp32" else 3, compile=compile)[0])
     return seconds
 
 

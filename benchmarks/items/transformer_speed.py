@@ -53,7 +53,8 @@ def transformer(quick: bool) -> dict:
 
     steps, repeats = (2, 1) if quick else (15, 5)
     nanogpt_fuses = harness.DEVICE.type == "cuda"  # nanoGPT's configure_optimizers: fused only on CUDA
-    side_by_side = interleaved(repeats, ours=lambda: tokens_per_second(ours(), "fp32", steps, fused=True),
+    side_by_side = interleaved(repeats, alternate=True,  # every other round in reverse: none always runs first
+                               ours=lambda: tokens_per_second(ours(), "fp32", steps, fused=True),
                                nanogpt=lambda: tokens_per_second(nanogpt(), "fp32", steps, fused=True),
                                nanogpt_own=lambda: tokens_per_second(nanogpt(), "fp32", steps, fused=nanogpt_fuses))
     same = summarise([a / b for a, b in zip(side_by_side["ours"], side_by_side["nanogpt"], strict=True)])
