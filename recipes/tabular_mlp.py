@@ -113,7 +113,7 @@ def read_table(path: Path) -> pa.Table:
             # one dictionary per column instead of one per block read: combining the chunks is then cheap
             table = pacsv.read_csv(source(), blocks, parse, text)
             table = table.unify_dictionaries().combine_chunks()
-    except (pa.ArrowException, OSError, UnicodeError) as err:
+    except (pa.ArrowException, OSError, UnicodeError, EOFError) as err:  # EOFError: a .gz cut short
         if isinstance(err, UnicodeEncodeError):  # a name in another encoding: lone surrogates, which pyarrow refuses
             raise cli.RecipeError(f"{path}: its name is not UTF-8, which pyarrow needs; rename the file") from None
         if "Empty CSV file" in str(err):

@@ -364,6 +364,9 @@ def test_adult_offline_suggests_csv(run_inprocess, tmp_path, monkeypatch):
         ("utf16.csv", "a,label\n1,x\n2,y\n".encode("utf-16"), "utf16.csv is UTF-16 text; re-save it as UTF-8"),
         ("utf16.csv.gz", gzip.compress("a,label\n1,x\n2,y\n".encode("utf-16")),
          "utf16.csv.gz is UTF-16 text; re-save it as UTF-8"),  # was "not a readable table file: CSV parse error"
+        # a download cut short in its first bytes: EOFError, which click took for Ctrl-D (exit 130, no message)
+        ("cut.csv.gz", gzip.compress(b"a,label\n" + b"1,x\n2,y\n" * 500)[:12],
+         "cut.csv.gz is not a readable table file: Compressed file ended before the end-of-stream marker"),
         ("uuids.parquet", pa.table({"a": pa.array([bytes([i, 255] * 8) for i in range(40)], pa.binary(16)),
                                     "label": ["x", "y"] * 20}),
          "uuids.parquet: column 'a' holds bytes that are not UTF-8 text"),
