@@ -225,9 +225,10 @@ def measured_peak(device: torch.device, dtype: torch.dtype, where: str) -> tuple
         known = json.loads(cache.read_text())
     except (OSError, ValueError):
         known = {}
-    source = f"measured: back-to-back {dtype} matmuls on {where}"
-    if isinstance(known.get(key), dict) and "flops" in known[key]:
-        return known[key]["flops"], f"{source}, on {known[key]['date']} (cached in {cache})"
+    known = known if isinstance(known, dict) else {}  # a damaged file is measured over, and replaced
+    source, entry = f"measured: back-to-back {dtype} matmuls on {where}", known.get(key)
+    if isinstance(entry, dict) and type(entry.get("flops")) in (int, float) and 0 < entry["flops"] < float("inf"):
+        return entry["flops"], f"{source}, on {entry.get('date', 'an earlier day')} (cached in {cache})"
     started, readings = time.perf_counter(), []
     while len(readings) < 5 and (not readings or time.perf_counter() - started < 3.0):
         readings.append(measure_matmul_flops(device, dtype))
@@ -235,8 +236,8 @@ def measured_peak(device: torch.device, dtype: torch.dtype, where: str) -> tuple
     try:
         cache.parent.mkdir(parents=True, exist_ok=True)
         write_json(cache, {**known, key: {"flops": flops, "date": datetime.date.today().isoformat()}})
-    except OSError:
-        pass  # a read-only home: measured again next time
+    except (OSError, RecipeError):  # write_json's, of a read-only or full disk: measured again next time
+        pass
     return flops, source
 
 

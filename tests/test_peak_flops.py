@@ -1,7 +1,7 @@
 """The peak FLOP/s that MFU is judged by: datasheet figures by GPU name (faked here, on a CPU), the
 measured fallback, and the source said with the figure."""
 
-import time
+import json
 
 import pytest
 import torch
@@ -113,16 +113,43 @@ def test_a_cpu_with_other_vector_units_under_the_same_name_is_measured_anew(monk
 def test_an_emulated_dtype_is_measured_in_one_product_and_fewer_readings(monkeypatch, tmp_path):
     """bf16 on a CPU without AVX-512 BF16 runs a 1024^3 product in seconds: that product is the measurement, and
     the peak takes the readings begun within 3 s, not five (a first run waited half a minute before its first step)."""
-    products = []
+    products, clock = [], [0.0]  # a fake clock: each product takes 1.1 s of it, however busy the machine is
 
     def slow_matmul(a, b, out):
         products.append(a.shape)
-        time.sleep(1.1)
+        clock[0] += 1.1
 
     monkeypatch.setattr(torch, "matmul", slow_matmul)
+    monkeypatch.setattr(runtime, "time", type("Clock", (), {"perf_counter": staticmethod(lambda: clock[0])}))
     flops = measure_matmul_flops(torch.device("cpu"), torch.float32, 64)
-    assert len(products) == 1 and 0.5 * 2 * 64**3 / 1.1 < flops <= 2 * 64**3 / 1.1
+    assert len(products) == 1 and flops == pytest.approx(2 * 64**3 / 1.1)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     products.clear()
     device_peak_flops(torch.device("cpu"), torch.float32)
     assert len(products) == 3  # readings begun within 3 s: one product each
+
+
+@pytest.mark.parametrize("damaged", ["[]", '{"KEY": {"flops": "fast"}}', '{"KEY": {"flops": NaN}}', '{"KEY": 7}',
+                                     '{"KEY": {"date": "2026-01-01"}}'])
+def test_a_damaged_cache_is_measured_over_and_replaced(monkeypatch, tmp_path, damaged):
+    """Was an AttributeError traceback (a list), or a string or NaN returned as the peak."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(runtime, "measure_matmul_flops", lambda device, dtype: 2.0e11)
+    cache = tmp_path / "torch-recipes" / "peak_flops.json"
+    device_peak_flops(torch.device("cpu"), torch.float32)  # the key this machine uses
+    (key,) = json.loads(cache.read_text())
+    cache.write_text(damaged.replace("KEY", key))
+    monkeypatch.setattr(runtime, "measure_matmul_flops", lambda device, dtype: 3.0e11)
+    flops, source = device_peak_flops(torch.device("cpu"), torch.float32)
+    assert flops == 3.0e11 and "cached" not in source
+    assert json.loads(cache.read_text())[key]["flops"] == 3.0e11
+
+
+def test_a_cache_that_cannot_be_written_costs_only_a_measurement_next_time(monkeypatch, tmp_path):
+    """write_json says a failed write as a RecipeError, which ended the run before it trained ("could not write
+    ~/.cache/torch-recipes/peak_flops.json"): the cache is a convenience, not a file of the run."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(runtime, "measure_matmul_flops", lambda device, dtype: 2.0e11)
+    (tmp_path / "torch-recipes" / "peak_flops.json").mkdir(parents=True)  # replacing a folder fails, even as root
+    assert device_peak_flops(torch.device("cpu"), torch.float32)[0] == 2.0e11
+    assert device_peak_flops(torch.device("cpu"), torch.float32)[0] == 2.0e11  # measured again, no error
