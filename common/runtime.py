@@ -94,8 +94,9 @@ def resolve_precision(precision: str, device: torch.device, checkpoint: dict | N
     started = (checkpoint or {}).get("config", {}).get("precision")
     if started in PRECISION_DTYPES and (precision == "auto" or not option_given("precision")):
         return started, "as the run started"
-    if precision != "auto":
-        return precision, "as given"
+    if precision != "auto":  # (a replayed bf16 may have been auto's choice on another machine: said so)
+        return precision, "as given" if option_given("precision") else "from --config" if option_given(
+            "config_file") else "the default"
     why = native_bf16(device)
     return ("bf16", f"auto: {why}") if why else ("fp32", f"auto: no native bf16 matmul on this {device.type}")
 

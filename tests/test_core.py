@@ -4,6 +4,7 @@ import contextlib
 import errno
 import hashlib
 import io
+import json
 import math
 import os
 import shutil
@@ -716,6 +717,18 @@ def test_auto_precision_keeps_what_a_resumed_run_started_with(monkeypatch):
     started_in_fp32 = {"config": {"precision": "fp32"}}
     assert runtime.resolve_precision("auto", CPU, started_in_fp32) == ("fp32", "as the run started")
     assert runtime.resolve_precision("bf16", CPU, started_in_fp32) == ("bf16", "as given")  # unless told otherwise
+
+
+def test_the_header_says_where_a_precision_came_from(run_inprocess, tmp_path):
+    """A replay's precision was called "as given": a bf16 that auto chose on another machine read as the user's."""
+    small = ["--max-steps", 1, "--samples", 256, "--batch-size", 128, "--width", 8, "--depth", 1, "--device", "cpu"]
+    replay = ["--config", tmp_path / "default" / "config.json"]
+    for run, args, why in [("default", [], "the default"), ("replay", replay, "from --config"),
+                           ("given", ["--precision", "fp32"], "as given")]:
+        result = run_inprocess("mixed_precision", *small, *args, "--run-dir", tmp_path / run)
+        assert result.code == 0, result.stderr
+        assert f"| precision fp32 ({why}) |" in result.stdout
+        assert json.loads((tmp_path / run / "config.json").read_text())["precision_reason"] == why
 
 
 def test_this_machines_cpu_flags_are_read():
