@@ -577,6 +577,8 @@ def test_a_parquet_id_past_2_to_the_53_trains(run_inprocess, tmp_path):
                              "label": ["a", "b"] * 30}), path)
     result = run_inprocess(RECIPE, "--csv", path, "--target", "label", "--max-steps", 1, "--run-dir", tmp_path / "run")
     assert result.code == 0, result.stderr
+    features = torch.load(tmp_path / "run" / "checkpoints" / "last.pt", weights_only=True)["features"]
+    assert features["numeric"]["id"][0] == 2.0**62 and "x" in features["numeric"]  # kept, rounded as a float64 is
 
 
 def write_as(csv_path, path):
