@@ -10,6 +10,7 @@ import math
 import os
 import random
 import re
+import sys
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -45,16 +46,16 @@ def save_checkpoint(path: Path, state: dict) -> None:
 
 def fsync_dir(path: Path) -> None:
     """Make the folder's entries durable (a rename into it, say)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    if sys.platform != "win32":  # Windows opens no folder as a file, nor needs to: NTFS journals the rename
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def load_checkpoint(path: Path, recipe: str, entry: str = "model") -> dict:
-    """A checkpoint written by ``recipe`` (a dict with an ``entry``); any problem is one RecipeError saying what to
-    do."""
+    """A checkpoint written by ``recipe``, with an ``entry``; any problem is one RecipeError saying what to do."""
     if not path.is_file():
         raise RecipeError(f"checkpoint {path} {'is a directory' if path.is_dir() else 'does not exist'}")
     try:
@@ -70,8 +71,7 @@ def load_checkpoint(path: Path, recipe: str, entry: str = "model") -> dict:
         raise RecipeError(f"{path} is not a training checkpoint of this project (no {entry!r} entry)")
     if state.get("recipe") != recipe:
         raise RecipeError(f"{path} was written by recipe {state.get('recipe')!r}, not {recipe!r}")
-    step = state.get("step", 0)
-    if not isinstance(state.get("config", {}), dict) or type(step) is not int or step < 0:
+    if not isinstance(state.get("config", {}), dict) or type(step := state.get("step", 0)) is not int or step < 0:
         raise RecipeError(f"{path} is damaged: its config is not a dict, or its step not a count")
     return state
 

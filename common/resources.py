@@ -7,7 +7,6 @@ gradient, no state). The optimizers' scalar step counters (a few bytes per tenso
 reported apart as bookkeeping.
 """
 
-import resource
 import sys
 
 import torch
@@ -57,6 +56,8 @@ def peak_rss_bytes() -> int:
         with open("/proc/self/status") as status:
             return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmHWM:"))
     except (OSError, StopIteration):
+        import resource  # Unix only: imported where it is used, so that Windows can import this module
+
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         return peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, KB elsewhere
 

@@ -10,6 +10,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -17,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import assert_same_weights, read_scalars
+from conftest import ROOT, assert_same_weights, read_scalars
 from torch import nn
 from torch.utils.data import TensorDataset
 
@@ -897,3 +898,27 @@ def test_sums_over_a_data_set_are_float64_except_on_mps_which_has_none():
 
     assert sum_dtype(torch.device("cpu")) == sum_dtype(torch.device("cuda")) == torch.float64
     assert sum_dtype(torch.device("mps")) == torch.float32
+
+
+def test_a_checkpoint_is_saved_where_a_folder_cannot_be_opened_as_a_file(monkeypatch, tmp_path):
+    """Windows: os.open of a folder is PermissionError, which stopped every run at its first checkpoint."""
+    import common.checkpoint as checkpoint
+
+    real_open = os.open
+
+    def windows_open(path, flags, *args):
+        if Path(path).is_dir():
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(sys, "platform", "win32")
+    monkeypatch.setattr(checkpoint.os, "open", windows_open)
+    checkpoint.save_checkpoint(tmp_path / "last.pt", {"step": 3})
+    assert torch.load(tmp_path / "last.pt", weights_only=True) == {"step": 3}
+
+
+def test_the_core_imports_without_unix_only_modules():
+    """Windows has no `resource` (nor fcntl, imported where the lock is taken): an import of it ended the recipe."""
+    code = "import sys; sys.modules['resource'] = sys.modules['fcntl'] = None; import common.resources, common.rundir"
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
