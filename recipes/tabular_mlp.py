@@ -669,7 +669,7 @@ def main(
     ] = "auto",
     val_frac: Annotated[float, typer.Option(min=0.01, max=0.9, help="Share of rows held out for validation.")] = 0.2,
     cv: Annotated[int | None, typer.Option(min=2, help="K-fold cross-validation (stratified for classes): K runs, "
-                                                        "each validated on its own fold, in RUN_DIR/fold-K.")] = None,
+                                                        "each validated on its own fold, in RUN_DIR/fold-0...")] = None,
     epochs: Annotated[int | None, typer.Option(min=1, help="Passes over the training rows [default: 10; on a small "
                                                           f"table enough for {MIN_STEPS} steps].")] = None,
     max_steps: cli.MaxSteps = None,
