@@ -486,11 +486,19 @@ def test_sigterm_is_exit_143_in_one_line_and_leaves_no_temporary_folder(checkpoi
     import signal
     import time
 
-    command = [sys.executable, "scripts/export.py", str(checkpoints["tiny_transformer"]), str(tmp_path / "out")]
+    # the export as `python scripts/export.py` runs it, held inside its temporary folder until the signal comes
+    # (a real export could finish before it on a fast or a busy machine)
+    held = tmp_path / "held"
+    code = ("import signal, sys, time; from scripts import export; signal.signal(signal.SIGTERM, export.terminate); "
+            "export.export = lambda *a, **k: (open(sys.argv[3], 'w').close(), time.sleep(120)); "
+            "sys.exit(export.main(sys.argv[1:3]))")
+    command = [sys.executable, "-c", code, str(checkpoints["ddp_mlp"]), str(tmp_path / "out"), str(held)]
     proc = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
-    while not list(tmp_path.glob(".out.*")) and time.monotonic() < deadline:
-        time.sleep(0.05)  # until the export writes into its temporary folder
+    while not held.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert list(tmp_path.glob(".out.*")), "the export had no temporary folder when the signal came"
+    held.unlink()
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=120)
     assert (proc.returncode, err) == (143, f"error: terminated; {tmp_path / 'out'} left as it was\n"), err
