@@ -664,9 +664,12 @@ def main(
         if cli.launched_as_rank_0():  # under torchrun every process samples the same text: printed once
             print(text)
         return
-    replayed = ctx.get_parameter_source("warmup_steps").name == "DEFAULT_MAP"  # from a --config file
-    if warmup_steps is None or replayed and ctx.get_parameter_source("steps").name == "COMMANDLINE":
-        # the default, for a run of other --steps than the replayed one too: a short run still reaches its peak
+    # A --config replay keeps its warm-up, unless that was the default for its --steps and other --steps are given:
+    # then it is derived again, so that a short run still reaches its peak rate
+    replayed = ctx.default_map or {}
+    derived = type(old := replayed.get("steps")) is int and replayed.get("warmup_steps") == min(100, old // 10)
+    if warmup_steps is None or ctx.get_parameter_source("warmup_steps").name == "DEFAULT_MAP" and derived and \
+            steps != old:
         warmup_steps = options["warmup_steps"] = min(100, steps // 10)
     elif warmup_steps >= steps:
         raise typer.BadParameter(f"must be below --steps {steps}: the whole run would be warm-up, never at --lr",

@@ -324,6 +324,11 @@ def test_a_replay_with_another_batch_size_takes_it_over_the_recorded_global_batc
     longer = run_inprocess(RECIPE, "--config", tmp_path / "derived" / "config.json", "--steps", 30, "--max-steps", 1,
                            "--run-dir", tmp_path / "longer")
     assert longer.code == 0 and json.loads((tmp_path / "longer" / "config.json").read_text())["warmup_steps"] == 3
+    # a warm-up that was given is kept, for other --steps or the same typed again (it was derived anew: 3, 0)
+    for name, steps in [("given_longer", 30), ("given_same", 2)]:
+        kept = run_inprocess(RECIPE, "--config", tmp_path / "first" / "config.json", "--steps", steps, "--max-steps", 1,
+                             "--run-dir", tmp_path / name)
+        assert kept.code == 0 and json.loads((tmp_path / name / "config.json").read_text())["warmup_steps"] == 1
     both = run_inprocess(RECIPE, "--config", tmp_path / "first" / "config.json", "--batch-size", 4, "--global-batch",
                          8, "--run-dir", tmp_path / "both")
     assert both.code == 2 and "--global-batch sets it for you" in both.stderr
