@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from common.cli import DERIVED_KEYS, RecipeError, option_name
-from common.rundir import RunFolder
+from common.rundir import RunFolder, why_not_written
 from common.runtime import unwrap
 
 
@@ -247,4 +247,4 @@ class Checkpointer:
 
 def not_written(path: Path, err: OSError, last_step: int | None) -> RecipeError:
     intact = "no earlier checkpoint" if last_step is None else f"the previous checkpoint (step {last_step}) is intact"
-    return RecipeError(f"could not write checkpoint {path}: {err.strerror or err}; {intact}")
+    return RecipeError(f"could not write checkpoint {path}: {why_not_written(path.parent, err)}; {intact}")

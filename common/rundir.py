@@ -29,8 +29,12 @@ class RunFolder:
 
     @property
     def resumes_another_run(self) -> bool:
-        """Whether it goes on from a checkpoint outside its own folder (whose best.pt stays there)."""
-        return self.resume_from is not None and self.path.resolve() not in self.resume_from.resolve().parents
+        """Whether it goes on from a checkpoint outside its own folder (whose best.pt stays there). Its own is inside
+        it as written or as resolved: its checkpoints/ may be a link to a bigger disk, or the folder itself."""
+        if self.resume_from is None:
+            return False
+        written = Path(os.path.abspath(self.path)) in Path(os.path.abspath(self.resume_from)).parents
+        return not written and self.path.resolve() not in self.resume_from.resolve().parents
 
 
 def last_file(run_dir: Path) -> Path | None:
@@ -89,6 +93,8 @@ def open_run_dir(recipe: str, run_dir: Path | None, resume: str | None,
         tempfile.TemporaryFile(dir=run_dir).close()  # a folder that exists may still be read-only
     except OSError as err:
         raise RecipeError(f"cannot write to --run-dir {run_dir}: {why_not_written(run_dir, err)}") from None
+    if (run_dir / "checkpoints").exists() and not (run_dir / "checkpoints").is_dir():  # now, not at the first save
+        raise RecipeError(f"cannot write checkpoints in {run_dir}: its checkpoints is a file, not a folder")
     lock = hold(run_dir)
     on_exit(lambda: release(run_dir, lock, created))
     return RunFolder(run_dir, last if resume == "auto" else Path(resume) if resume else None, held)
@@ -108,6 +114,8 @@ def recorded_recipe(path: Path) -> str | None:
 def why_not_written(path: Path, err: OSError) -> str:
     """What stopped a write to ``path``: a file where a folder on its way should be ("File exists" would say
     nothing), or the system's reason."""
+    if dangling := next((p for p in [path, *path.parents] if p.is_symlink() and not p.exists()), None):
+        return f"{dangling} is a link to {os.readlink(dangling)}, which does not exist"
     in_the_way = next((p for p in [path, *path.parents] if p.exists() and not p.is_dir()), None)
     return f"{in_the_way} is a file, not a folder" if in_the_way else str(err.strerror or err)
 
