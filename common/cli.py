@@ -163,14 +163,12 @@ def option_given(param: str) -> bool:
 
 def option_name(param: str) -> str:
     """The option behind a parameter of the running command; a derived setting's name as words."""
-    command = RUNNING.get()
-    return command.flags[param][0] if command and param in command.flags else param.replace("_", " ")
+    return command.flags[param][0] if (command := RUNNING.get()) and param in command.flags else param.replace("_", " ")
 
 
 def on_exit(release: Callable[[], None]) -> None:
     """Call ``release`` when the recipe's command ends, however it ends (at exit if no command runs)."""
-    command = RUNNING.get()
-    command.cleanup.callback(release) if command else atexit.register(release)
+    (command.cleanup.callback if (command := RUNNING.get()) else atexit.register)(release)
 
 
 def launched_as_rank_0() -> bool:
@@ -215,6 +213,8 @@ def run_recipe(main: Callable[..., object], argv: list[str] | None = None) -> No
                         size = f"{float(size[1]) / 2**30:,.1f} GiB" if size[2] == "bytes" else f"{size[1]} {size[2]}"
                     raise RecipeError(f"out of memory{f' (allocating {size} more)' if size else ''}; try a smaller "
                                       "--batch-size, model or data set") from None
+                if reason.startswith("Symlink loop"):  # Path.resolve's, of a link that points at itself
+                    raise RecipeError(reason) from None
                 if not (dist.is_available() and dist.is_initialized()) or not (  # a collective whose other end died
                         isinstance(err, dist.DistNetworkError) or re.search("by peer|Broken pipe", reason)):
                     raise  # a timeout, say: ranks out of step, a bug whose traceback shows where

@@ -544,6 +544,11 @@ def main(argv: list[str] | None = None) -> int:
         about = f"cannot write {output}" if err.filename is None or str(err.filename).endswith(".tmp") else err.filename
         print(f"error: {about}: {err.strerror or err}", file=sys.stderr)
         return 1
+    except RuntimeError as err:  # Path.resolve's, of a link that points at itself (Python 3.11)
+        if not str(err).startswith("Symlink loop"):
+            raise
+        print(f"error: {err}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print(f"error: interrupted; {output} left as it was", file=sys.stderr)
         return 130
