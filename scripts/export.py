@@ -450,12 +450,15 @@ def export_checkpoint(checkpoint: Path, out_dir: Path, overwrite: bool = False, 
         info = {"recipe": recipe, "source": str(checkpoint), "step": state.get("step"),
                 "torch_version": torch.__version__, "format": format, "files": files, **exportable.info,
                 "check": {"batch": CHECK_BATCH, "tolerance": TOLERANCE, "max_abs_diff": differences}}
-        if format != "hf":  # a GPT-2 folder holds Hugging Face's files only
-            (tmp / "model.json").write_text(json.dumps(info, indent=2) + "\n")
-        umask = os.umask(0)
-        os.umask(umask)
-        for path in tmp.iterdir():  # safetensors writes its files private; the export is ordinary files
-            os.chmod(path, 0o666 & ~umask)
+        try:
+            if format != "hf":  # a GPT-2 folder holds Hugging Face's files only
+                (tmp / "model.json").write_text(json.dumps(info, indent=2) + "\n")
+            umask = os.umask(0)
+            os.umask(umask)
+            for path in tmp.iterdir():  # safetensors writes its files private; the export is ordinary files
+                os.chmod(path, 0o666 & ~umask)
+        except OSError as err:  # a full disk, say
+            raise ExportError(f"cannot write {out_dir}: {err.strerror or err}") from None
         replace_dir(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

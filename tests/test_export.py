@@ -503,3 +503,21 @@ def test_sigterm_is_exit_143_in_one_line_and_leaves_no_temporary_folder(checkpoi
     out, err = proc.communicate(timeout=120)
     assert (proc.returncode, err) == (143, f"error: terminated; {tmp_path / 'out'} left as it was\n"), err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_full_disk_at_model_json_is_one_line_and_leaves_nothing(checkpoints, tmp_path, capsys, monkeypatch):
+    """model.json was written outside the export's OSError handling: a traceback (its folder was removed)."""
+    import errno
+
+    write_text = Path.write_text
+
+    def full(path, *args, **kwargs):
+        if path.name == "model.json":
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        return write_text(path, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "write_text", full)
+    for format in ("graph", "safetensors"):
+        assert export.main([str(checkpoints["ddp_mlp"]), str(tmp_path / "out"), "--format", format]) == 1
+        assert capsys.readouterr().err == f"error: cannot write {tmp_path / 'out'}: No space left on device\n"
+        assert list(tmp_path.iterdir()) == []
