@@ -240,3 +240,53 @@ def test_a_finished_checkpoint_continued_in_another_folder_is_one_line(run_inpro
                             tmp_path / "more")  # it said "at step 2, where this run ends" of a run to step 1
     assert shorter.code == 1 and shorter.stderr.startswith(f"error: checkpoint {last} is at step 2, past where this "
                                                            "run ends (step 1): nothing is left to train in ")
+
+
+def test_a_checkpoints_folder_linked_to_another_disk_is_still_the_runs_own(run_inprocess, tmp_path):
+    """Resolved, its last.pt lay outside the run folder: each resume was taken for another run's, which reset the best
+    score (best.pt was overwritten by a worse model) and made a finished run's relaunch an error."""
+    small = ["--samples", 256, "--batch-size", 64, "--width", 16, "--depth", 1, "--epochs", 4, "--lr", 0.05]
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "linked").mkdir()
+    (tmp_path / "bigger_disk").mkdir()
+    (tmp_path / "linked" / "checkpoints").symlink_to(tmp_path / "bigger_disk")
+    for run in ("plain", "linked"):
+        assert run_inprocess("mixed_precision", *small, "--max-steps", 8, "--run-dir", tmp_path / run).code == 0
+        resumed = run_inprocess("mixed_precision", *small, "--run-dir", tmp_path / run, "--resume", "auto")
+        assert resumed.code == 0, resumed.stderr
+    timing = {"wall_s", "samples_per_s"}
+    plain, linked = ({k: v for k, v in read_metrics(tmp_path / run).items() if k not in timing}
+                     for run in ("plain", "linked"))
+    assert linked == plain
+    steps = [torch.load(tmp_path / run / "checkpoints" / "best.pt", weights_only=True)["step"]
+             for run in ("plain", "linked")]
+    assert steps[0] == steps[1] == plain["best_step"]
+    again = run_inprocess("mixed_precision", *small, "--run-dir", tmp_path / "linked", "--resume", "auto")
+    assert again.code == 0 and "already finished" in again.stdout, again.stderr
+
+
+def test_a_run_folder_that_cannot_hold_checkpoints_is_refused_before_training(run_inprocess, tmp_path):
+    """A file named checkpoints was found at the first save, an epoch later, as "File exists"; a link to nothing
+    was "File exists" too."""
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "checkpoints").write_text("notes")
+    result = run_inprocess("mixed_precision", "--run-dir", tmp_path / "run")
+    assert result.code == 1 and result.stderr == f"error: cannot write checkpoints in {tmp_path / 'run'}: its " \
+        "checkpoints is a file, not a folder\n" and result.stdout == ""
+    assert [p.name for p in (tmp_path / "run").iterdir()] == ["checkpoints"]
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
+    result = run_inprocess("mixed_precision", "--run-dir", tmp_path / "dangling")
+    assert result.code == 1 and result.stderr == f"error: cannot write to --run-dir {tmp_path / 'dangling'}: " \
+        f"{tmp_path / 'dangling'} is a link to {tmp_path / 'nowhere'}, which does not exist\n"
+
+
+def test_a_symlink_loop_is_one_line(run_inprocess, tmp_path):
+    """Path.resolve raises RuntimeError on a loop (Python 3.11), which was a traceback."""
+    (tmp_path / "loop").symlink_to(tmp_path / "loop")
+    result = run_inprocess("mnist_onecycle", "--data-dir", tmp_path / "loop", "--run-dir", tmp_path / "run")
+    assert result.code == 1 and result.stderr == f"error: Symlink loop from '{tmp_path / 'loop'}'\n"
+    assert not (tmp_path / "run").exists()
+    (tmp_path / "loop.py").symlink_to(tmp_path / "loop.py")
+    result = subprocess.run([sys.executable, "scripts/eject.py", "mixed_precision", tmp_path / "loop.py"], cwd=ROOT,
+                            capture_output=True, text=True)
+    assert result.returncode == 1 and result.stderr == f"error: Symlink loop from '{tmp_path / 'loop.py'}'\n"
