@@ -62,12 +62,15 @@ def run_folders(paths: list[Path]) -> list[Path]:
     for path in paths:
         if not path.is_dir():
             raise PlotError(f"{path} does not exist or is not a directory")
-        inside = sorted(d for d in path.glob("**/") if d != path and has_events(d))
-        if has_events(path) or not inside:
-            found.append(path)
-        else:  # a folder of runs: each one, and a note of each run in it that never trained (config.json only)
-            found += inside + sorted(d.parent for d in path.glob("**/config.json") if not has_events(d.parent) and
-                                     a_run_config(d))
+        try:
+            inside = sorted(d for d in path.glob("**/") if d != path and has_events(d))
+            if has_events(path) or not inside:
+                found.append(path)
+            else:  # a folder of runs: each one, and a note of each run in it that never trained (config.json only)
+                found += inside + sorted(d.parent for d in path.glob("**/config.json") if not has_events(d.parent)
+                                         and a_run_config(d))
+        except OSError as err:  # a tree deeper than a path can name, say: said as a read, not as --out's write
+            raise PlotError(f"cannot read {err.filename or path}: {err.strerror or err}") from None
     unique = {}  # a run named twice (or as runs/a and runs/../runs/a) is drawn once, as first named
     for run_dir in found:
         unique.setdefault(run_dir.resolve(), run_dir)

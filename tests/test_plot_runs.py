@@ -271,3 +271,22 @@ def test_ctrl_c_is_exit_130_in_one_line(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(plot_runs, "plot", interrupted)
     assert plot_runs.main([str(make_run(tmp_path / "a")), "--out", str(tmp_path / "x.png")]) == 130
     assert capsys.readouterr().err == f"error: interrupted; {tmp_path / 'x.png'} not written\n"
+
+
+def test_a_folder_that_cannot_be_read_is_said_as_a_read_not_as_the_figures_write(tmp_path, capsys, monkeypatch):
+    """A tree deeper than a path can name was "cannot write curves.png: File name too long"."""
+    import errno
+    from pathlib import Path
+
+    from scripts import plot_runs
+
+    deep = tmp_path / "runs" / "deep"
+
+    def too_deep(self, pattern):
+        raise OSError(errno.ENAMETOOLONG, "File name too long", str(deep))
+
+    make_run(tmp_path / "runs" / "a")
+    monkeypatch.setattr(Path, "glob", too_deep)
+    assert plot_runs.main([str(tmp_path / "runs"), "--out", str(tmp_path / "x.png")]) == 1
+    assert capsys.readouterr().err == f"error: cannot read {deep}: File name too long\n"
+    assert not (tmp_path / "x.png").exists()
