@@ -543,7 +543,7 @@ def mean_over_ranks(metrics: dict[str, float], device: torch.device) -> dict[str
 def stop_agreed(stop: StopRequest, device: torch.device) -> bool:
     """Whether any rank was asked to stop (Ctrl-C, SIGTERM): every rank must stop, and save, at the same step,
     so they agree on it with one all-reduce (a MAX of the flags)."""
-    if not dist.is_initialized():
+    if not dist.is_initialized() or dist.get_world_size() == 1:  # (torchrun's one process: no one to agree with)
         return stop.requested
     flag = torch.tensor([float(stop.requested)], device=device)
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)

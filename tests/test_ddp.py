@@ -9,6 +9,7 @@ import subprocess
 import time
 import warnings
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -354,3 +355,14 @@ def test_one_process_stops_at_the_step_it_was_signalled_not_at_the_next_log_line
     assert result.code == 130, result.stderr
     assert "interrupted at step 3; checkpoint saved" in result.stdout
     assert torch.load(tmp_path / "run" / "checkpoints" / "last.pt", weights_only=True)["step"] == 3
+
+
+@pytest.mark.parametrize("recipe", ["ddp_mlp", "tiny_transformer"])
+def test_one_process_under_torchrun_agrees_to_stop_without_a_collective(recipe, monkeypatch):
+    """It checks every step; with a process group of one, each check was an all-reduce and a GPU sync."""
+    module = load_recipe(recipe)
+    monkeypatch.setattr(module.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(module.dist, "get_world_size", lambda group=None: 1)
+    monkeypatch.setattr(module.dist, "all_reduce", lambda *args, **kwargs: pytest.fail("a collective with no peer"))
+    for requested in (False, True):
+        assert module.stop_agreed(SimpleNamespace(requested=requested), torch.device("cpu")) is requested
