@@ -125,7 +125,9 @@ def augment_digits(images: torch.Tensor, generator: torch.Generator, max_shift: 
     warp for the whole batch; here each digit gets its own.) Pixels moved in from outside the frame repeat its
     border, which for MNIST is background. The labels are untouched: these warps keep a digit's identity."""
     n = images.size(0)
-    u = torch.rand(n, 4, generator=generator).mul_(2).sub_(1).to(images.device)  # uniform in [-1, 1)
+    u = torch.rand(n, 4, generator=generator).mul_(2).sub_(1)  # uniform in [-1, 1), drawn on the CPU
+    # to a GPU from pinned memory: a plain copy from pageable memory waits for the steps already queued there
+    u = (u.pin_memory() if images.is_cuda else u).to(images.device, non_blocking=True)
     angle, zoom = u[:, 0] * math.radians(max_degrees), 1 + u[:, 1] * max_scale
     # theta maps output coordinates to input ones, in [-1, 1] units (half the frame): 1 pixel is 2 / 28
     shift = u[:, 2:] * max_shift * 2 / images.size(-1)
