@@ -27,6 +27,7 @@ SIGTERM, the temporary folders removed.
 
 import argparse
 import json
+import math
 import os
 import shlex
 import shutil
@@ -72,7 +73,15 @@ class Observed:
     conv_bias_before_norm: set[str] = field(default_factory=set)
     convs_not_channels_last: set[str] = field(default_factory=set)
     matrices: dict[str, tuple[int, int]] = field(default_factory=dict)  # weight shapes of layers that multiply
-    syncs: int = 0  # CUDA: host-device synchronisations during the training steps
+    # CUDA: the warnings of set_sync_debug_mode, and how many had come by each step's start: the syncs of the steps
+    # between the first and the last (set-up, evaluation and checkpoints copy whole models, which a step does not)
+    warnings: list = field(default_factory=list)
+    syncs_by_step: list[int] = field(default_factory=list)
+
+    @property
+    def syncs_per_step(self) -> float:
+        counts = self.syncs_by_step
+        return (counts[-1] - counts[0]) / (len(counts) - 1) if len(counts) > 1 else math.nan
     cudnn_benchmark: bool | None = None
     matmul_precision: str = "highest"
 
@@ -88,6 +97,7 @@ def watch(observed: Observed):
 
     def before_step(optimizer, args, kwargs) -> None:
         observed.steps += 1
+        observed.syncs_by_step.append(sum("synchronizing" in str(w.message) for w in observed.warnings))
         observed.anomaly_mode |= torch.is_anomaly_enabled()
         observed.cudnn_benchmark = torch.backends.cudnn.benchmark
         observed.matmul_precision = torch.get_float32_matmul_precision()
@@ -128,7 +138,7 @@ def live_run(recipe, options: list[str], steps: int, work: Path) -> tuple[Observ
     profiled = max(5, steps // 2)
     args = [*options, "--max-steps", str(steps), "--profile", str(profiled), "--log-every", str(steps),
             "--run-dir", str(run_dir)]
-    with warnings.catch_warnings(record=True) as caught:
+    with warnings.catch_warnings(record=True) as observed.warnings:
         warnings.simplefilter("always")
         sync_debug = torch.cuda.is_available()
         if sync_debug:  # every synchronising CUDA call warns; counted below
@@ -139,7 +149,6 @@ def live_run(recipe, options: list[str], steps: int, work: Path) -> tuple[Observ
             remove()
             if sync_debug:
                 torch.cuda.set_sync_debug_mode("default")
-    observed.syncs = sum("synchronizing" in str(w.message) for w in caught)
     if code == 2:
         raise DoctorError(f"the recipe refused its options: {line}", exit_code=2)
     if code:
@@ -245,7 +254,7 @@ def rule_rows(observed: Observed, config: dict, profile: dict, options: list[str
                                               "in one indexing (__getitems__)"))
     on_cuda = config.get("device_used", "cpu").startswith("cuda")
     if on_cuda:
-        per_step = observed.syncs / max(1, observed.steps)
+        per_step = observed.syncs_per_step
         rows.append(("host-device syncs", f"{per_step:.1f} per step (torch.cuda.set_sync_debug_mode)",
                      "ok" if per_step <= 1 else "each stalls the GPU: keep losses on the device, read them back "
                                                 "every few steps"))

@@ -331,3 +331,31 @@ def test_an_epoch_recipe_is_measured_for_all_its_steps_not_its_few_epochs(monkey
                         "--rounds", "1", "--try", "batch", "--window", "3"]) == 0
     assert seen and all(options[-2:] == ["--epochs", "1000000"] for options in seen)
     assert "--epochs 2" in capsys.readouterr().out.splitlines()[-1]  # the command recommended is the user's
+
+
+def test_host_device_syncs_are_counted_over_the_steps_not_the_set_up_and_the_saves():
+    """Moving a model to the GPU and saving checkpoints copy every tensor, each a sync: counted over the whole run and
+    divided by its steps, they made every CUDA run read as stalling (the warnings are made here: no GPU)."""
+    import warnings
+
+    import torch
+
+    observed = doctor.Observed()
+    model = torch.nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def syncs(n: int) -> None:
+        observed.warnings.extend(warnings.WarningMessage("called a synchronizing CUDA operation", UserWarning, "x", 1)
+                                 for _ in range(n))
+
+    remove = doctor.watch(observed)
+    try:
+        syncs(100)  # set-up: the model onto the GPU, tensor by tensor
+        for _ in range(5):
+            model(torch.ones(1, 2)).sum().backward()
+            optimizer.step()
+            syncs(1)  # the step's one read-back
+        syncs(60)  # best.pt and last.pt
+    finally:
+        remove()
+    assert observed.steps == 5 and observed.syncs_per_step == 1.0
