@@ -317,10 +317,11 @@ def table_notes(rows: list[dict]) -> str:
         notes.append("- MFU: model FLOPs per token x tokens/s over the peak given by --peak-flops (a datasheet "
                      "figure, when gpu_check knows the GPU; see log.txt), else the recipe's measured matmul peak.")
     if any(r["peak_gpu_mb"] is not None for r in rows):
-        notes.append("- Peak GPU memory: torch.cuda.max_memory_allocated at the end of the run, set-up included.")
+        notes.append("- Peak GPU memory: torch.cuda.max_memory_allocated at the end of the run, counted from the "
+                     "end of set-up (model, optimizer, compile).")
     if rows:
-        notes.append("- fp32 would be true fp32 (TF32 is off by default); throughput includes each run's first "
-                     "steps, and the compiled variants' compile time is not in their throughput.")
+        notes.append("- fp32 would be true fp32 (TF32 is off by default); throughput leaves out each run's first "
+                     "logged window, so the compiled variants' compile time is not in it.")
     return "\n".join(notes)
 
 

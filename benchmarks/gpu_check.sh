@@ -133,6 +133,7 @@ else
     BACKEND=nccl
     BUDGET=${GPU_CHECK_BUDGET:-330}
     N_TRAIN=20000
+    DDP_TRAIN=$(( N_TRAIN - N_TRAIN / 12 ))  # ddp_mlp holds out a twelfth of the digits for validation
     "$PYTHON" benchmarks/gpu_check.py data "$WORK/data" --digits "$N_TRAIN" 2000 --rows 20000 >>"$LOG"
     # --max-steps stops a run early; --epochs must still be large enough to reach it:
     # epochs SAMPLES BATCH -> passes over SAMPLES in batches of BATCH (last one dropped) to make $STEPS steps
@@ -149,10 +150,10 @@ else
         [tiny_transformer]="$TT_ARGS"
         [mixed_precision]="--epochs $(epochs 32768 512) --max-steps $STEPS"
         [compiled_model]="--epochs $(epochs 131072 8192) --max-steps $STEPS"
-        [ddp_mlp]="--data-dir $WORK/data --epochs $(epochs "$N_TRAIN" 1024) --max-steps $STEPS"
+        [ddp_mlp]="--data-dir $WORK/data --epochs $(epochs "$DDP_TRAIN" 1024) --max-steps $STEPS"
     )
     # Under torchrun each rank takes its 1/NPROC share of the data, 1024 digits per step (per process).
-    DDP_ARGS="--data-dir $WORK/data --epochs $(epochs $(( N_TRAIN / NPROC )) 1024) --max-steps $STEPS"
+    DDP_ARGS="--data-dir $WORK/data --epochs $(epochs $(( DDP_TRAIN / NPROC )) 1024) --max-steps $STEPS"
     # Most telling first: a check cut short still says most. 12 runs: on an H200 host with 16 cores, 11-26 s
     # each eager (start-up is most of it) and 43 s for compiled_model's cold compile, 250 s before the
     # transformer's compile: hence the 330 s budget.
@@ -171,7 +172,7 @@ variant_flags() {
     esac
 }
 # The transformer's MFU against the GPU's datasheet peak where the probe knows the GPU (the recipe would
-# otherwise measure its own matmul peak, after the model is on the GPU: see common/runtime.py::peak_flops).
+# otherwise measure its own matmul peak, after the model is on the GPU: see common/runtime.py::device_peak_flops).
 peak_flags() {  # peak_flags RECIPE VARIANT
     local peak=""
     case "$2" in bf16*) peak=$PEAK_BF16 ;; fp16*) peak=$PEAK_FP16 ;; esac
