@@ -69,3 +69,28 @@ def test_a_trace_the_disk_has_no_room_for_is_said_and_leaves_no_partial_file(tmp
     assert result.code == 0, result.stderr
     assert f"profile of 2 steps (the trace could not be written in {run_dir}): milliseconds" in result.stdout
     assert not list(run_dir.glob("*.pt.trace.json*")) and (run_dir / "profile.json").is_file()
+
+
+def test_on_a_gpu_operators_are_ranked_by_their_kernels_time(tmp_path, capsys):
+    """On CUDA an operator's CPU time is its launch (or a wait on a full queue): the table ranked launches."""
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    import torch
+
+    from common.profile import StepProfiler
+
+    step = SimpleNamespace(name="ProfilerStep#3", cpu_parent=None, cpu_children=[],
+                           time_range=SimpleNamespace(start=0, end=4000))
+    operators = [SimpleNamespace(key="aten::launch_heavy", self_cpu_time_total=3000.0, self_device_time_total=10.0),
+                 SimpleNamespace(key="aten::mm", self_cpu_time_total=20.0, self_device_time_total=2000.0)]
+    trace = SimpleNamespace(events=lambda: [step], key_averages=lambda: operators,
+                            export_chrome_trace=lambda path, **kwargs: Path(path).write_text("{}"))
+    profiler = StepProfiler(tmp_path, None, torch.device("cpu"))
+    profiler.profiler, profiler.on_gpu = trace, True  # as if profiling a CUDA run (none here)
+    profiler.report(trace)
+    out = capsys.readouterr().out
+    assert "top operators by self GPU time:" in out and out.index("aten::mm") < out.index("aten::launch_heavy")
+    assert "(the CPU's time: the GPU runs behind it)" in out
+    assert json.loads((tmp_path / "profile.json").read_text())["operators"] == {"aten::mm": 2.0,
+                                                                                "aten::launch_heavy": 0.01}
