@@ -18,8 +18,10 @@ from common.cli import launched_as_rank_0, on_exit
 
 class StopRequest:
     """Ctrl-C and SIGTERM (sent by schedulers and spot instances before a kill) as a flag, ``requested``, instead
-    of an exception half-way through a step; the loop saves and calls ``exit``. A second signal quits at once.
-    Exit status: 128 + signal. The previous handlers come back when the recipe's command ends."""
+    of an exception half-way through a step; the loop saves and calls ``exit``. A second signal quits at once, but
+    under torchrun, which passes on the signal it gets, a rank signalled itself too (SLURM signals every process; a
+    Ctrl-C, the terminal's whole group) hears the same one twice: torchrun's SIGKILL, after its grace period, is the
+    quit. Exit status: 128 + signal. The previous handlers come back when the recipe's command ends."""
 
     def __init__(self):
         self.signal: int | None = None
@@ -33,19 +35,23 @@ class StopRequest:
     def exit(self, step: int, run_dir: Path | None) -> None:
         """Once a checkpoint of ``step`` is saved: say how to resume ``run_dir`` (None: a command that always starts
         afresh, such as a comparison), and exit (SystemExit: clean-ups still run)."""
-        if self.requested and launched_as_rank_0():
+        if launched_as_rank_0():  # signalled or not: under torchrun, another node's ranks may have been
             print(f"interrupted at step {step}; checkpoint saved. Resume with:\n  {resume_command(run_dir)}"
                   if run_dir else f"interrupted at step {step}; this command always starts afresh: run it again "
                   "with another --run-dir", flush=True)
         sys.exit(128 + (self.signal or signal.SIGTERM))  # a rank not signalled itself: as if SIGTERMed
 
     def handle(self, signum, frame) -> None:
+        torchrun = "TORCHELASTIC_RUN_ID" in os.environ
         if self.requested:
-            sys.exit(128 + signum)
+            if not (torchrun and signum == self.signal):
+                sys.exit(128 + signum)
+            return
         self.signal = signum
         name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
         if launched_as_rank_0():
-            print(f"{name}: saving a checkpoint after this step (send it again to quit without saving)", flush=True)
+            print(f"{name}: saving a checkpoint after this step" + ("" if torchrun else
+                  " (send it again to quit without saving)"), flush=True)
 
     def restore(self) -> None:
         for s, handler in self.previous.items():

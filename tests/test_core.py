@@ -641,6 +641,28 @@ def test_first_signal_asks_for_a_stop_and_the_second_quits_at_once(signum, code,
     assert signal.getsignal(signum) is previous
 
 
+def test_under_torchrun_the_same_signal_twice_is_one_request(monkeypatch, capsys, tmp_path):
+    """torchrun passes on the signal it gets: under SLURM (every process SIGTERMed) each rank hears it twice, which
+    must not quit without the save. Another signal still quits; a rank 0 that was not signalled (another node's
+    ranks were) still says how to resume."""
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    stop = StopRequest()
+    try:
+        with pytest.raises(SystemExit) as exit_:
+            stop.exit(7, tmp_path)  # agreed with another rank, not signalled here
+        assert exit_.value.code == 143 and "interrupted at step 7; checkpoint saved" in capsys.readouterr().out
+        signal.raise_signal(signal.SIGTERM)
+        signal.raise_signal(signal.SIGTERM)  # torchrun's copy
+        assert stop.signal == signal.SIGTERM and "send it again" not in capsys.readouterr().out
+        with pytest.raises(SystemExit) as exit_:
+            signal.raise_signal(signal.SIGINT)
+        assert exit_.value.code == 130
+    finally:
+        stop.restore()
+
+
 def test_fp32_means_fp32_for_convolutions_too(tmp_path, monkeypatch):
     """cuDNN lets convolutions run in TF32 by default (10 mantissa bits on Ampere+); fp32 runs switch it off, and
     the run's config records what fp32 meant."""
