@@ -5,13 +5,16 @@ worker seeds from the global RNG (so adding an evaluation changes the next epoch
 cannot start part-way through an epoch. ``make_loader`` fixes all three.
 """
 
+import contextlib
 import hashlib
 import itertools
+import os
 import signal
+import sys
 import urllib.error
 import urllib.request
 import zlib
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -105,13 +108,16 @@ def load_mnist(data_dir: Path, *, train: bool) -> tuple[torch.Tensor, torch.Tens
     raw = Path(data_dir).resolve() / "MNIST" / "raw"
     created = [d for d in [raw, *raw.parents] if not d.exists()]
     try:
-        dataset = MNIST(str(data_dir), train=train, download=True)
+        raw.mkdir(parents=True, exist_ok=True)
+        with one_at_a_time(raw):  # torchrun's ranks: one downloads, the others wait and read what it wrote
+            dataset = MNIST(str(data_dir), train=train, download=True)
     except (OSError, RuntimeError, urllib.error.URLError) as err:
         if all((raw / name).exists() or (raw / f"{name}.gz").exists() for name in MNIST_FILES):
             raise RecipeError(f"MNIST files in {raw} are unreadable ({err}); delete them to download again") from None
         remove_empty(created)
-        raise RecipeError(f"MNIST is not in {raw} and could not be downloaded (offline?): put "
-                          f"{', '.join(MNIST_FILES)} (or their .gz) in {raw}") from None
+        why = (str(err).strip() or "no reason given").splitlines()[-1]  # torchvision's last line says why
+        raise RecipeError(f"MNIST is not in {raw} and could not be downloaded ({why}; offline?): "
+                          f"put {', '.join(MNIST_FILES)} (or their .gz) in {raw}") from None
     except Exception as err:  # torchvision signals malformed IDX files with assorted exception types
         raise RecipeError(f"MNIST files in {raw} are corrupt ({type(err).__name__}: {err}); delete them to "
                           "download again") from None
@@ -126,6 +132,24 @@ def load_mnist(data_dir: Path, *, train: bool) -> tuple[torch.Tensor, torch.Tens
     # uint8 (N, 28, 28) -> float32 (N, 1, 28, 28): a channel axis for the convolutions, values standardised
     images = (data.unsqueeze(1).float() / 255 - MNIST_MEAN) / MNIST_STD
     return images, labels
+
+
+@contextlib.contextmanager
+def one_at_a_time(folder: Path) -> Iterator[None]:
+    """Hold an exclusive ``flock`` on ``folder`` while the block runs, waiting for it: processes that write the same
+    files (torchvision truncates and rewrites them in place) take turns. The kernel drops it with its process.
+    (No flock on Windows.)"""
+    if sys.platform == "win32":
+        yield
+        return
+    import fcntl
+
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
 
 
 def download(url: str, dest: Path, md5: str) -> Path:

@@ -2,8 +2,11 @@
 
 import json
 import math
+import os
+import sys
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -143,12 +146,42 @@ def test_offline_without_data_names_the_files_and_folder(run_inprocess, tmp_path
     assert result.code == 1
     assert result.stderr.count("\n") == 1 and result.stderr.startswith("error: ")
     assert "train-images-idx3-ubyte" in result.stderr and "t10k-labels-idx1-ubyte" in result.stderr
+    assert "(<urlopen error no network>; offline?)" in result.stderr  # the reason, not a guess alone
     assert str(tmp_path / "data" / "MNIST" / "raw") in result.stderr
     assert not (tmp_path / "data").exists()  # the folders made for the download are gone with it
     monkeypatch.chdir(tmp_path)  # a relative --data-dir is named in full
     result = run_inprocess(RECIPE, "--data-dir", "rel", "--run-dir", tmp_path / "run")
     assert result.code == 1 and str(tmp_path / "rel" / "MNIST" / "raw") in result.stderr
     assert not (tmp_path / "rel").exists()
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="no flock on Windows")
+def test_ranks_download_mnist_one_at_a_time(tmp_path, monkeypatch):
+    """torchrun's ranks all call load_mnist: torchvision truncates and rewrites the files in place, so a rank that
+    checked a file while another wrote it failed the launch. The download runs under a lock on the raw folder."""
+    import fcntl
+
+    import torchvision.datasets
+
+    from common.data import load_mnist
+
+    held = []
+
+    class FakeMNIST:
+        def __init__(self, root, train, download):
+            fd = os.open(Path(root).resolve() / "MNIST" / "raw", os.O_RDONLY)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                held.append(False)
+            except BlockingIOError:
+                held.append(True)
+            finally:
+                os.close(fd)
+            self.data, self.targets = torch.zeros(4, 28, 28, dtype=torch.uint8), torch.tensor([0, 1, 2, 3])
+
+    monkeypatch.setattr(torchvision.datasets, "MNIST", FakeMNIST)
+    images, labels = load_mnist(tmp_path / "data", train=True)
+    assert held == [True] and labels.tolist() == [0, 1, 2, 3]
 
 
 def more_labels(images, labels):
