@@ -7,6 +7,7 @@ cannot start part-way through an epoch. ``make_loader`` fixes all three.
 
 import contextlib
 import hashlib
+import http.client
 import itertools
 import os
 import signal
@@ -164,9 +165,11 @@ def download(url: str, dest: Path, md5: str) -> Path:
         with urllib.request.urlopen(url, timeout=30) as response, open(tmp, "wb") as f:
             while chunk := response.read(1 << 20):
                 f.write(chunk)
-    except (urllib.error.URLError, OSError) as err:
+    except BaseException as err:  # Ctrl-C and SIGTERM too: no part file or new folder is left
         tmp.unlink(missing_ok=True)
         remove_empty(created)
+        if not isinstance(err, urllib.error.URLError | OSError | http.client.HTTPException):  # a cut-off response
+            raise
         reason = getattr(err, "reason", err)
         found = f"{dest} exists but its checksum is not the published one; " if dest.exists() else ""
         raise RecipeError(f"{found}could not download {url} ({reason}); offline? place the file at {dest}") from None

@@ -3,6 +3,7 @@
 import contextlib
 import errno
 import hashlib
+import http.client
 import io
 import json
 import math
@@ -624,6 +625,22 @@ def test_download_checks_the_published_checksum(tmp_path, monkeypatch):
     with pytest.raises(RecipeError, match="exists but its checksum is not the published one.*offline"):
         download("https://example.org/file.csv", dest, md5)
     assert dest.read_bytes() == b"altered"  # what was there is left for the user to inspect
+
+
+@pytest.mark.parametrize("failure", [http.client.IncompleteRead(b"par"), KeyboardInterrupt()])
+def test_a_download_cut_short_leaves_no_part_file_or_new_folder(tmp_path, monkeypatch, failure):
+    """A server that ends a chunked response early raises an HTTPException (not an OSError): one line, not a
+    traceback. Ctrl-C or SIGTERM mid-download goes on as itself, and neither leaves a part file or folder behind."""
+    class CutShort(io.BytesIO):
+        def read(self, size=-1):
+            raise failure
+
+    monkeypatch.setattr(urllib.request, "urlopen", lambda url, timeout: CutShort())
+    with pytest.raises(type(failure) if isinstance(failure, KeyboardInterrupt) else RecipeError) as raised:
+        download("https://example.org/file.csv", tmp_path / "data" / "adult" / "file.csv", "0" * 32)
+    if raised.type is RecipeError:
+        assert "could not download https://example.org/file.csv (IncompleteRead" in str(raised.value)
+    assert list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.parametrize(("signum", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
