@@ -240,9 +240,11 @@ def save_folder(out: Path, state: dict, model_config: dict, vocab: object) -> No
     GenerationConfig.from_model_config(config).save_pretrained(out)
     special = {"bos_token": END_OF_TEXT, "eos_token": END_OF_TEXT, "unk_token": END_OF_TEXT} \
         if tokenizer.token_to_id(END_OF_TEXT) is not None else {}
-    # clean_up_tokenization_spaces off: decode gives the text back as it was (no " ." -> "." rewriting)
+    # clean_up_tokenization_spaces off: decode gives the text back as it was (no " ." -> "." rewriting); no
+    # token_type_ids (transformers 4.x returns them, and GPT-2 adds their embedding: model(**tokenizer(text)) drifts)
     PreTrainedTokenizerFast(tokenizer_object=tokenizer, model_max_length=model_config["block_size"],
-                            clean_up_tokenization_spaces=False, **special).save_pretrained(out)
+                            clean_up_tokenization_spaces=False, model_input_names=["input_ids", "attention_mask"],
+                            **special).save_pretrained(out)
     # transformers 5 names the class TokenizersBackend, which 4.x does not know; both load PreTrainedTokenizerFast
     settings = json.loads((out / "tokenizer_config.json").read_text())
     settings["tokenizer_class"] = "PreTrainedTokenizerFast"

@@ -146,6 +146,21 @@ def test_greedy_generation_in_transformers_gives_the_recipes_tokens(kind, traine
     assert got.tolist() == expected.tolist()
 
 
+def test_the_tokenizers_output_is_the_models_input(trained, exported):
+    """model(**tokenizer(text)), as transformers' examples write it: transformers 4.x's PreTrainedTokenizerFast also
+    returns token_type_ids unless the folder names the model's inputs, and GPT-2 adds their embedding to every
+    position (logits 0.03 off, another greedy token)."""
+    folder = exported["bytes"]
+    assert json.loads((folder / "tokenizer_config.json").read_text())["model_input_names"] == ["input_ids",
+                                                                                            "attention_mask"]
+    encoded = AutoTokenizer.from_pretrained(folder)("def forward(self", return_tensors="pt")
+    assert sorted(encoded.keys()) == ["attention_mask", "input_ids"]
+    with torch.no_grad():
+        theirs = hf_model(folder)(**encoded).logits
+        ours = recipe_model(trained["bytes"])(encoded["input_ids"])
+    assert (theirs - ours).abs().max() <= TOLERANCE
+
+
 @pytest.mark.parametrize("kind", ["bytes", "chars"])
 def test_the_exported_tokenizer_round_trips_text_as_the_recipe_tokenizes_it(kind, trained, exported):
     tokenizer = AutoTokenizer.from_pretrained(exported[kind])
