@@ -190,6 +190,7 @@ def tiny_transformer(state: dict, path: Path) -> Exportable:
     example = {"idx": torch.randint(config.vocab_size, (EXAMPLE_BATCH, max(2, config.block_size // 2)), generator=g)}
     check = {"idx": torch.randint(config.vocab_size, (CHECK_BATCH, config.block_size), generator=g)}
     tokenizer = state.get("tokenizer")  # a Hugging Face tokenizer's JSON (--init-from), written as tokenizer.json
+    hf_tokens.checkpoint_vocab(state)  # a damaged tokenizer or vocabulary is refused, not copied
     info = {
         "input": {"idx": {"shape": ["batch", "tokens"], "dtype": "int64", "max_tokens": config.block_size}},
         # None: byte-level, token t is the byte t (0-255); else token t is the character vocab[t]; with a
@@ -434,7 +435,8 @@ def export_checkpoint(checkpoint: Path, out_dir: Path, overwrite: bool = False, 
             else:
                 differences = export(exportable, tmp)
         except ImportError as err:
-            raise ExportError(f"{err.name} is not installed: pip install -r requirements.txt") from None
+            what = f"{err.name} is not installed" if err.name else str(err).strip().splitlines()[0]  # a version check
+            raise ExportError(f"{what}: pip install -r requirements.txt") from None
         except OSError as err:
             raise ExportError(f"cannot write {out_dir}: {err.strerror or err}") from None
         except Exception as err:  # torch.export or the ONNX converter cannot handle the model
@@ -448,6 +450,7 @@ def export_checkpoint(checkpoint: Path, out_dir: Path, overwrite: bool = False, 
         files = {"graph": {"torch.export": "model.pt2", "onnx": "model.onnx"},
                  "safetensors": {"safetensors": "model.safetensors"}, "hf": {"transformers": "."}}[format]
         info = {"recipe": recipe, "source": str(checkpoint), "step": state.get("step"),
+                "averaged": bool(state.get("averaged")),  # best.pt of an --ema run: the weights' moving average
                 "torch_version": torch.__version__, "format": format, "files": files, **exportable.info,
                 "check": {"batch": CHECK_BATCH, "tolerance": TOLERANCE, "max_abs_diff": differences}}
         try:
@@ -476,8 +479,9 @@ def make_parents(out_dir: Path) -> list[Path]:
     created = []
     try:
         for folder in missing:
-            folder.mkdir()
-            created.append(folder)
+            if not folder.exists():  # "new/../out": new/.. is there once new is
+                folder.mkdir()
+                created.append(folder)
     except OSError as err:
         remove_empty(created)
         raise ExportError(f"cannot write {out_dir}: {err.strerror}") from None
@@ -510,7 +514,7 @@ def replace_dir(new: Path, out_dir: Path) -> None:
                 return move_files(new, out_dir)
             try:
                 os.replace(new, out_dir)
-            except OSError:
+            except BaseException:  # an OSError, or Ctrl-C between the two renames
                 os.replace(old, out_dir)  # the earlier export stays
                 raise
             shutil.rmtree(old, ignore_errors=True)

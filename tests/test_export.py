@@ -183,6 +183,29 @@ def test_overwrite_replaces_an_earlier_export(checkpoints, tmp_path, capsys):
     assert "done: exported" in capsys.readouterr().out
 
 
+def test_model_json_says_whether_the_weights_are_an_average_and_a_path_through_dotdot_is_written(checkpoints,
+                                                                                                tmp_path, monkeypatch):
+    """best.pt of an --ema run holds the moving average, last.pt the trained weights: model.json tells them apart.
+    OUT_DIR "new/../out" (new not there yet) is the folder "out", as mkdir -p makes it."""
+    state = torch.load(checkpoints["ddp_mlp"], weights_only=True)
+    torch.save(state | {"averaged": True}, tmp_path / "best.pt")
+    monkeypatch.chdir(tmp_path)
+    assert export.main([str(checkpoints["ddp_mlp"]), "new/../out", "--format", "safetensors"]) == 0
+    assert export.main(["best.pt", "averaged", "--format", "safetensors"]) == 0
+    assert json.loads((tmp_path / "out" / "model.json").read_text())["averaged"] is False
+    assert json.loads((tmp_path / "averaged" / "model.json").read_text())["averaged"] is True
+
+
+def test_a_library_that_fails_its_own_import_is_named_in_one_line(checkpoints, tmp_path, capsys, monkeypatch):
+    def broken(*args, **kwargs):  # transformers' version check: an ImportError that names no module
+        raise ImportError("tokenizers>=0.22.0,<=0.23.0 is required for a normal functioning of this module")
+
+    monkeypatch.setattr(export, "export_safetensors", broken)
+    assert export.main([str(checkpoints["ddp_mlp"]), str(tmp_path / "out"), "--format", "safetensors"]) == 1
+    assert capsys.readouterr().err == ("error: tokenizers>=0.22.0,<=0.23.0 is required for a normal functioning of "
+                                       "this module: pip install -r requirements.txt\n")
+
+
 def test_overwrite_through_a_link_replaces_the_folder_it_names_and_keeps_the_link(checkpoints, tmp_path):
     real, link = tmp_path / "real", tmp_path / "link"
     assert export.main([str(checkpoints["ddp_mlp"]), str(real)]) == 0
@@ -369,6 +392,10 @@ def bad_case(case: str, checkpoints: dict, tmp_path: Path) -> tuple[list, str]:
     if case == "out dir under a file":
         (tmp_path / "a-file").write_text("a file")
         return [good, tmp_path / "a-file" / "sub" / "out"], "a-file is a file, not a folder"
+    if case == "a damaged tokenizer":  # graph and safetensors exports copied it as tokenizer.json, unread
+        state = torch.load(checkpoints["tiny_transformer"], weights_only=True)
+        torch.save(state | {"tokenizer": '{"version": "1.0", "model": {"type": '}, bad)
+        return [bad, out], "the checkpoint's tokenizer is damaged (not a tokenizers JSON)"
     if case == "checkpoint is a folder":
         (tmp_path / "folder.pt").mkdir()
         return [tmp_path / "folder.pt", out], "is not a file"
@@ -378,7 +405,8 @@ def bad_case(case: str, checkpoints: dict, tmp_path: Path) -> tuple[list, str]:
 BAD_CASES = ["missing checkpoint", "random bytes", "truncated checkpoint", "another program's checkpoint",
              "a bare state_dict", "pickle payload", "weights of another shape", "extras missing",
              "a negative width", "weights that are not a dict", "a weight that is no tensor",
-             "a recipe named in a list", "out dir is a file", "out dir under a file", "checkpoint is a folder"]
+             "a recipe named in a list", "out dir is a file", "out dir under a file", "checkpoint is a folder",
+             "a damaged tokenizer"]
 
 
 @pytest.mark.parametrize("case", BAD_CASES)
@@ -479,6 +507,24 @@ def test_ctrl_c_is_exit_130_in_one_line_and_leaves_no_temporary_folder(checkpoin
     assert export.main([str(checkpoints["ddp_mlp"]), str(tmp_path / "out")]) == 130
     assert capsys.readouterr().err == f"error: interrupted; {tmp_path / 'out'} left as it was\n"
     assert list(tmp_path.iterdir()) == []
+
+
+def test_ctrl_c_between_the_two_renames_of_overwrite_keeps_the_earlier_export(checkpoints, tmp_path, capsys,
+                                                                           monkeypatch):
+    out = tmp_path / "out"
+    assert export.main([str(checkpoints["ddp_mlp"]), str(out)]) == 0
+    earlier = (out / "model.json").read_bytes()
+    replace = export.os.replace
+
+    def interrupted(src, dst):  # the earlier export has moved aside; Ctrl-C comes before the new one moves in
+        if Path(src).name.endswith(".tmp"):
+            raise KeyboardInterrupt
+        replace(src, dst)
+
+    monkeypatch.setattr(export.os, "replace", interrupted)
+    assert export.main([str(checkpoints["compiled_model"]), str(out), "--overwrite"]) == 130
+    assert capsys.readouterr().err.endswith(f"error: interrupted; {out} left as it was\n")
+    assert (out / "model.json").read_bytes() == earlier and sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 
 
 def test_sigterm_is_exit_143_in_one_line_and_leaves_no_temporary_folder(checkpoints, tmp_path):
