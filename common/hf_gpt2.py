@@ -240,8 +240,7 @@ def save_folder(out: Path, state: dict, model_config: dict, vocab: object) -> No
     GenerationConfig.from_model_config(config).save_pretrained(out)
     special = {"bos_token": END_OF_TEXT, "eos_token": END_OF_TEXT, "unk_token": END_OF_TEXT} \
         if tokenizer.token_to_id(END_OF_TEXT) is not None else {}
-    # clean_up_tokenization_spaces off: decode gives the text back as it was (no " ." -> "." rewriting); no
-    # token_type_ids (transformers 4.x returns them, and GPT-2 adds their embedding: model(**tokenizer(text)) drifts)
+    # decode gives the text back as it was (no " ." -> "."); no token_type_ids (4.x gives them; GPT-2 would add them)
     PreTrainedTokenizerFast(tokenizer_object=tokenizer, model_max_length=model_config["block_size"],
                             clean_up_tokenization_spaces=False, model_input_names=["input_ids", "attention_mask"],
                             **special).save_pretrained(out)
