@@ -131,13 +131,20 @@ def read_table(path: Path) -> pa.Table:
     if nested:  # Parquet: lists, structs and maps are no single value per cell
         raise cli.RecipeError(f"{path}: column {', '.join(nested)} holds lists or records, not one number or word per "
                               "cell; drop or flatten it")
-    for i, column in enumerate(table.column_names):  # Parquet: bytes are words only in UTF-8
-        if any(is_bytes(table[i].type) for is_bytes in (pa.types.is_binary, pa.types.is_large_binary,
-                                                         pa.types.is_fixed_size_binary, pa.types.is_binary_view)):
+    for i, column in enumerate(table.column_names):
+        if isinstance(table[i].type, pa.BaseExtensionType):  # Parquet: a UUID, JSON: read as what it is stored as
+            table = table.set_column(i, column, pa.chunked_array([c.storage for c in table[i].chunks],
+                                                                 table[i].type.storage_type))
+        dictionary = pa.types.is_dictionary(table[i].type)
+        values = table[i].type.value_type if dictionary else table[i].type
+        if any(is_bytes(values) for is_bytes in (pa.types.is_binary, pa.types.is_large_binary,  # words only
+                                                 pa.types.is_fixed_size_binary, pa.types.is_binary_view)):  # in UTF-8
             try:
-                table = table.set_column(i, column, table[i].cast(pa.string()))
+                table = table.set_column(i, column, table[i].cast(pa.dictionary(table[i].type.index_type, pa.string())
+                                                                  if dictionary else pa.string()))
             except pa.ArrowInvalid:
-                raise cli.RecipeError(f"{path}: column {column!r} holds bytes that are not UTF-8 text") from None
+                raise cli.RecipeError(f"{path}: column {column!r} holds bytes that are not UTF-8 text (an ID? leave "
+                                      "it out of the file)") from None
     return table
 
 
@@ -167,7 +174,8 @@ def distinct(column: pa.ChunkedArray | pa.Array) -> tuple[np.ndarray, pa.Array]:
     column = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
     if not pa.types.is_dictionary(column.type):  # Parquet: any type
         column = pc.dictionary_encode(column)
-    indices = column.indices.fill_null(len(column.dictionary)).to_numpy()  # a null cell: one past the end
+    indices = column.indices.cast(pa.int64()) if column.indices.type.bit_width < 32 else column.indices  # int8: 127
+    indices = indices.fill_null(len(column.dictionary)).to_numpy()  # a null cell: one past the end
     words = pc.utf8_trim_whitespace(column.dictionary.cast(pa.string()))
     words = pa.concat_arrays([pc.if_else(pc.is_in(pc.utf8_lower(words), value_set=MISSING), None, words),
                               pa.nulls(1, pa.string())])
@@ -300,6 +308,12 @@ def encode(spec: dict, table: pa.Table, *, with_target: bool = True):
         known = pa.array(vocabulary[2:], pa.string())  # typed: a column missing in every training row has none
         codes = pc.fill_null(pc.add(pc.index_in(words, value_set=known), 2), 0)  # unseen: 0
         categorical[:, j] = pc.if_else(pc.is_null(words), 1, codes).to_numpy()[indices]  # missing: 1
+        unseen = int((categorical[:, j] == 0).sum())
+        if unseen >= 10 and unseen > table.num_rows // 2 and len(vocabulary) > 2:  # "True" where training had "true"
+            example = words.filter(pc.equal(codes, 0))[0].as_py()
+            seen = ", ".join(map(repr, vocabulary[2:5])) + (", ..." if len(vocabulary) > 5 else "")
+            print(f"warning: column {name!r}: {unseen:,} of {table.num_rows:,} values never seen in training (such "
+                  f"as {example!r}; training's: {seen}), read as unseen", file=sys.stderr)
     if not with_target:
         return numeric, categorical, None
     if spec["task"] == "classification":
@@ -313,8 +327,10 @@ def encode(spec: dict, table: pa.Table, *, with_target: bool = True):
         target = pc.if_else(pc.is_null(words), MISSING_CLASS, codes).to_numpy()[indices]
         return numeric, categorical, target.astype(np.int64)
     values = numbers(table[spec["target"]], strict=False)
-    if np.isnan(values).any():
-        raise cli.RecipeError(f"target column {spec['target']!r} has missing or non-numeric values")
+    if (missing := np.isnan(values)).any():  # a regression loss has no row to leave out, as a class one has
+        raise cli.RecipeError(f"target column {spec['target']!r} has {missing.sum():,} missing or non-numeric "
+                              f"value(s) (the first in data row {missing.argmax() + 1}); fill them in, or remove "
+                              "those rows")
     return numeric, categorical, ((values - spec["target_mean"]) / spec["target_std"]).astype(np.float32)
 
 
@@ -638,6 +654,12 @@ def load_tables(csv_path: Path | None, target: str, data_dir: Path) -> tuple[pa.
                      f": is it {name}-separated? only .tsv files are read with another delimiter than ','"
                      for sep, name in (("\t", "tab"), (";", "semicolon")) if len(header) == 1 and sep in header[0]), "")
         raise cli.RecipeError(f"target column {target!r} is not in the table (columns: {', '.join(header)}){hint}")
+    if nameless := [name for name in table.column_names if not name or re.fullmatch(r"Unnamed: \d+", name)]:
+        # pandas' to_csv() writes the row index as a first column without a name: row numbers are no feature (in a
+        # file sorted by label they predict it, and new rows' do not)
+        print(f"note: {len(nameless)} column(s) without a name left out: a row index, as pandas writes it",
+              file=sys.stderr)
+        table = table.drop_columns(nameless)
     if table.num_columns == 1:  # an MLP of no inputs: nothing to learn the target from
         raise cli.RecipeError(f"{csv_path} has no feature columns besides the target {target!r}: add the columns "
                               "to predict it from")
@@ -699,7 +721,7 @@ def main(
     dropout: Annotated[float, typer.Option(min=0.0, max=0.9, help="Dropout after each hidden layer.")] = 0.5,
     predict_csv: Annotated[
         Path | None, typer.Option("--predict", help="Only predict: rows of this table (as --csv), with the model "
-                                                    "from --resume; written as CSV.")
+                                                    "from --resume; written as --output says.")
     ] = None,
     output: Annotated[Path | None, typer.Option(help="Predictions file: .csv, .tsv (either gzipped if named .gz) or "
                                                     ".parquet [default: PREDICT.predictions.csv].")] = None,
@@ -833,8 +855,9 @@ def train(csv_path: Path | None, target: str, task: str, val_frac: float, cv: in
         table.take(train_rows), target, task, bins=PLE_BINS if num_embedding == "ple" else 0,
         rows=f" in fold {fold}'s training rows (--cv {cv})" if cv else " in the training split (--val-frac)")
     classification = spec["task"] == "classification"
-    if num_embedding == "auto":  # periodic, or none for a small regression (a resume has the same task and rows)
-        num_embedding = auto_embedding(spec["task"], len(train_rows))
+    if num_embedding == "auto":  # periodic, or none for a small regression (a resume has the same task and rows);
+        # --cv: the same for every fold, whose training rows may differ by one across the threshold
+        num_embedding = auto_embedding(spec["task"], len(train_rows) if fold is None else len(table) * (cv - 1) // cv)
     config["num_embedding_used"] = num_embedding
     arrays = encode(spec, table)  # every row at once, then split: the statistics are the training split's
     if classification and (arrays[2].take(val_rows) < 0).all():  # every class unseen in training: no score to take

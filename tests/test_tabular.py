@@ -872,3 +872,80 @@ def test_a_regression_target_at_minus_two_is_a_number_not_an_unseen_class():
     classes = np.array([0, tabular.UNSEEN_CLASS, tabular.MISSING_CLASS, 1])
     assert tabular.unseen_as_missing(classes, classification=True).tolist() == [False, True, False, False]
     assert classes.tolist() == [0, tabular.MISSING_CLASS, tabular.MISSING_CLASS, 1]
+
+
+@pytest.mark.parametrize("index_name", ["", "Unnamed: 0"])
+def test_a_row_index_as_pandas_writes_it_is_left_out(run_inprocess, tmp_path, index_name):
+    """df.to_csv() writes the row index as a first column without a name (read back and saved again: "Unnamed: 0").
+    In a file sorted by label the row number predicts the label, and new rows' do not: it was trained on."""
+    rows = [[str(i), f"{(i % 7) * 0.5}", "a" if i < 30 else "b"] for i in range(60)]
+    path = tmp_path / "sorted.csv"
+    path.write_text("\n".join(",".join(row) for row in [[index_name, "x", "label"], *rows]) + "\n")
+    result = run_inprocess(RECIPE, "--csv", path, "--target", "label", "--max-steps", 1, "--run-dir", tmp_path / "run")
+    assert result.code == 0, result.stderr
+    assert "note: 1 column(s) without a name left out: a row index, as pandas writes it" in result.stderr
+    features = torch.load(tmp_path / "run" / "checkpoints" / "last.pt", weights_only=True)["features"]
+    assert list(features["numeric"]) == ["x"] and features["categorical"] == {}
+
+
+def test_parquet_extension_and_dictionary_columns_train_or_are_one_line(tmp_path):
+    """Column types that were tracebacks: UUIDs and JSON (extension types), dictionary-encoded bytes, and a
+    dictionary of 128 words with int8 indices (a missing cell's index, 128, does not fit an int8)."""
+    import uuid
+
+    def table_of(column):
+        path = tmp_path / "t.parquet"
+        pq.write_table(pa.table({"c": column, "label": ["a", "b"] * (len(column) // 2)}), path)
+        return tabular.read_table(path)
+
+    words = pa.DictionaryArray.from_arrays(pa.array([*range(128), None, 0], pa.int8()),
+                                           pa.array([f"w{i}" for i in range(128)]))
+    spec = tabular.fit_features(table_of(words), "label", "classification")
+    assert len(spec["categorical"]["c"]) == 2 + 128
+    texts = pa.array(["cat", "dog", "cat", None]).cast(pa.binary()).dictionary_encode()
+    assert tabular.fit_features(table_of(texts), "label", "auto")["categorical"]["c"] == ["<unseen>", "<missing>",
+                                                                                          "cat", "dog"]
+    documents = pa.array(['{"a": 1}', '{"b": 2}'], pa.json_())
+    assert tabular.fit_features(table_of(documents), "label", "auto")["categorical"]["c"][2:] == ['{"a": 1}',
+                                                                                                  '{"b": 2}']
+    for column in (pa.array([uuid.UUID(int=i).bytes for i in (255, 256)], pa.uuid()),
+                   pa.array([b"\xff\xfe", b"ok"]).dictionary_encode()):
+        with pytest.raises(tabular.cli.RecipeError, match="column 'c' holds bytes that are not UTF-8 text"):
+            table_of(column)
+
+
+def test_a_column_spelled_otherwise_than_in_training_is_warned_of(tmp_path, capsys):
+    """Parquet's booleans read as "true"/"false", pandas' CSV spells them "True"/"False": every new row's value
+    was silently unseen, and the predictions near chance."""
+    pq.write_table(pa.table({"member": [True, False] * 20, "label": ["a", "b"] * 20}), tmp_path / "train.parquet")
+    spec = tabular.fit_features(tabular.read_table(tmp_path / "train.parquet"), "label", "classification")
+    (tmp_path / "new.csv").write_text("member,label\n" + "True,a\nFalse,b\n" * 20)
+    capsys.readouterr()
+    categorical = tabular.encode(spec, tabular.read_table(tmp_path / "new.csv"), with_target=False)[1]
+    assert (categorical == 0).all()
+    assert capsys.readouterr().err == ("warning: column 'member': 40 of 40 values never seen in training (such as "
+                                       "'True'; training's: 'false', 'true'), read as unseen\n")
+    tabular.encode(spec, tabular.read_table(tmp_path / "train.parquet"), with_target=False)
+    assert capsys.readouterr().err == ""
+
+
+def test_cross_validation_embeds_the_numbers_alike_in_every_fold(run_inprocess, tmp_path):
+    """--num-embedding auto depends on the training rows (a regression: periodic from 10,000): 19,999 rows in two
+    folds train on 9,999 and 10,000, and the folds were two different models averaged as one score."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=19_999)
+    pq.write_table(pa.table({"x": x, "y": 2 * x}), tmp_path / "t.parquet")
+    result = run_inprocess(RECIPE, "--csv", tmp_path / "t.parquet", "--target", "y", "--cv", 2, "--max-steps", 1,
+                           "--hidden", 4, "--depth", 1, "--run-dir", tmp_path / "cv")
+    assert result.code == 0, result.stderr
+    used = [json.loads((tmp_path / "cv" / f"fold-{k}" / "config.json").read_text())["num_embedding_used"]
+            for k in range(2)]
+    assert used == ["none", "none"]
+
+
+def test_a_regression_target_with_missing_values_says_how_many_and_where(run_inprocess, tmp_path):
+    (tmp_path / "t.csv").write_text("x,y\n" + "".join(f"{i},{i * 2}\n" for i in range(40)) + "3,\n4,n/a\n")
+    result = run_inprocess(RECIPE, "--csv", tmp_path / "t.csv", "--target", "y", "--task", "regression",
+                           "--max-steps", 1, "--run-dir", tmp_path / "run")
+    assert result.code == 1 and result.stderr == ("error: target column 'y' has 2 missing or non-numeric value(s) (the "
+                                                  "first in data row 41); fill them in, or remove those rows\n")
