@@ -180,11 +180,15 @@ def range_test(recipe, options: list[str], rates: list[float], work: Path) -> tu
     from torch.optim.optimizer import register_optimizer_step_pre_hook
 
     applied = []  # the rate of each optimizer.step(), in order
+    shares = {}  # optimizer -> each group's rate over the largest, as the recipe set them (a fine-tuned backbone's)
 
     def set_rate(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
         applied.append(rates[min(len(applied), len(rates) - 1)])
-        for group in optimizer.param_groups:
-            group["lr"] = applied[-1]
+        if optimizer not in shares:
+            top = max(float(group["lr"]) for group in optimizer.param_groups)
+            shares[optimizer] = [float(group["lr"]) / top if top > 0 else 1.0 for group in optimizer.param_groups]
+        for group, share in zip(optimizer.param_groups, shares[optimizer], strict=True):
+            group["lr"] = applied[-1] * share
 
     run_dir = work / "run"
     run_dir.mkdir()  # ours: the recipe does not remove a folder it did not make, so a diverged run's events stay
@@ -197,7 +201,7 @@ def range_test(recipe, options: list[str], rates: list[float], work: Path) -> tu
         handle.remove()
     if code == 2:
         raise FinderError(f"the recipe refused its options: {message}", exit_code=2)
-    if code and "diverged" not in message:
+    if code and not message.startswith("error: training diverged"):  # a path may hold the word
         raise FinderError(message.removeprefix("error: ") or f"the recipe exited with status {code}")
     scalars = logged_scalars(run_dir)
     losses = scalars.get("train/loss", {})  # a step's loss, logged unless the GradScaler skipped the step
@@ -314,9 +318,9 @@ def main(argv: list[str] | None = None) -> int:
     args, options = parser.parse_known_args(argv)
     if not 20 <= args.ramp_steps <= 100_000:
         parser.error(f"argument --ramp-steps: from 20 to 100,000 steps, got {args.ramp_steps}")
-    if not 0 < args.start < args.end < math.inf or args.end / args.start == math.inf:  # 1e-300 to 1e300: inf apart
-        parser.error(f"arguments --from and --to: need 0 < --from < --to, less than 1e300 times --from, got "
-                     f"{args.start} and {args.end}")
+    if not 0 < args.start < args.end <= 1e30 or args.end / args.start == math.inf:  # as the recipes' --lr: a rate
+        # past float32 fails in the optimizer; 5e-324 to 1: no ramp between them
+        parser.error(f"arguments --from and --to: need 0 < --from < --to <= 1e30, got {args.start} and {args.end}")
     if args.plot.suffix.lower() != ".png":  # ".png" alone has no suffix: a name with no stem
         parser.error(f"argument --plot: give a file name that ends in .png, such as lr_find.png, not "
                      f"{str(args.plot)!r}")

@@ -67,6 +67,28 @@ def test_the_pieces_of_the_range_test():
     assert find_lr.steepest(diverging) == 12  # before it: the suggestion stays below where the loss turns up
 
 
+TWO_GROUPS = LEAST_SQUARES.replace(
+    "optimizer = torch.optim.SGD([w], lr=lr)",
+    "head = torch.zeros(1, requires_grad=True)\n"
+    "    optimizer = torch.optim.SGD([{'params': [w], 'lr': lr * 0.1}, {'params': [head]}], lr=lr)\n"
+    "    seen = []").replace(
+    "        optimizer.step()",
+    "        optimizer.step()\n"
+    "        seen.append([group['lr'] for group in optimizer.param_groups])\n"
+    "        Path('seen.json').write_text(__import__('json').dumps(seen))")
+
+
+def test_groups_at_their_own_rates_keep_their_ratio_along_the_ramp(tmp_path, capsys, monkeypatch):
+    """A fine-tuned backbone trains at a tenth of the head's rate: the ramp sets the head's, and the backbone's
+    follows at a tenth (both at the head's rate, the suggestion measured another training than it prints)."""
+    (tmp_path / "two_groups.py").write_text(TWO_GROUPS)
+    monkeypatch.chdir(tmp_path)
+    assert find_lr.main([str(tmp_path / "two_groups.py"), "--from", "1e-3", "--to", "1", "--ramp-steps", "20",
+                         "--plot", str(tmp_path / "lr.png")]) == 0
+    seen = json.loads((tmp_path / "seen.json").read_text())
+    assert len(seen) == 20 and seen[0] == pytest.approx([1e-4, 1e-3]) and seen[-1] == pytest.approx([0.1, 1.0])
+
+
 def test_a_real_recipe_gets_its_own_option_and_the_user_runs_are_untouched(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     args = ["mixed_precision", "--samples", "1024", "--width", "32", "--batch-size", "64", "--device", "cpu",
@@ -87,8 +109,13 @@ RECIPES = ", ".join(sorted(p.stem for p in (find_lr.ROOT / "recipes").glob("*.py
     (["mixed_precision", "--ramp-steps", "1000000000"], 2, "from 20 to 100,000 steps, got 1000000000"),
     (["mixed_precision", "--from", "1", "--to", "0.1"], 2, "need 0 < --from < --to"),
     # a ratio past float64: every rate after the first was inf, and called a divergence
-    (["mixed_precision", "--from", "1e-300", "--to", "1e300"], 2, "arguments --from and --to: need 0 < --from < --to, "
-     "less than 1e300 times --from, got 1e-300 and 1e+300"),
+    (["mixed_precision", "--from", "1e-300", "--to", "1e300"], 2, "arguments --from and --to: need 0 < --from < --to "
+     "<= 1e30, got 1e-300 and 1e+300"),
+    (["mixed_precision", "--from", "1e38", "--to", "1e39"], 2, "need 0 < --from < --to <= 1e30, got 1e+38 and 1e+39"),
+    (["mixed_precision", "--from", "5e-324", "--to", "1"], 2, "need 0 < --from < --to <= 1e30, got 5e-324 and 1.0"),
+    # a missing file whose name holds "diverged" is that error, not a divergence
+    (["tabular_mlp", "--csv", "{tmp}/not_diverged.csv", "--target", "label"], 1,
+     "error: {tmp}/not_diverged.csv: no such file\n"),
     (["mixed_precision", "--plot", ".png"], 2, "argument --plot: give a file name that ends in .png, such as "
      "lr_find.png, not '.png'"),  # was ".png must end in .png"
     (["no_such_recipe"], 2, f"error: argument RECIPE: no recipe 'no_such_recipe'; give one of {RECIPES}, or the "
