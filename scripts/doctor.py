@@ -26,6 +26,7 @@ SIGTERM, the temporary folders removed.
 """
 
 import argparse
+import itertools
 import json
 import math
 import os
@@ -73,15 +74,16 @@ class Observed:
     conv_bias_before_norm: set[str] = field(default_factory=set)
     convs_not_channels_last: set[str] = field(default_factory=set)
     matrices: dict[str, tuple[int, int]] = field(default_factory=dict)  # weight shapes of layers that multiply
-    # CUDA: the warnings of set_sync_debug_mode, and how many had come by each step's start: the syncs of the steps
-    # between the first and the last (set-up, evaluation and checkpoints copy whole models, which a step does not)
+    # CUDA: the warnings of set_sync_debug_mode, and how many had come by each step's start: the syncs of a typical
+    # step, the median between two starts (set-up, evaluation and checkpoints copy whole models; a step does not)
     warnings: list = field(default_factory=list)
     syncs_by_step: list[int] = field(default_factory=list)
 
     @property
     def syncs_per_step(self) -> float:
         counts = self.syncs_by_step
-        return (counts[-1] - counts[0]) / (len(counts) - 1) if len(counts) > 1 else math.nan
+        steps = [b - a for a, b in itertools.pairwise(counts)]
+        return float(statistics.median(steps)) if steps else math.nan
     cudnn_benchmark: bool | None = None
     matmul_precision: str = "highest"
 
@@ -234,9 +236,13 @@ def alternatives(known: set[str], options: list[str], config: dict, wanted: list
     if "workers" in wanted and "--num-workers" in known and workers_used == 0:
         workers = min(4, max(1, (os.cpu_count() or 2) - 1))
         found[f"--num-workers {workers}"] = (["--num-workers", str(workers)], False)
-    batch = option_value(options, "--batch-size") or str(config.get("batch_size") or "")
-    if "batch" in wanted and "--batch-size" in known and batch.isdigit():
-        found[f"--batch-size {2 * int(batch)}"] = (["--batch-size", str(2 * int(batch))], True)
+    # --global-batch sets --batch-size (the transformer refuses both): the one given is doubled
+    size = "--global-batch" if option_value(options, "--global-batch") else "--batch-size"
+    batch = option_value(options, size) or str(config.get("batch_size") or "")
+    if "batch" in wanted and config.get("optimizer_name") == "lbfgs":
+        rows.append(("--batch-size x2", "not measured", "lbfgs trains on the whole table at once"))
+    elif "batch" in wanted and size in known and batch.isdigit():
+        found[f"{size} {2 * int(batch)}"] = ([size, str(2 * int(batch))], True)
     elif "batch" in wanted and "--batch-size" in known:  # a size the recipe chooses from the data, say
         rows.append(("--batch-size x2", "not measured", "the run records no batch size to double: give --batch-size"))
     return found, rows
@@ -282,7 +288,7 @@ def rule_rows(observed: Observed, config: dict, profile: dict, options: list[str
         rows.append(("channels_last convolutions", ", ".join(sorted(observed.convs_not_channels_last)) or
                      "every Conv2d input is channels_last", "ok" if not observed.convs_not_channels_last else
                      "model.to(memory_format=torch.channels_last) and the inputs too"))
-    if config.get("precision") in ("bf16", "fp16"):
+    if on_cuda and config.get("precision") in ("bf16", "fp16"):  # tensor cores: a CPU has none
         odd = sorted({d for shape in observed.matrices.values() for d in shape if d % 8})
         rows.append(("sizes multiples of 8 under autocast", f"dims not a multiple of 8: {odd}" if odd else
                      "every matrix dim is", "ok" if not odd else "tensor cores work in tiles of 8: pad where you "
@@ -396,7 +402,8 @@ def main(argv: list[str] | None = None) -> int:
         table.append((name, spread(result), verdict))
     table += rows + rule_rows(observed, config, profile, options)
     print(f"doctor: {recipe_path.stem} on {config.get('device_used')} ({config.get('precision')}), {args.rounds} "
-          f"interleaved round(s) of {steps} steps per variant, throughput without the first {window}")
+          f"interleaved round(s) of {steps} steps per variant, throughput without the first {window} (or the first "
+          "epoch, if shorter)")
     print("| rule or alternative | measured | verdict |\n|---|---|---|")
     for row in table:
         print("| " + " | ".join(row) + " |")

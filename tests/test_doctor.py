@@ -56,6 +56,8 @@ def test_the_live_run_sees_each_broken_rule(tmp_path):
     assert rules["evaluation without autograd"] == "wrap evaluation in torch.no_grad()"
     assert rules["debug APIs off"] == "turn off: they slow every step"
     assert rules["zero_grad(set_to_none=True)"].startswith("free the gradients")
+    assert "sizes multiples of 8 under autocast" not in rules  # a CPU has no tensor cores to advise about
+    rules = verdicts(doctor.rule_rows(observed, config | {"precision": "bf16", "device_used": "cuda:0"}, profile, []))
     assert rules["sizes multiples of 8 under autocast"].startswith("tensor cores")  # 4, 3 and 144 = 4 x 36: 4, 3
 
 
@@ -191,6 +193,13 @@ def test_a_batch_size_the_recipe_chooses_is_a_row_not_measured():
                                      "give --batch-size")]
     found, rows = doctor.alternatives({"--batch-size"}, ["--batch-size=64"], {"batch_size": 64}, ["batch"])
     assert found == {"--batch-size 128": (["--batch-size", "128"], True)} and rows == []
+    # the transformer refuses --batch-size beside --global-batch: the one given is doubled
+    known = {"--batch-size", "--global-batch"}
+    found, rows = doctor.alternatives(known, ["--global-batch", "8"], {"batch_size": 8, "global_batch": 8}, ["batch"])
+    assert found == {"--global-batch 16": (["--global-batch", "16"], True)} and rows == []
+    # lbfgs takes the whole table: no batch size to try, and none to advise
+    found, rows = doctor.alternatives({"--batch-size"}, [], {"batch_size": None, "optimizer_name": "lbfgs"}, ["batch"])
+    assert found == {} and rows == [("--batch-size x2", "not measured", "lbfgs trains on the whole table at once")]
 
 
 def test_what_a_config_file_replays_is_not_tried_again():
@@ -351,10 +360,12 @@ def test_host_device_syncs_are_counted_over_the_steps_not_the_set_up_and_the_sav
     remove = doctor.watch(observed)
     try:
         syncs(100)  # set-up: the model onto the GPU, tensor by tensor
-        for _ in range(5):
+        for step in range(1, 6):
             model(torch.ones(1, 2)).sum().backward()
             optimizer.step()
             syncs(1)  # the step's one read-back
+            if step == 2:
+                syncs(40)  # an epoch's end inside the window: an evaluation and its checkpoint
         syncs(60)  # best.pt and last.pt
     finally:
         remove()
