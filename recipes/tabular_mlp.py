@@ -644,10 +644,16 @@ def auto_embedding(task: str, train_rows: int) -> str:
     return "periodic" if task == "classification" or train_rows >= EMBED_REGRESSION_FROM else "none"
 
 
-def load_tables(csv_path: Path | None, target: str, data_dir: Path) -> tuple[pa.Table, pa.Table | None]:
+def load_tables(csv_path: Path | None, target: str, data_dir: Path,
+                drop: list[str] | None) -> tuple[pa.Table, pa.Table | None]:
     """The table to train on (``--csv``, else Adult's training file) and a test table (Adult's), checked to hold
-    ``target``."""
+    ``target``, without the ``--drop`` columns."""
     table, test_table = (read_table(csv_path), None) if csv_path is not None else load_adult(data_dir)
+    for name in drop or []:  # an ID, a leak: a column that is no feature
+        if name == target or name not in table.column_names:
+            raise typer.BadParameter(f"{name!r} is the target" if name == target else f"no column {name!r} in the "
+                                     f"table (columns: {', '.join(table.column_names)})", param_hint="--drop")
+        table = table.drop_columns([name])
     if target not in table.column_names:
         header = table.column_names
         hint = next((f": is it {name}-separated? name a tab-separated file .tsv" if sep == "\t" else
@@ -689,6 +695,8 @@ def main(
         Literal["auto", "classification", "regression"],
         typer.Option(help="auto: classification for a text target or a few integer values, else regression."),
     ] = "auto",
+    drop: Annotated[list[str] | None, typer.Option(metavar="<column>", help="A column that is no feature (an ID, a "
+                                                                             "leak); repeat it for more.")] = None,
     val_frac: Annotated[float, typer.Option(min=0.01, max=0.9, help="Share of rows held out for validation.")] = 0.2,
     cv: Annotated[int | None, typer.Option(min=2, help="K-fold cross-validation (stratified for classes): K runs, "
                                                         "each validated on its own fold, in RUN_DIR/fold-0...")] = None,
@@ -811,10 +819,10 @@ def main(
     print(f"done: {name}={values.mean():.4f}±{values.std(ddof=1):.4f} folds={cv} run_dir={parent.path}")
 
 
-def train(csv_path: Path | None, target: str, task: str, val_frac: float, cv: int | None, fold: int | None,
-          epochs: int | None, max_steps: int | None, batch_size: int | None, lr: float | None, optimizer_name: str,
-          weight_decay: float, max_grad_norm: float, num_embedding: str, hidden: int, depth: int, dropout: float,
-          seed: int, device: str, precision: str, compile: bool, num_workers: int, data_dir: Path,
+def train(csv_path: Path | None, target: str, task: str, drop: list[str] | None, val_frac: float, cv: int | None,
+          fold: int | None, epochs: int | None, max_steps: int | None, batch_size: int | None, lr: float | None,
+          optimizer_name: str, weight_decay: float, max_grad_norm: float, num_embedding: str, hidden: int, depth: int,
+          dropout: float, seed: int, device: str, precision: str, compile: bool, num_workers: int, data_dir: Path,
           run_dir: Path | None, resume: str | None, config_file: Path | None, checkpoint_every: int | None,
           log_every: int | None, profile: int | None, keep_best: int, patience: int | None) -> dict:
     """One training run: on a seeded split of --val-frac, or with ``fold`` (of ``cv``) held out. Its metrics."""
@@ -835,7 +843,7 @@ def train(csv_path: Path | None, target: str, task: str, val_frac: float, cv: in
     config |= {"precision": precision, "precision_reason": why}
 
     # Data: a table -> preprocessing fitted on the training split -> tensors
-    table, test_table = load_tables(csv_path, target, data_dir)
+    table, test_table = load_tables(csv_path, target, data_dir, drop)
     task = target_task(table[target], target, task)  # the whole column's: every fold learns the same task
     if clash := [name for name in output_columns(task) if name in table.column_names and name != target]:
         raise cli.RecipeError(f"feature column {clash[0]!r} is named like a column that --predict adds, so no table "

@@ -949,3 +949,22 @@ def test_a_regression_target_with_missing_values_says_how_many_and_where(run_inp
                            "--max-steps", 1, "--run-dir", tmp_path / "run")
     assert result.code == 1 and result.stderr == ("error: target column 'y' has 2 missing or non-numeric value(s) (the "
                                                   "first in data row 41); fill them in, or remove those rows\n")
+
+
+def test_drop_leaves_a_column_out_of_the_features(run_inprocess, tmp_path):
+    """An ID in a table sorted by label predicts the label in validation and nothing on new rows: --drop leaves
+    it out. A name the table lacks, or the target, is a usage error that leaves no run directory."""
+    rows = [f"{i},{(i % 7) * 0.5},{'a' if i < 30 else 'b'}" for i in range(60)]
+    (tmp_path / "t.csv").write_text("id,x,label\n" + "\n".join(rows) + "\n")
+    for drop, message in (("nope", "no column 'nope' in the table (columns: id, x, label)"),
+                          ("label", "'label' is the target")):
+        result = run_inprocess(RECIPE, "--csv", tmp_path / "t.csv", "--target", "label", "--drop", drop, "--run-dir",
+                               tmp_path / "bad")
+        assert result.code == 2 and "--drop" in result.stderr and message in result.stderr, result.stderr
+        assert not (tmp_path / "bad").exists()
+    result = run_inprocess(RECIPE, "--csv", tmp_path / "t.csv", "--target", "label", "--drop", "id", "--max-steps", 1,
+                           "--run-dir", tmp_path / "run")
+    assert result.code == 0, result.stderr
+    features = torch.load(tmp_path / "run" / "checkpoints" / "last.pt", weights_only=True)["features"]
+    assert list(features["numeric"]) == ["x"]
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["drop"] == ["id"]
