@@ -81,8 +81,9 @@ ADULT_COLUMNS = [
 ]
 
 
-def read_table(path: Path) -> pa.Table:
-    """A .csv, .tsv (either also .gz) or .parquet file, read column-wise by pyarrow's multi-threaded reader.
+def read_table(path: Path, drop: list[str] | None = None) -> pa.Table:
+    """A .csv, .tsv (either also .gz) or .parquet file, read column-wise by pyarrow's multi-threaded reader, without
+    the ``drop`` columns (left out before their types are checked: a Parquet column of lists may be dropped).
 
     CSV cells are read as dictionary-encoded text: per column, the distinct strings once and an int32 index
     per cell. Nothing is guessed at read time (what is a number is decided from the training split), and
@@ -127,10 +128,11 @@ def read_table(path: Path) -> pa.Table:
         raise cli.RecipeError(f"{path}: the header names a column twice ({', '.join(table.column_names)})")
     if table.num_rows == 0:
         raise cli.RecipeError(f"{path} has a header but no data rows")
+    table = without(table, drop)
     nested = [f"{field.name!r} ({field.type})" for field in table.schema if pa.types.is_nested(field.type)]
     if nested:  # Parquet: lists, structs and maps are no single value per cell
         raise cli.RecipeError(f"{path}: column {', '.join(nested)} holds lists or records, not one number or word per "
-                              "cell; drop or flatten it")
+                              "cell; leave it out (--drop) or flatten it")
     for i, column in enumerate(table.column_names):
         if isinstance(table[i].type, pa.BaseExtensionType):  # Parquet: a UUID, JSON: read as what it is stored as
             table = table.set_column(i, column, pa.chunked_array([c.storage for c in table[i].chunks],
@@ -144,7 +146,17 @@ def read_table(path: Path) -> pa.Table:
                                                                   if dictionary else pa.string()))
             except pa.ArrowInvalid:
                 raise cli.RecipeError(f"{path}: column {column!r} holds bytes that are not UTF-8 text (an ID? leave "
-                                      "it out of the file)") from None
+                                      "it out: --drop)") from None
+    return table
+
+
+def without(table: pa.Table, drop: list[str] | None) -> pa.Table:
+    """``table`` without the ``--drop`` columns, each of which it must have."""
+    for name in drop or []:
+        if name not in table.column_names:
+            raise typer.BadParameter(f"no column {name!r} in the table (columns: {', '.join(table.column_names)})",
+                                     param_hint="--drop")
+        table = table.drop_columns([name])
     return table
 
 
@@ -648,12 +660,10 @@ def load_tables(csv_path: Path | None, target: str, data_dir: Path,
                 drop: list[str] | None) -> tuple[pa.Table, pa.Table | None]:
     """The table to train on (``--csv``, else Adult's training file) and a test table (Adult's), checked to hold
     ``target``, without the ``--drop`` columns."""
-    table, test_table = (read_table(csv_path), None) if csv_path is not None else load_adult(data_dir)
-    for name in drop or []:  # an ID, a leak: a column that is no feature
-        if name == target or name not in table.column_names:
-            raise typer.BadParameter(f"{name!r} is the target" if name == target else f"no column {name!r} in the "
-                                     f"table (columns: {', '.join(table.column_names)})", param_hint="--drop")
-        table = table.drop_columns([name])
+    if target in (drop or []):
+        raise typer.BadParameter(f"{target!r} is the target", param_hint="--drop")
+    table, test_table = (read_table(csv_path, drop), None) if csv_path is not None else load_adult(data_dir)
+    table = without(table, drop) if csv_path is None else table  # an ID, a leak: a column that is no feature
     if target not in table.column_names:
         header = table.column_names
         hint = next((f": is it {name}-separated? name a tab-separated file .tsv" if sep == "\t" else

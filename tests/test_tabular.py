@@ -968,3 +968,14 @@ def test_drop_leaves_a_column_out_of_the_features(run_inprocess, tmp_path):
     features = torch.load(tmp_path / "run" / "checkpoints" / "last.pt", weights_only=True)["features"]
     assert list(features["numeric"]) == ["x"]
     assert json.loads((tmp_path / "run" / "config.json").read_text())["drop"] == ["id"]
+
+
+def test_drop_leaves_out_a_parquet_column_that_could_not_be_read_as_a_feature(run_inprocess, tmp_path):
+    """A column of lists (or of bytes that are no text) stops a run: --drop lets it train on the rest."""
+    pq.write_table(pa.table({"tags": [[1, 2], [3]] * 20, "x": [0.0, 1.0] * 20, "label": ["a", "b"] * 20}),
+                   tmp_path / "t.parquet")
+    args = ["--csv", tmp_path / "t.parquet", "--target", "label", "--max-steps", 1]
+    result = run_inprocess(RECIPE, *args, "--run-dir", tmp_path / "no")
+    assert result.code == 1 and "holds lists or records" in result.stderr and "leave it out (--drop)" in result.stderr
+    result = run_inprocess(RECIPE, *args, "--drop", "tags", "--run-dir", tmp_path / "run")
+    assert result.code == 0, result.stderr
