@@ -108,10 +108,11 @@ def load_mnist(data_dir: Path, *, train: bool) -> tuple[torch.Tensor, torch.Tens
 
     raw = Path(data_dir).resolve() / "MNIST" / "raw"
     created = [d for d in [raw, *raw.parents] if not d.exists()]
+    there = all((raw / name).exists() for name in MNIST_FILES)  # nothing to write: no lock (a read-only share)
     try:
         raw.mkdir(parents=True, exist_ok=True)
-        with one_at_a_time(raw):  # torchrun's ranks: one downloads, the others wait and read what it wrote
-            dataset = MNIST(str(data_dir), train=train, download=True)
+        with contextlib.nullcontext() if there else one_at_a_time(raw):  # torchrun's ranks: one downloads, the
+            dataset = MNIST(str(data_dir), train=train, download=True)   # others wait and read what it wrote
     except (OSError, RuntimeError, urllib.error.URLError) as err:
         if all((raw / name).exists() or (raw / f"{name}.gz").exists() for name in MNIST_FILES):
             raise RecipeError(f"MNIST files in {raw} are unreadable ({err}); delete them to download again") from None
@@ -139,18 +140,19 @@ def load_mnist(data_dir: Path, *, train: bool) -> tuple[torch.Tensor, torch.Tens
 def one_at_a_time(folder: Path) -> Iterator[None]:
     """Hold an exclusive ``flock`` on ``folder`` while the block runs, waiting for it: processes that write the same
     files (torchvision truncates and rewrites them in place) take turns. The kernel drops it with its process.
-    (No flock on Windows.)"""
-    if sys.platform == "win32":
-        yield
-        return
-    import fcntl
+    (No flock on Windows, nor where the file system has none: then no lock.)"""
+    fd = None
+    if sys.platform != "win32":
+        import fcntl
 
-    fd = os.open(folder, os.O_RDONLY)
+        with contextlib.suppress(OSError):  # a folder that cannot be listed; ENOLCK on some network file systems
+            fd = os.open(folder, os.O_RDONLY)
+            fcntl.flock(fd, fcntl.LOCK_EX)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
         yield
     finally:
-        os.close(fd)
+        if fd is not None:
+            os.close(fd)
 
 
 def download(url: str, dest: Path, md5: str) -> Path:

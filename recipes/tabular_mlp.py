@@ -322,7 +322,7 @@ def encode(spec: dict, table: pa.Table, *, with_target: bool = True):
         categorical[:, j] = pc.if_else(pc.is_null(words), 1, codes).to_numpy()[indices]  # missing: 1
         unseen = int((categorical[:, j] == 0).sum())
         if unseen >= 10 and unseen > table.num_rows // 2 and len(vocabulary) > 2:  # "True" where training had "true"
-            example = words.filter(pc.equal(codes, 0))[0].as_py()
+            example = words.filter(pc.and_(pc.equal(codes, 0), pc.is_valid(words)))[0].as_py()  # not a missing one
             seen = ", ".join(map(repr, vocabulary[2:5])) + (", ..." if len(vocabulary) > 5 else "")
             print(f"warning: column {name!r}: {unseen:,} of {table.num_rows:,} values never seen in training (such "
                   f"as {example!r}; training's: {seen}), read as unseen", file=sys.stderr)
@@ -670,12 +670,12 @@ def load_tables(csv_path: Path | None, target: str, data_dir: Path,
                      f": is it {name}-separated? only .tsv files are read with another delimiter than ','"
                      for sep, name in (("\t", "tab"), (";", "semicolon")) if len(header) == 1 and sep in header[0]), "")
         raise cli.RecipeError(f"target column {target!r} is not in the table (columns: {', '.join(header)}){hint}")
-    if nameless := [name for name in table.column_names if not name or re.fullmatch(r"Unnamed: \d+", name)]:
-        # pandas' to_csv() writes the row index as a first column without a name: row numbers are no feature (in a
-        # file sorted by label they predict it, and new rows' do not)
-        print(f"note: {len(nameless)} column(s) without a name left out: a row index, as pandas writes it",
-              file=sys.stderr)
-        table = table.drop_columns(nameless)
+    if table.column_names[0] in ("", "Unnamed: 0") and target != table.column_names[0]:
+        # pandas' to_csv() writes the row index as a first column without a name ("Unnamed: 0" once read back and
+        # saved again): row numbers are no feature (in a file sorted by label they predict it; new rows' do not)
+        print(f"note: the first column, {table.column_names[0]!r}, left out: a row index, as pandas writes it "
+              "without a name", file=sys.stderr)
+        table = table.drop_columns([table.column_names[0]])
     if table.num_columns == 1:  # an MLP of no inputs: nothing to learn the target from
         raise cli.RecipeError(f"{csv_path} has no feature columns besides the target {target!r}: add the columns "
                               "to predict it from")

@@ -435,7 +435,8 @@ def export_checkpoint(checkpoint: Path, out_dir: Path, overwrite: bool = False, 
             else:
                 differences = export(exportable, tmp)
         except ImportError as err:
-            what = f"{err.name} is not installed" if err.name else str(err).strip().splitlines()[0]  # a version check
+            what = f"{err.name} is not installed" if err.name else (str(err).strip().splitlines() or  # a version check
+                                                                    ["a library failed to import"])[0]
             raise ExportError(f"{what}: pip install -r requirements.txt") from None
         except OSError as err:
             raise ExportError(f"cannot write {out_dir}: {err.strerror or err}") from None
@@ -514,8 +515,11 @@ def replace_dir(new: Path, out_dir: Path) -> None:
                 return move_files(new, out_dir)
             try:
                 os.replace(new, out_dir)
-            except BaseException:  # an OSError, or Ctrl-C between the two renames
-                os.replace(old, out_dir)  # the earlier export stays
+            except BaseException:  # an OSError, or Ctrl-C between the two renames (or just after the second)
+                if new.exists():
+                    os.replace(old, out_dir)  # the earlier export stays
+                else:
+                    shutil.rmtree(old, ignore_errors=True)
                 raise
             shutil.rmtree(old, ignore_errors=True)
         else:

@@ -320,7 +320,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"argument --ramp-steps: from 20 to 100,000 steps, got {args.ramp_steps}")
     if not 0 < args.start < args.end <= 1e30 or args.end / args.start == math.inf:  # as the recipes' --lr: a rate
         # past float32 fails in the optimizer; 5e-324 to 1: no ramp between them
-        parser.error(f"arguments --from and --to: need 0 < --from < --to <= 1e30, got {args.start} and {args.end}")
+        parser.error(f"arguments --from and --to: need 0 < --from < --to <= 1e30, --to less than 1e300 times --from, "
+                     f"got {args.start} and {args.end}")
     if args.plot.suffix.lower() != ".png":  # ".png" alone has no suffix: a name with no stem
         parser.error(f"argument --plot: give a file name that ends in .png, such as lr_find.png, not "
                      f"{str(args.plot)!r}")

@@ -184,6 +184,27 @@ def test_ranks_download_mnist_one_at_a_time(tmp_path, monkeypatch):
     assert held == [True] and labels.tolist() == [0, 1, 2, 3]
 
 
+@pytest.mark.skipif(sys.platform == "win32", reason="no flock on Windows")
+def test_mnist_already_there_is_read_without_a_lock_and_a_lock_that_fails_is_none(mnist_dir, tmp_path, monkeypatch):
+    """A shared, read-only data folder (that cannot be listed, say) holding MNIST needs no lock, and a file system
+    without flock (ENOLCK on some NFS) downloads unlocked: both read or download as before the lock came."""
+    import errno
+    import fcntl
+
+    from common.data import load_mnist, one_at_a_time
+
+    def no_locks(fd, operation):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    images, labels = load_mnist(mnist_dir, train=True)
+    assert len(labels) == 512
+    ran = []
+    with one_at_a_time(tmp_path):
+        ran.append(True)
+    assert ran == [True]
+
+
 def more_labels(images, labels):
     return images, np.concatenate([labels, labels[:16]])
 

@@ -877,15 +877,23 @@ def test_a_regression_target_at_minus_two_is_a_number_not_an_unseen_class():
 @pytest.mark.parametrize("index_name", ["", "Unnamed: 0"])
 def test_a_row_index_as_pandas_writes_it_is_left_out(run_inprocess, tmp_path, index_name):
     """df.to_csv() writes the row index as a first column without a name (read back and saved again: "Unnamed: 0").
-    In a file sorted by label the row number predicts the label, and new rows' do not: it was trained on."""
-    rows = [[str(i), f"{(i % 7) * 0.5}", "a" if i < 30 else "b"] for i in range(60)]
+    In a file sorted by label the row number predicts the label, and new rows' do not: it was trained on. Only
+    the first column is pandas' index: a later one without a name (an empty header cell) stays a feature."""
+    rows = [[str(i), f"{(i % 7) * 0.5}", "ab"[i % 2], "a" if i < 30 else "b"] for i in range(60)]
     path = tmp_path / "sorted.csv"
-    path.write_text("\n".join(",".join(row) for row in [[index_name, "x", "label"], *rows]) + "\n")
+    path.write_text("\n".join(",".join(row) for row in [[index_name, "x", "Unnamed: 2", "label"], *rows]) + "\n")
     result = run_inprocess(RECIPE, "--csv", path, "--target", "label", "--max-steps", 1, "--run-dir", tmp_path / "run")
     assert result.code == 0, result.stderr
-    assert "note: 1 column(s) without a name left out: a row index, as pandas writes it" in result.stderr
+    assert f"note: the first column, {index_name!r}, left out: a row index, as pandas writes it" in result.stderr
     features = torch.load(tmp_path / "run" / "checkpoints" / "last.pt", weights_only=True)["features"]
-    assert list(features["numeric"]) == ["x"] and features["categorical"] == {}
+    assert list(features["numeric"]) == ["x"] and list(features["categorical"]) == ["Unnamed: 2"]
+
+
+def test_a_first_column_without_a_name_that_is_the_target_is_trained_on(run_inprocess, tmp_path):
+    (tmp_path / "t.csv").write_text("Unnamed: 0,x\n" + "".join(f"{'ab'[i % 2]},{i % 2}\n" for i in range(40)))
+    result = run_inprocess(RECIPE, "--csv", tmp_path / "t.csv", "--target", "Unnamed: 0", "--max-steps", 1,
+                           "--run-dir", tmp_path / "run")
+    assert result.code == 0 and "note:" not in result.stderr, result.stderr
 
 
 def test_parquet_extension_and_dictionary_columns_train_or_are_one_line(tmp_path):
@@ -919,11 +927,11 @@ def test_a_column_spelled_otherwise_than_in_training_is_warned_of(tmp_path, caps
     was silently unseen, and the predictions near chance."""
     pq.write_table(pa.table({"member": [True, False] * 20, "label": ["a", "b"] * 20}), tmp_path / "train.parquet")
     spec = tabular.fit_features(tabular.read_table(tmp_path / "train.parquet"), "label", "classification")
-    (tmp_path / "new.csv").write_text("member,label\n" + "True,a\nFalse,b\n" * 20)
+    (tmp_path / "new.csv").write_text("member,label\n?,a\n" + "True,a\nFalse,b\n" * 20)  # a missing one first
     capsys.readouterr()
     categorical = tabular.encode(spec, tabular.read_table(tmp_path / "new.csv"), with_target=False)[1]
-    assert (categorical == 0).all()
-    assert capsys.readouterr().err == ("warning: column 'member': 40 of 40 values never seen in training (such as "
+    assert (categorical[1:] == 0).all() and categorical[0] == 1
+    assert capsys.readouterr().err == ("warning: column 'member': 40 of 41 values never seen in training (such as "
                                        "'True'; training's: 'false', 'true'), read as unseen\n")
     tabular.encode(spec, tabular.read_table(tmp_path / "train.parquet"), with_target=False)
     assert capsys.readouterr().err == ""
