@@ -46,14 +46,12 @@ def counted(loss_fn: LossFn, target: torch.Tensor) -> torch.Tensor:
 
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: LossFn,
                micro_batches: Sequence[Sequence[torch.Tensor]], *, device: torch.device, precision: str = "fp32",
-               scaler: torch.amp.GradScaler | None = None,
-               scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
-               max_grad_norm: float | None = None) -> StepStats:
+               scaler: torch.amp.GradScaler | None = None, max_grad_norm: float | None = None) -> StepStats:
     """One optimizer step over one or more micro-batches, each ``(*inputs, target)``. Their gradients add up,
     each mean loss weighted by its share of the step's counted targets, so the step equals one over the
     concatenated batch even when micro-batches differ in size; under DDP only the last backward all-reduces.
-    ``scaler``: ``torch.amp.GradScaler(device.type, enabled=precision == "fp16")``, as every recipe builds it.
-    Pass ``scheduler`` only for schedules that step every optimizer step (OneCycle, warmup + cosine)."""
+    ``scaler``: ``torch.amp.GradScaler(device.type, enabled=precision == "fp16")``, as every recipe builds it. The
+    learning-rate schedule is the caller's to step, after this."""
     scaler = scaler or torch.amp.GradScaler(device.type, enabled=False)  # disabled: its calls pass through
     optimizer.zero_grad(set_to_none=True)
     batches = [to_device(batch, device) for batch in micro_batches]
@@ -80,8 +78,6 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Loss
         grad_norm = nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm or math.inf)
     scaler.step(optimizer)  # fp16: skips the update when the unscaled gradients hold inf/nan...
     scaler.update()  # ...and then halves the scale
-    if scheduler is not None:
-        scheduler.step()
     return StepStats(total_loss, grad_norm, ~torch.isfinite(grad_norm) if scaler.is_enabled() else None)
 
 

@@ -153,7 +153,8 @@ def train(epochs: int, max_steps: int | None, batch_size: int, lr: float, sample
             current_lr = scheduler.get_last_lr()[0]
             started = time.perf_counter()
             stats = train_step(model, optimizer, loss_fn, [batch], device=device, precision=precision,
-                               scaler=scaler, scheduler=scheduler)
+                               scaler=scaler)
+            scheduler.step()  # every batch: the schedule counts optimizer steps
             synchronize(device)  # GPU work is asynchronous: wait for it, or the timing means nothing
             step_seconds.append(time.perf_counter() - started)
             step += 1

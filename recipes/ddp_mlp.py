@@ -5,8 +5,8 @@ LOCAL_RANK and WORLD_SIZE; DDP all-reducing (averaging) gradients during the bac
 DistributedSampler that gives every rank its own shard and a new shuffle each epoch (``set_epoch``);
 ``--batch-size`` per process, so the global batch is world size x batch size; evaluation split across
 ranks with the sums all-reduced, so every test digit counts exactly once; only rank 0 writing logs and
-checkpoints while the others wait at a barrier; every rank resuming from the same checkpoint, which is
-what makes ``torchrun --max-restarts`` fault tolerant.
+checkpoints while the others wait for it (``from_rank_0``: a broadcast of its outcome); every rank resuming
+from the same checkpoint, which is what makes ``torchrun --max-restarts`` fault tolerant.
 
     python recipes/ddp_mlp.py                                    # one process, no process group at all
     OMP_NUM_THREADS=1 torchrun --nproc_per_node=2 recipes/ddp_mlp.py   # two processes, one CPU thread each
@@ -52,7 +52,7 @@ from common.loop import batches_left, epochs_left, sum_dtype, to_device, train_s
 from common.profile import StepProfiler
 from common.rundir import already_finished, open_run_dir
 from common.runlog import RunLog, log_interval
-from common.runtime import autocast, from_rank_0, resolve_device, resolve_precision, seed_everything
+from common.runtime import autocast, from_rank_0, resolve_device, resolve_precision, seed_everything, unwrap
 from common.stop import StopRequest
 from common.torchrun import torchrun_env
 
@@ -124,7 +124,9 @@ def stop_agreed(stop: StopRequest, device: torch.device) -> bool:
 def evaluate(model: nn.Module, loader, device: torch.device, precision: str) -> dict[str, float]:
     """Loss and accuracy over the whole test set, in the precision the model trains in: each rank scores its own
     shard, then one all-reduce adds the sums of every rank, so every digit counts exactly once and every rank gets
-    the same figures."""
+    the same figures. It runs the module inside DDP: DDP's forward broadcasts buffers (BatchNorm's) from rank 0,
+    a collective that hangs when the shards hold unequal numbers of batches."""
+    model = unwrap(model)
     model.eval()
     totals = torch.zeros(3, dtype=sum_dtype(device), device=device)  # loss sum, correct, digits
     for batch in loader:
@@ -235,7 +237,8 @@ def main(
         for batch in batches_left(train_loader, step, total_steps):
             current_lr = scheduler.get_last_lr()[0]
             stats = train_step(model, optimizer, loss_fn, [batch], device=device, precision=precision,
-                               scaler=scaler, scheduler=scheduler)
+                               scaler=scaler)
+            scheduler.step()  # every batch: the schedule counts optimizer steps
             if dist.is_initialized():  # the global batch's loss: the log's, and a divergence every rank sees at once
                 dist.all_reduce(stats.loss)
                 stats.loss.div_(world_size)

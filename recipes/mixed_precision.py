@@ -14,9 +14,10 @@ work gains less, from moving half the bytes, and the fp32 optimizer step gains n
     python recipes/mixed_precision.py --precision bf16
     python recipes/mixed_precision.py --compare          # fp32, bf16, fp16: same seed, same steps
 
-What to expect: on GPUs with tensor cores (V100 and later) and CPUs with AVX-512 BF16 or AMX, bf16 runs
-1.5-3x faster than fp32 and ends within a percent of its loss. A CPU without native 16-bit matmuls (AVX2
-only) emulates them and is far slower; --compare measures that and says so instead of running for hours.
+What to expect: on GPUs with bf16 tensor cores (Ampere and later: A100, H100, RTX 30/40) and CPUs with
+AVX-512 BF16 or AMX, bf16 runs 1.5-3x faster than fp32 and ends within a percent of its loss; V100 and T4
+have fp16 tensor cores only (use --precision fp16, with its GradScaler). A CPU without native 16-bit matmuls
+(AVX2 only) emulates them and is far slower; --compare measures that and says so instead of running for hours.
 """
 
 import math

@@ -406,11 +406,12 @@ def main(
     for epoch in epochs_left(step, steps_per_epoch, total_steps):
         train_loader.sampler.set_epoch(epoch)  # a new shuffle every epoch
         for images, labels in batches_left(train_loader, step, total_steps):
-            current_lr = scheduler.get_last_lr()[-1]  # the head's rate for this step (train_step then advances it)
+            current_lr = scheduler.get_last_lr()[-1]  # the head's rate for this step
             if augment:  # on the device: one batched warp, and a pinned batch still copies asynchronously
                 images = augment_digits(images.to(device, non_blocking=True), augment_generator(seed, step))
             stats = train_step(model, optimizer, loss_fn, [(images, labels)], device=device,
-                               precision=precision, scaler=scaler, scheduler=scheduler)
+                               precision=precision, scaler=scaler)
+            scheduler.step()  # OneCycleLR: after every batch (its total_steps counts optimizer steps, not epochs)
             if ema:
                 ema.update()
             step += 1

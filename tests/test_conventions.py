@@ -149,3 +149,16 @@ def test_an_empty_folder_option_is_a_usage_error_not_the_current_folder(recipe, 
         assert result.code == 2 and f"Invalid value for '{option}': 'run-\\udcff' is not a UTF-8 name " \
             "(the run's records need one): rename the folder" in result.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+def test_every_recipe_steps_its_learning_rate_schedule_in_its_own_loop():
+    """The schedule is the lesson (OneCycleLR after every batch): a reader who copies the loop, or writes their own
+    step, must see the call. train_step does not take a scheduler to step out of sight."""
+    import inspect
+
+    from common.loop import train_step
+
+    assert "scheduler" not in inspect.signature(train_step).parameters
+    for recipe in RECIPES:
+        source = (ROOT / "recipes" / f"{recipe}.py").read_text()
+        assert "scheduler = " in source and "scheduler.step()" in source, recipe

@@ -235,8 +235,8 @@ def run_steps(setup, start, stop):
         loader.sampler.set_epoch(epoch)
         loader.sampler.skip = skip * 8
         for batch in loader:
-            train_step(model, optimizer, LOSS, [batch], device=CPU, precision="fp16", scaler=scaler,
-                       scheduler=scheduler)
+            train_step(model, optimizer, LOSS, [batch], device=CPU, precision="fp16", scaler=scaler)
+            scheduler.step()
             step += 1
             if step == stop:
                 return

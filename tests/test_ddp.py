@@ -1,5 +1,6 @@
 """recipes/ddp_mlp.py under torchrun on CPU with gloo: equivalence, multiple nodes, restarts, failures."""
 
+import math
 import os
 import re
 import shlex
@@ -366,3 +367,23 @@ def test_one_process_under_torchrun_agrees_to_stop_without_a_collective(recipe, 
     monkeypatch.setattr(module.dist, "all_reduce", lambda *args, **kwargs: pytest.fail("a collective with no peer"))
     for requested in (False, True):
         assert module.stop_agreed(SimpleNamespace(requested=requested), torch.device("cpu")) is requested
+
+
+def test_evaluation_runs_the_module_inside_ddp_not_ddps_forward(tmp_path):
+    """DDP's forward broadcasts buffers (a BatchNorm's) from rank 0: ranks whose evaluation shards hold unequal
+    numbers of batches (2,001 digits over 2 ranks) would wait for each other's broadcast forever."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    ddp_mlp = load_recipe("ddp_mlp")
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        model = DistributedDataParallel(torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(784, 10)))
+        forwards = []
+        model.register_forward_pre_hook(lambda module, args: forwards.append(module))
+        batches = [(torch.zeros(4, 1, 28, 28), torch.tensor([0, 1, 2, 3]))]
+        figures = ddp_mlp.evaluate(model, batches, torch.device("cpu"), "fp32")
+    finally:
+        dist.destroy_process_group()
+    assert forwards == [] and figures["loss"] == pytest.approx(math.log(10), abs=0.5)
