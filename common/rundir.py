@@ -80,8 +80,9 @@ def open_run_dir(recipe: str, run_dir: Path | None, resume: str | None,
         what = f"a single run ({other})" if holds_runs else f"runs in sub-folders ({other})"
         raise RecipeError(f"{run_dir} holds {what}, which this command would not continue but start afresh beside: "
                           "choose another --run-dir, or to continue it, give the options it was started with")
-    if resume == "auto" and last is None and held is not None and held.suffix == ".distcp":  # no complete one
-        raise RecipeError(f"{run_dir}'s only checkpoints are incomplete ({held.parent.name} lacks its trainer.pt or "
+    partial = next(run_dir.glob("checkpoints/dcp/step-*/"), None) if last is None and run_dir.is_dir() else None
+    if resume == "auto" and partial is not None:  # sharded, and none complete (its trainer.pt or .metadata missing)
+        raise RecipeError(f"{run_dir}'s only checkpoints are incomplete ({partial.name} lacks its trainer.pt or "
                           ".metadata: a copy in progress?), which this run would start afresh over and delete: "
                           "complete them, or remove them")
     if last is None and not holds_runs and recorded_recipe(run_dir / "metrics.json") == recipe:
@@ -186,9 +187,10 @@ def already_finished(run: RunFolder, checkpoint: dict | None, *, max_steps: int 
     end = min(schedule, max_steps or schedule)
     try:
         metrics = json.loads((run.path / "metrics.json").read_text())
-        done = metrics["steps"] == step and (step >= end or metrics.get("stopped_early") is True)
-    except (OSError, ValueError, KeyError, TypeError):  # no metrics (yet, or killed before them), or not ours
-        done = False
+        early = metrics.get("stopped_early") is True
+        done = metrics["steps"] == step and (step >= end or early)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):  # no metrics (yet, or killed before), not ours
+        done = early = False
     # (a checkpoint at the end, without metrics: the run was killed as it finished, and finishes now)
     if (run.resumes_another_run and step >= end) or (not done and step > end):
         where = "where this run ends" if step == end else f"past where this run ends (step {end})"
@@ -197,7 +199,7 @@ def already_finished(run: RunFolder, checkpoint: dict | None, *, max_steps: int 
         raise RecipeError(f"checkpoint {run.resume_from} is at step {step}, {where}: nothing is left to train in "
                           f"{run.path} ({goes_on})")
     if done and launched_as_rank_0():
-        why = ("stopped early by --patience" if step < end else "its schedule is done" if step >= schedule else
+        why = ("stopped early by --patience" if early else "its schedule is done" if step >= schedule else
                "a larger --max-steps goes on with it")  # (a smaller one than the run's is no reason)
         print(f"already finished: step {step} of {min(schedule, max(end, step))}; nothing trained, {run.path} left as "
               f"it was ({why})", flush=True)

@@ -210,6 +210,7 @@ class ShardedCheckpointer:
             if best.is_dir():  # the same folder as last.pt's: converted again, cheap
                 to_single_file(best, self.files.folder / "best.pt", self.files.recipe)
         except (OSError, RuntimeError) as err:  # a full disk, say (which torch.save to a path raises as RuntimeError)
+            err = err.__context__ if isinstance(err.__context__, OSError) else err
             why = err.strerror if isinstance(err, OSError) and err.strerror else f"the write failed ({err})"
             raise RecipeError(f"could not write the single-file checkpoints in {self.files.folder}: {why}; the "
                               f"sharded checkpoints in {self.dcp_dir} are intact") from None
@@ -243,6 +244,7 @@ def failure(err: BaseException) -> OSError:
     raise_if_interrupted(err)
     if not isinstance(err, CheckpointException):
         return err
-    causes = [e for e, _ in err.failures.values()]
+    # a shard's write, like torch.save's, fails as a RuntimeError ("unexpected pos") whose context is the OSError
+    causes = [e.__context__ if isinstance(e.__context__, OSError) else e for e, _ in err.failures.values()]
     return next((e for e in causes if isinstance(e, OSError)), OSError(str(causes[0]) if causes else str(err)))
 

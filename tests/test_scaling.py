@@ -279,6 +279,13 @@ def test_bad_input_to_a_sharded_run(run_inprocess, corpus_txt, tmp_path):
     fresh = run_inprocess("tiny_transformer", *going_on, "--run-dir", copying)
     assert fresh.code == 1 and "already holds checkpoints" in fresh.stderr, fresh.stderr
     assert sorted(p.name for p in copying.rglob("*")) == before
+    # so too when .metadata is what has not arrived (its trainer.pt, found first, hid the folder's state)
+    shutil.copy(step / "trainer.pt", copying / "checkpoints" / "dcp" / "step-000003" / "trainer.pt")
+    (copying / "checkpoints" / "dcp" / "step-000003" / ".metadata").unlink()
+    before = sorted(p.name for p in copying.rglob("*"))
+    again = run_inprocess("tiny_transformer", *going_on, "--run-dir", copying, "--resume", "auto")
+    assert again.code == 1 and "only checkpoints are incomplete (step-000003 lacks" in again.stderr, again.stderr
+    assert sorted(p.name for p in copying.rglob("*")) == before
     # another recipe's sharded checkpoint
     trainer = torch.load(step / "trainer.pt", weights_only=True)
     torch.save({**trainer, "recipe": "ddp_mlp"}, step / "trainer.pt")
@@ -438,10 +445,25 @@ def test_pruning_keeps_the_last_complete_checkpoints_and_the_best_one(tmp_path):
 TORCH_WRITE_FAILED = "[enforce fail at inline_container.cc:672] . unexpected pos 64 vs 0"
 
 
+def write_failed(context: OSError | None = None) -> RuntimeError:
+    """torch.save's RuntimeError for a write that failed, raised while handling ``context`` (a full disk's OSError,
+    as torch's writer raises it), or with none."""
+    try:
+        if context is None:
+            raise RuntimeError(TORCH_WRITE_FAILED)
+        try:
+            raise context
+        except OSError:
+            raise RuntimeError(TORCH_WRITE_FAILED) from None
+    except RuntimeError as err:
+        return err
+
+
 @pytest.mark.parametrize(("where", "error", "why"), [
     ("to_single_file", OSError(28, "No space left on device"), "No space left on device"),
     # torch.save to a path (dcp_to_torch_save's) says only this of a full disk: it was a traceback
-    ("dcp_to_torch_save", RuntimeError(TORCH_WRITE_FAILED), f"the write failed ({TORCH_WRITE_FAILED})"),
+    ("dcp_to_torch_save", write_failed(), f"the write failed ({TORCH_WRITE_FAILED})"),
+    ("dcp_to_torch_save", write_failed(OSError(28, "No space left on device")), "No space left on device"),
 ])
 def test_a_full_disk_at_the_single_file_copies_is_one_line_and_leaves_the_sharded_checkpoints(
         where, error, why, run_inprocess, corpus_txt, tmp_path, monkeypatch):
@@ -505,7 +527,8 @@ def test_a_full_disk_during_a_sharded_save_is_one_line_and_leaves_no_partial_fol
     def full_at_step_6(state, checkpoint_id):
         if "step-000006" in str(checkpoint_id):
             real_save(state, checkpoint_id=checkpoint_id)  # writes part of it, then the disk is full
-            raise sharded.CheckpointException("save failed", {0: (OSError(errno.ENOSPC, "No space left on device"),
+            full = OSError(errno.ENOSPC, "No space left on device")  # as torch's writer reports it, or as the OS
+            raise sharded.CheckpointException("save failed", {0: (write_failed(full) if resumed else full,
                                                                    traceback.StackSummary())})
         return real_save(state, checkpoint_id=checkpoint_id)
 
