@@ -812,6 +812,7 @@ def main(
     target = target or (None if csv_path else "income")  # Adult's
     if csv_path is not None and target is None:
         raise typer.BadParameter("--csv needs --target COLUMN", param_hint="--target")
+    drop = list(dict.fromkeys(drop)) if drop else None  # each once, as a resume compares it
     options = {k: v for k, v in locals().items() if k not in ("predict_csv", "output", "overwrite")}
     if cv is None:
         train(**options, fold=None)

@@ -970,8 +970,8 @@ def test_drop_leaves_a_column_out_of_the_features(run_inprocess, tmp_path):
                                tmp_path / "bad")
         assert result.code == 2 and "--drop" in result.stderr and message in result.stderr, result.stderr
         assert not (tmp_path / "bad").exists()
-    result = run_inprocess(RECIPE, "--csv", tmp_path / "t.csv", "--target", "label", "--drop", "id", "--max-steps", 1,
-                           "--run-dir", tmp_path / "run")
+    result = run_inprocess(RECIPE, "--csv", tmp_path / "t.csv", "--target", "label", "--drop", "id", "--drop", "id",
+                           "--max-steps", 1, "--run-dir", tmp_path / "run")
     assert result.code == 0, result.stderr
     features = torch.load(tmp_path / "run" / "checkpoints" / "last.pt", weights_only=True)["features"]
     assert list(features["numeric"]) == ["x"]
