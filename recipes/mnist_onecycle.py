@@ -14,6 +14,8 @@ seeded splits of the test set, none of which the defaults were chosen on) it bea
 in both accuracy and time: 98.6-98.9% against 96.5-97.2%, in 0.6x the time (see the README's Performance table).
 """
 
+import contextlib
+import io
 import math
 import sys
 import zlib
@@ -44,6 +46,7 @@ from common.stop import StopRequest
 
 RECIPE = "mnist_onecycle"
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg")
+MAX_PIXELS = 64_000_000  # 8,000 x 8,000: 1.5 GB to decode and shrink; Pillow warns from 89M
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -73,14 +76,22 @@ class DigitNet(nn.Module):
         return self.head(self.features(images))
 
 
-def load_backbone(model: DigitNet, path: Path) -> None:
+def load_backbone(model: DigitNet, path: Path, data_dir: Path, seed: int, val_size: int | None) -> None:
     """Fine-tuning: copy a trained model's convolutional layers into ``model``; its head stays freshly
-    initialised (for a new task it would have a different number of classes)."""
+    initialised (for a new task it would have a different number of classes). A backbone trained on these
+    digits must have held out the same ones: its training digits in this validation split would choose best.pt."""
     checkpoint = load_checkpoint(path, RECIPE)
-    width = checkpoint.get("config", {}).get("width")
+    config = checkpoint.get("config", {})
+    width = config.get("width")
     if width is not None and 8 * width != model.head.in_features:  # the head reads the last layer's 8 * width
         raise cli.RecipeError(f"--finetune {path} was trained with --width {width}: pass --width {width} to build "
                               "the same backbone")
+    theirs = config.get("seed"), config.get("val_size")
+    if type(theirs[0]) is int and theirs != (seed, val_size):
+        with contextlib.suppress(typer.BadParameter):  # a --val-size these digits cannot have: other digits
+            if checksum(*mnist_datasets(data_dir, theirs[1], theirs[0])[0].tensors) == checkpoint.get("data_id"):
+                raise cli.RecipeError(f"--finetune {path} trained on these digits with --seed {theirs[0]} --val-size "
+                                      f"{theirs[1]}: pass the same, or its training digits validate this run")
     state = checkpoint["model"]
     backbone = {key.removeprefix("features."): value for key, value in state.items() if key.startswith("features.")}
     load_model_state(model.features, backbone, path)
@@ -215,8 +226,14 @@ def to_mnist_format(image: torch.Tensor) -> torch.Tensor:
 
 def read_digit(path: Path) -> torch.Tensor:
     """An image file -> (1, 28, 28) in MNIST's format; any file that is not a readable image is a RecipeError."""
+    import PIL.Image  # torchvision's own dependency; only --predict needs it
+
     try:
         data = path.read_bytes()  # (Python's open: a file named in another encoding than UTF-8 too)
+        with PIL.Image.open(io.BytesIO(data)) as header:  # its size, from the header: decoding takes ~20 B a pixel
+            if header.width * header.height > MAX_PIXELS:
+                raise cli.RecipeError(f"{path} is {header.width} x {header.height} pixels, over {MAX_PIXELS:,}: "
+                                      "scale it down (a digit needs 28 x 28)")
         # PNG colour types 4 and 6 (IHDR's byte 25) have an alpha channel, and a palette (3) may have one (a tRNS
         # chunk before the pixels); torchvision makes one up for other palettes and 1-bit PNGs, wrongly
         png = data.startswith(b"\x89PNG\r\n\x1a\n") and len(data) > 25
@@ -224,7 +241,7 @@ def read_digit(path: Path) -> torch.Tensor:
         # (grey, alpha) or (grey,), uint8 (uint16: a 16-bit PNG), turned upright as a phone's EXIF tag says
         image = decode_image(torch.frombuffer(bytearray(data), dtype=torch.uint8), apply_exif_orientation=True,
                              mode=ImageReadMode.GRAY_ALPHA if alpha else ImageReadMode.GRAY)
-    except (RuntimeError, ValueError, OSError):
+    except (RuntimeError, ValueError, OSError, PIL.Image.DecompressionBombError):
         image = None
     if image is None or image.shape[0] != 1 + alpha:  # a GIF or WebP decodes, but in colour whatever was asked
         raise cli.RecipeError(f"{path} is not a readable PNG or JPEG image")
@@ -360,7 +377,7 @@ def main(
     # channels_last (NHWC) is the layout oneDNN and cuDNN convolutions run fastest in
     model = DigitNet(width).to(device, memory_format=torch.channels_last)
     if finetune and not checkpoint:
-        load_backbone(model, finetune)
+        load_backbone(model, finetune, data_dir, seed, val_size)
     # Two parameter groups, so that fine-tuning can move the pretrained backbone gently (a small rate) while
     # the new head learns fast. Trained from scratch, both get --max-lr.
     backbone_lr = max_lr * backbone_lr_scale if finetune else max_lr

@@ -263,7 +263,7 @@ def test_finetune_starts_from_the_backbone_with_its_own_learning_rate(run_inproc
 
     torch.manual_seed(123)
     model = mnist.DigitNet()
-    mnist.load_backbone(model, tmp_path / "pretrained" / "checkpoints" / "last.pt")
+    mnist.load_backbone(model, tmp_path / "pretrained" / "checkpoints" / "last.pt", mnist_dir, 0, None)
     for key, value in model.features.state_dict().items():
         assert torch.equal(value, pretrained[f"features.{key}"]), key
     assert not torch.equal(model.head.weight, pretrained["head.weight"])  # a fresh head
@@ -280,6 +280,23 @@ def test_finetune_starts_from_the_backbone_with_its_own_learning_rate(run_inproc
     # two small steps from the pretrained backbone stay close to it
     torch.testing.assert_close(state["model"]["features.0.0.weight"], pretrained["features.0.0.weight"],
                                atol=0.05, rtol=0)
+
+
+def test_finetune_on_the_backbones_digits_must_hold_out_the_same_ones(run_inprocess, mnist_dir, tmp_path):
+    """Another --seed or --val-size put digits the backbone trained on into this run's validation split, which
+    chose best.pt on them. Other digits than the backbone's (a --val-size they cannot have) are no concern."""
+    assert run_inprocess(RECIPE, "--data-dir", mnist_dir, "--width", 4, "--max-steps", 2, "--run-dir",
+                         tmp_path / "pretrained").code == 0
+    backbone = tmp_path / "pretrained" / "checkpoints" / "last.pt"
+    for option, value in (("--seed", 1), ("--val-size", 100)):
+        result = run_inprocess(RECIPE, "--finetune", backbone, "--data-dir", mnist_dir, "--width", 4, option, value,
+                               "--max-steps", 1, "--run-dir", tmp_path / f"tuned{option}")
+        assert result.code == 1 and result.stderr == (
+            f"error: --finetune {backbone} trained on these digits with --seed 0 --val-size None: pass the same, or "
+            "its training digits validate this run\n"), result.stderr
+    result = run_inprocess(RECIPE, "--finetune", backbone, "--data-dir", mnist_dir, "--width", 4, "--max-steps", 1,
+                           "--run-dir", tmp_path / "tuned")
+    assert result.code == 0, result.stderr
 
 
 def test_a_resume_keeps_the_finetune_it_started_with(run_inprocess, mnist_dir, tmp_path):

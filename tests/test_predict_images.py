@@ -243,14 +243,31 @@ def test_an_extra_argument_without_predict_is_named_not_blamed_on_predict(run_in
     assert not (tmp_path / "run").exists()
 
 
+def png_header(width: int, height: int) -> bytes:
+    """A PNG's signature and header chunk, saying its size, and no pixels: a picture too big to build here."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0)) + \
+        chunk(b"IDAT", b"") + chunk(b"IEND", b"")
+
+
 @pytest.mark.parametrize("case", ["not an image", "empty file", "empty folder", "missing file", "text only folder",
-                                  "gif"])
+                                  "gif", "too many pixels", "a decompression bomb"])
 def test_bad_images_are_one_line_errors(case, checkpoint, run_inprocess, tmp_path):
     if case == "gif":  # torchvision decodes it, but in colour whatever mode is asked: the model wants one channel
         from PIL import Image
 
         Image.new("L", (28, 28)).save(tmp_path / "digit.gif")
         target, text = tmp_path / "digit.gif", "digit.gif is not a readable PNG or JPEG image"
+    elif case in ("too many pixels", "a decompression bomb"):  # decoded, they ran out of memory: an abort, or killed
+        size = (9000, 9000) if case == "too many pixels" else (20000, 20000)  # Pillow refuses past 179M pixels
+        (tmp_path / "huge.png").write_bytes(png_header(*size))
+        target, text = tmp_path / "huge.png", ("huge.png is 9000 x 9000 pixels, over 64,000,000: scale it down"
+                                               if case == "too many pixels" else "is not a readable PNG or JPEG image")
     elif case == "not an image":
         (tmp_path / "digit.png").write_text("this is text, not a PNG")
         target, text = tmp_path / "digit.png", "digit.png is not a readable PNG or JPEG image"
