@@ -246,16 +246,18 @@ class GPT(nn.Module):
         its position embeddings are absolute, so a full cache cannot simply drop its oldest entry (every
         kept key would then sit at the wrong position). When the context is full it jumps instead: the
         cache is recomputed from the last block_size // 2 tokens, and filled again from there. So the
-        context slides in jumps and always holds between block_size // 2 and block_size tokens; within
-        block_size tokens the result is exactly that of use_cache=False.
+        context slides in jumps and always holds between block_size // 2 and block_size tokens.
 
-        use_cache=False is the plain version: every step recomputes the whole context, the last block_size
-        tokens (a window that slides by one), from scratch.
+        use_cache=False is the plain version: every step recomputes that same context from scratch, so both give
+        the same tokens (FSDP, which samples without the cache, writes the samples one process writes).
         """
         if not use_cache:
+            start = max(0, idx.size(1) - self.config.block_size)  # the model never saw positions past block_size
             for _ in range(new_tokens):
-                context = idx[:, -self.config.block_size :]  # the model never saw positions past block_size
-                idx = torch.cat([idx, self.sample_next(self(context)[:, -1, :], temperature, top_k, generator)], 1)
+                if idx.size(1) - start > self.config.block_size:  # full: jump, as the cache refills
+                    start = idx.size(1) - self.config.block_size // 2
+                logits = self(idx[:, start:])[:, -1, :]
+                idx = torch.cat([idx, self.sample_next(logits, temperature, top_k, generator)], dim=1)
             return idx
         caches, fed = None, 0  # fed: tokens of idx the cache holds (a new cache starts at position 0)
         for _ in range(new_tokens):
@@ -275,9 +277,9 @@ class GPT(nn.Module):
         if top_k == 1:  # greedy: nothing to draw (and the generator is left as it was)
             return logits.argmax(dim=-1, keepdim=True)
         logits = logits / temperature
-        if top_k:  # 0 or None: from every token
-            kth_best = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
-            logits = logits.masked_fill(logits < kth_best, float("-inf"))
+        if top_k:  # 0 or None: from every token. The k best alone, even where others tie with the k-th
+            best, tokens = torch.topk(logits, min(top_k, logits.size(-1)))
+            return tokens.gather(-1, torch.multinomial(best.softmax(dim=-1), 1, generator=generator))
         return torch.multinomial(logits.softmax(dim=-1), 1, generator=generator)
 
 

@@ -122,6 +122,8 @@ def test_generation_crops_the_context_to_block_size(use_cache):
     assert max(max(positions) for positions in seen) == 11  # never a position past block_size
     if use_cache:  # the prompt, then one new token a step; full at 12: refilled from the last 6
         assert seen == [list(range(10)), [10], [11], list(range(6)), [6], [7]]
+    else:  # the same contexts, each recomputed whole
+        assert seen == [list(range(n)) for n in (10, 11, 12, 6, 7, 8)]
 
 
 @pytest.mark.parametrize("use_cache", [True, False])
@@ -155,6 +157,11 @@ def test_kv_cache_beyond_block_size_equals_recomputing_its_documented_context(at
     prompt = torch.randint(50, (2, 15), generator=torch.Generator().manual_seed(2))  # longer than the block
     out = model.generate(prompt, 30, top_k=1)
     assert out.shape == (2, 45)
+    # without the cache (FSDP samples so): the same tokens, so its samples are a single process's
+    assert torch.equal(model.generate(prompt, 30, top_k=1, use_cache=False), out)
+    drawn = [model.generate(prompt, 30, top_k=5, generator=torch.Generator().manual_seed(3), use_cache=cache)
+             for cache in (True, False)]
+    assert torch.equal(*drawn)
     start = prompt.size(1) - block
     for i in range(prompt.size(1), out.size(1)):
         if i - start > block:  # the context would not fit: the cache is refilled
@@ -162,6 +169,14 @@ def test_kv_cache_beyond_block_size_equals_recomputing_its_documented_context(at
         expected = model(out[:, start:i])[:, -1].argmax(-1)
         assert torch.equal(out[:, i], expected), f"token {i}"
         assert block // 2 <= i - start <= block
+
+
+def test_top_k_draws_from_k_tokens_even_where_others_tie_with_the_kth():
+    """bf16 logits tie often: a mask of those below the k-th kept every token equal to it (4 of --top-k 2)."""
+    logits = torch.tensor([[2.0, 1.0, 1.0, 1.0, 0.0]]).expand(2000, 5)
+    drawn = tt.GPT.sample_next(logits, 1.0, 2, torch.Generator().manual_seed(0))
+    assert drawn.unique().numel() == 2 and set(drawn.unique().tolist()) <= {0, 1, 2, 3}
+    assert (drawn == 0).float().mean().item() == pytest.approx(math.e / (math.e + 1), abs=0.03)
 
 
 @pytest.mark.parametrize("attention", ["einsum", "sdpa"])
