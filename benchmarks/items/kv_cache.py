@@ -24,12 +24,14 @@ def kv_cache(quick: bool) -> dict:
     tokens_per_s(True)  # warm-up
     runs = interleaved(repeats, cache=lambda: tokens_per_s(True), recompute=lambda: tokens_per_s(False))
     speedup = summarise([a / b for a, b in zip(runs["cache"], runs["recompute"], strict=True)])
-    same = torch.equal(model.generate(prompt, 64, top_k=1), model.generate(prompt, 64, top_k=1, use_cache=False))
+    # every token, past the block too: the recompute takes the cache's contexts (it jumps where the cache refills)
+    same = torch.equal(model.generate(prompt, new_tokens, top_k=1),
+                       model.generate(prompt, new_tokens, top_k=1, use_cache=False))
     return {"item": f"Generation: KV cache vs full recompute, {new_tokens} greedy tokens from a 64-token prompt "
                     "(4x128, block 128, batch 1)",
             "result": f"{speedup['median']:.2f}x ({speedup['min']:.2f}-{speedup['max']:.2f}; "
                       f"{statistics.median(runs['cache']):,.0f} vs {statistics.median(runs['recompute']):,.0f} "
-                      f"tok/s); same greedy tokens within the block: {'yes' if same else 'NO'}",
+                      f"tok/s); same greedy tokens: {'yes' if same else 'NO'}",
             "target": ">= 3x, same tokens", "met": speedup["median"] >= 3 and same, "kv_cache_speedup": speedup,
             "tokens_per_s": {k: statistics.median(v) for k, v in runs.items()}, "same_tokens": same}
 
