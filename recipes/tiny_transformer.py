@@ -606,7 +606,8 @@ def main(
     sample_tokens: Annotated[int, typer.Option(min=1, help="Tokens per text sample.")] = 300,
     temperature: Annotated[float, typer.Option(callback=cli.checked(lambda v: 0.01 <= v < math.inf, "a finite "
                                                "number >= 0.01"), help="Sampling temperature (<1: safer).")] = 0.8,
-    top_k: Annotated[int, typer.Option(min=0, help="Sample only from the k likeliest tokens (0: from all).")] = 50,
+    top_k: Annotated[int, typer.Option(min=0, help="Sample only from the k likeliest tokens (0: from all; 1: "
+                                                   "greedy).")] = 50,
     prompt: Annotated[str, typer.Option(callback=utf8_text, help="Text the samples continue.")] = "",
     sample_only: Annotated[bool, typer.Option("--sample-only", help="Only generate, from --resume or --init-from; "
                                               "the training options are not used.")] = False,
