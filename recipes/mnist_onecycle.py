@@ -87,7 +87,7 @@ def load_backbone(model: DigitNet, path: Path, data_dir: Path, seed: int, val_si
         raise cli.RecipeError(f"--finetune {path} was trained with --width {width}: pass --width {width} to build "
                               "the same backbone")
     theirs = config.get("seed"), config.get("val_size")
-    if type(theirs[0]) is int and theirs != (seed, val_size):
+    if type(theirs[0]) is int and type(theirs[1]) in (int, type(None)) and theirs != (seed, val_size):
         with contextlib.suppress(typer.BadParameter):  # a --val-size these digits cannot have: other digits
             if checksum(*mnist_datasets(data_dir, theirs[1], theirs[0])[0].tensors) == checkpoint.get("data_id"):
                 raise cli.RecipeError(f"--finetune {path} trained on these digits with --seed {theirs[0]} --val-size "
