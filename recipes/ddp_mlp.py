@@ -124,8 +124,8 @@ def stop_agreed(stop: StopRequest, device: torch.device) -> bool:
 def evaluate(model: nn.Module, loader, device: torch.device, precision: str) -> dict[str, float]:
     """Loss and accuracy over the whole test set, in the precision the model trains in: each rank scores its own
     shard, then one all-reduce adds the sums of every rank, so every digit counts exactly once and every rank gets
-    the same figures. It runs the module inside DDP: DDP's forward broadcasts buffers (BatchNorm's) from rank 0,
-    a collective that hangs when the shards hold unequal numbers of batches."""
+    the same figures. It runs the plain module that DDP wraps (``unwrap``), not DDP's forward, which broadcasts
+    buffers (BatchNorm's) from rank 0: a collective that hangs when the shards hold unequal numbers of batches."""
     model = unwrap(model)
     model.eval()
     totals = torch.zeros(3, dtype=sum_dtype(device), device=device)  # loss sum, correct, digits

@@ -8,12 +8,14 @@ PyTorch's Performance Tuning Guide checked against the live run.
    global hooks watch it (every module call, every optimizer step): where a step's time goes (waiting for data,
    forward, backward, optimizer), and the guide's rules: evaluation without gradients, autograd's anomaly mode
    off, gradients freed between steps (``zero_grad(set_to_none=True)``), no bias on a convolution that a batch
-   norm follows, channels_last convolutions, matrix sizes that are multiples of 8 under autocast, and on CUDA
-   host-device syncs per step (``torch.cuda.set_sync_debug_mode``), ``cudnn.benchmark`` and TF32.
+   norm follows, channels_last convolutions, and on CUDA matrix sizes that are multiples of 8 under autocast,
+   host-device syncs per step (``torch.cuda.set_sync_debug_mode``; the median between two step starts),
+   ``cudnn.benchmark`` and TF32.
 2. The alternatives that apply on this device (bf16 where the device multiplies it natively, ``--compile``
    where a C++ compiler is found, DataLoader workers, a larger batch), each a run of its own in a subprocess,
    interleaved with the run as given (A B C A B C ...) for ``--rounds`` rounds: the speed-up is the median of
-   the rounds' ratios of training throughput (first window left out: start-up and compiling), with its range.
+   the rounds' ratios of training throughput (the first window, or the first epoch if shorter, left out: start-up
+   and compiling), with its range.
 3. The alternatives that were faster in every round, by 1.1x or more at the median, and leave the training as it
    is (not a larger batch) are measured together, the same way, and recommended as one command line if together
    they pass the same test; otherwise the best of them alone is.
@@ -269,7 +271,8 @@ def rule_rows(observed: Observed, config: dict, profile: dict, options: list[str
                      "fixed-size convolutions run faster with torch.backends.cudnn.benchmark = True"))
         if config.get("precision") == "fp32":
             rows.append(("TF32 matmuls", f"float32 matmul precision {observed.matmul_precision!r}",
-                         "fp32 as asked; --precision bf16 (or TF32) is several times faster on tensor cores"))
+                         "fp32 as asked; from compute capability 8.0 (Ampere), --precision bf16 (or TF32) is several "
+                         "times faster"))
     else:
         rows.append(("host-device syncs", "not measured: a CPU has no asynchronous queue to stall",
                      "n/a on cpu"))

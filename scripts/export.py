@@ -13,7 +13,7 @@ into one whole model with common/sharded.py). ``--format graph`` (the default) w
   other runtimes;
 - ``model.json``: what a caller needs besides the graph: the inputs (names, shapes, dtypes), how to prepare
   them (MNIST's size and normalisation, a table's preprocessing, the vocabulary), what the output means,
-  and the agreement check below.
+  ``averaged`` (whether the weights are an ``--ema`` run's moving average), and the agreement check below.
 
 (and ``tokenizer.json`` for a transformer that has a Hugging Face tokenizer, from ``--init-from``).
 

@@ -4,9 +4,10 @@
     python scripts/find_lr.py tabular_mlp --csv my.csv --target price --plot price_lr.png
 
 The recipe trains as it would, with its own model, data, optimizer and step, for ``--ramp-steps`` optimizer
-steps (100) in a temporary run directory; before every step the learning rate of every parameter group is set
-to the next rate of an exponential ramp from ``--from`` to ``--to``, whatever the recipe's schedule says (a
-global optimizer pre-hook: no recipe knows it is being measured). Each step's training loss, which the recipe
+steps (100) in a temporary run directory; before every step the rates are set along an exponential ramp from
+``--from`` to ``--to`` (at most 1e30), whatever the recipe's schedule says: the recipe's largest rate follows the
+ramp and every other parameter group keeps its ratio to it, as a fine-tuned backbone does (a global optimizer
+pre-hook: no recipe knows it is being measured). Each step's training loss, which the recipe
 logs to TensorBoard anyway, is smoothed by an exponential moving average (beta 0.98, bias-corrected: the
 first steps are not pulled towards 0); the test ends where the smoothed loss passes 4x its lowest (or the run
 diverges). The suggestion is the rate where the smoothed loss falls fastest (its steepest descent against
