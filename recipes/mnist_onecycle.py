@@ -237,31 +237,59 @@ def read_digit(path: Path) -> torch.Tensor:
         # PNG colour types 4 and 6 (IHDR's byte 25) have an alpha channel, and a palette (3) may have one (a tRNS
         # chunk before the pixels); torchvision makes one up for other palettes and 1-bit PNGs, wrongly
         png = data.startswith(b"\x89PNG\r\n\x1a\n") and len(data) > 25
-        alpha = png and (data[25] in (4, 6) or data[25] == 3 and b"tRNS" in data[: data.find(b"IDAT")])
+        chunks = data[: data.find(b"IDAT")] if png else b""
+        alpha = png and (data[25] in (4, 6) or data[25] == 3 and b"tRNS" in chunks)
         # (grey, alpha) or (grey,), uint8 (uint16: a 16-bit PNG), turned upright as a phone's EXIF tag says
-        image = decode_image(torch.frombuffer(bytearray(data), dtype=torch.uint8), apply_exif_orientation=True,
-                             mode=ImageReadMode.GRAY_ALPHA if alpha else ImageReadMode.GRAY)
-    except (RuntimeError, ValueError, OSError, PIL.Image.DecompressionBombError):
+        image = decode(data, ImageReadMode.GRAY_ALPHA if alpha else ImageReadMode.GRAY)
+        if png and data[25] in (0, 2) and b"tRNS" in chunks:  # grey or RGB with one see-through colour, as optipng
+            image, alpha = torch.cat([image, see_through(data, chunks, image.dtype)]), True  # writes: torchvision
+    except (RuntimeError, ValueError, OSError, PIL.Image.DecompressionBombError):  # ignores it
         image = None
     if image is None or image.shape[0] != 1 + alpha:  # a GIF or WebP decodes, but in colour whatever was asked
         raise cli.RecipeError(f"{path} is not a readable PNG or JPEG image")
     return to_mnist_format(flatten_alpha(image) if alpha else image)
 
 
+def decode(data: bytes, mode: ImageReadMode) -> torch.Tensor:
+    return decode_image(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=mode, apply_exif_orientation=True)
+
+
+def see_through(data: bytes, chunks: bytes, dtype: torch.dtype) -> torch.Tensor:
+    """The alpha channel of a grey (colour type 0) or RGB (2) PNG whose tRNS chunk names one see-through colour."""
+    grey = data[25] == 0
+    start = chunks.index(b"tRNS") + 4
+    key = torch.tensor([int.from_bytes(chunks[i : i + 2], "big") for i in range(start, start + (2 if grey else 6), 2)])
+    if data[24] < 8:  # a 1, 2 or 4-bit grey, which the decoder stretches to 8 bits
+        key *= 255 // (2 ** data[24] - 1)
+    pixels = decode(data, ImageReadMode.GRAY if grey else ImageReadMode.RGB).int()
+    clear = (pixels == key[:, None, None]).all(0, keepdim=True)
+    return torch.where(clear, 0, torch.iinfo(dtype).max).to(dtype)
+
+
 def flatten_alpha(image: torch.Tensor) -> torch.Tensor:
-    """(grey, alpha) -> (grey,): where the image is see-through, the background shows as the shade the ink is not.
-    A digit drawn on a transparent canvas, in black ink or in white, has no grey background of its own."""
+    """(grey, alpha) -> (grey,) on the background the picture implies. A card or photo with a see-through margin
+    (its opaque pixels paper and ink) lies on its paper: the shade of its opaque pixels along the margin. A digit
+    drawn on a transparent canvas (its opaque pixels ink alone, black or white) lies on the shade the ink is not."""
     white = torch.iinfo(image.dtype).max
     grey, alpha = image[:1].double(), image[1:].double() / white
     if alpha.min() == 1:
         return image[:1]
-    dark_ink = (grey * alpha).sum() < white / 2 * alpha.sum()  # the opaque pixels' mean shade
-    return (grey * alpha + (white if dark_ink else 0) * (1 - alpha)).round().to(image.dtype)
+    opaque = alpha[0] >= 0.5
+    margin = opaque & (F.max_pool2d((~opaque)[None].double(), 3, stride=1, padding=1)[0] > 0)  # beside see-through
+    edge = grey[0][margin].median() if margin.any() else None
+    if edge is not None and ((grey[0][opaque] - edge).abs() > 0.4 * white).double().mean() >= 0.01:
+        background = edge  # a card: some opaque pixels (the ink) far from the margin's shade (the paper)
+    else:
+        dark_ink = (grey * alpha).sum() < white / 2 * alpha.sum()  # the opaque pixels' mean shade
+        background = white if dark_ink else 0
+    return (grey * alpha + background * (1 - alpha)).round().to(image.dtype)
 
 
 @torch.no_grad()
-def predict_digits(checkpoint_path: Path, paths: list[Path], device: torch.device) -> list[tuple[Path, int, float]]:
-    """(file, digit, probability) for every image in ``paths``, with the model of ``checkpoint_path``."""
+def predict_digits(checkpoint_path: Path, files: list[Path], device: torch.device
+                   ) -> tuple[list[tuple[Path, int, float]], list[cli.RecipeError]]:
+    """(file, digit, probability) for every readable image of ``files``, with the model of ``checkpoint_path``; and
+    why each of the others is unreadable."""
     checkpoint = load_checkpoint(checkpoint_path, RECIPE)
     width = checkpoint.get("config", {}).get("width")
     if type(width) is not int or width < 1:
@@ -269,26 +297,38 @@ def predict_digits(checkpoint_path: Path, paths: list[Path], device: torch.devic
                               "wrote it")
     model = DigitNet(width).to(device).eval()
     load_model_state(model, checkpoint["model"], checkpoint_path)
-    files = image_files(paths)
-    images = torch.stack([read_digit(f) for f in files])
+    read, unreadable = [], []
+    for file in files:
+        try:
+            read.append((file, read_digit(file)))
+        except cli.RecipeError as error:  # one bad file among many: the others are still predicted
+            unreadable.append(error)
+    if not read:
+        return [], unreadable
+    files, images = [file for file, _ in read], torch.stack([image for _, image in read])
     for file, image in zip(files, images, strict=True):
         if not image.any():  # paper alone, one shade: the model still names a digit, often with confidence
             print(f"warning: {file} is blank (no digit found): its prediction means nothing", file=sys.stderr)
     images = (images - MNIST_MEAN) / MNIST_STD  # as load_mnist normalises
     probabilities = torch.cat([model(batch.to(device)).softmax(-1).cpu() for batch in images.split(1000)])
     confidence, digits = probabilities.max(-1)
-    return list(zip(files, digits.tolist(), confidence.tolist(), strict=True))
+    return list(zip(files, digits.tolist(), confidence.tolist(), strict=True)), unreadable
 
 
 def predict_command(images: list[Path], more_images: list[Path], resume: str | None, device: str) -> None:
-    """--predict: print one line per image (file, digit, probability), then the done line."""
+    """--predict: print one line per image (file, digit, probability), then the done line; then an error line for each
+    unreadable file, and exit 1 if there was one."""
     if resume is None or resume == "auto":
         raise typer.BadParameter("give the checkpoint to predict with, e.g. --resume .../best.pt",
                                  param_hint="--resume")
-    results = predict_digits(Path(resume), [*images, *more_images], resolve_device(device))
+    results, unreadable = predict_digits(Path(resume), image_files([*images, *more_images]), resolve_device(device))
     for path, digit, probability in results:
         print(f"{path} {digit} {probability:.4f}")
     print(f"done: predictions={len(results)}")
+    for error in unreadable[:-1]:
+        print(f"error: {error}", file=sys.stderr)
+    if unreadable:
+        raise unreadable[-1]
 
 
 # ----------------------------------------------------------------------------------------------------

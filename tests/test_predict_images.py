@@ -325,3 +325,45 @@ def test_a_checkpoint_without_its_width_is_a_one_line_error(config, run_inproces
 def test_usage_errors(args, text, run_inprocess):
     result = run_inprocess(RECIPE, *args)
     assert result.code == 2 and text in " ".join(result.stderr.split()), result.stderr
+
+
+def test_a_card_with_a_see_through_margin_reads_as_the_card(tmp_path):
+    """A digit card (dark ink on light paper) centred on a transparent canvas: its margin was laid on the shade the
+    card's mean is not (black), so the whole card read as the digit. Grey and RGB PNGs with one see-through colour
+    (a tRNS chunk, as optipng writes them) had their transparency ignored."""
+    import numpy as np
+    from PIL import Image
+
+    for _, image in one_digit_per_class()[:3]:
+        card = 230 - (image[0].numpy().astype(np.int32) * 200 // 255).astype(np.uint8)  # paper 230, ink down to 30
+        card = np.kron(card, np.ones((4, 4), np.uint8))  # 112 x 112, as a scan would be
+        Image.fromarray(card).save(tmp_path / "plain.png")
+        grey, alpha = np.zeros((160, 160), np.uint8), np.zeros((160, 160), np.uint8)
+        grey[24:136, 24:136], alpha[24:136, 24:136] = card, 255
+        for stored in (0, 255):  # what the see-through pixels hold, which no viewer shows
+            Image.fromarray(np.stack([np.where(alpha > 0, grey, stored), alpha], axis=-1), "LA").save(
+                tmp_path / f"margin-{stored}.png")
+        keyed = np.where(alpha > 0, np.maximum(grey, 1), 0).astype(np.uint8)  # 0: the see-through colour
+        Image.fromarray(keyed).save(tmp_path / "grey-trns.png", transparency=0)
+        Image.fromarray(keyed).convert("RGB").save(tmp_path / "rgb-trns.png", transparency=(0, 0, 0))
+        Image.fromarray(keyed.astype(np.uint16) * 257).save(tmp_path / "grey16-trns.png", transparency=0)
+        plain = mnist.read_digit(tmp_path / "plain.png")
+        assert plain.sum() > 0
+        for name in ("margin-0.png", "margin-255.png", "grey-trns.png", "rgb-trns.png", "grey16-trns.png"):
+            torch.testing.assert_close(mnist.read_digit(tmp_path / name), plain, atol=1e-6, rtol=0, msg=name)
+
+
+def test_an_unreadable_file_is_an_error_line_after_the_others_predictions(checkpoint, run_inprocess, tmp_path):
+    """One cut-off file in a folder stopped every prediction: one error, and no line for the good images."""
+    for label, image in one_digit_per_class()[:4]:
+        write_png(image, str(tmp_path / f"{label}.png"))
+    (tmp_path / "1.png").write_bytes((tmp_path / "1.png").read_bytes()[:60])  # a download cut off
+    (tmp_path / "3.jpg").write_text("a HEIC photo under a .jpg name, say")
+    result = run_inprocess(RECIPE, "--predict", tmp_path, "--resume", checkpoint)
+    assert result.code == 1
+    assert list(parse(result.stdout)) == ["0.png", "2.png", "3.png"]  # the readable ones, each predicted
+    assert result.stderr.strip().splitlines() == [f"error: {tmp_path / name} is not a readable PNG or JPEG image"
+                                                  for name in ("1.png", "3.jpg")]
+    only_bad = run_inprocess(RECIPE, "--predict", tmp_path / "3.jpg", "--resume", checkpoint)
+    assert only_bad.code == 1 and only_bad.stdout.strip() == "done: predictions=0"
+    assert only_bad.stderr.strip() == f"error: {tmp_path / '3.jpg'} is not a readable PNG or JPEG image"
