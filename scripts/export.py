@@ -396,14 +396,14 @@ def export_checkpoint(checkpoint: Path, out_dir: Path, overwrite: bool = False, 
         out_dir = Path(os.path.realpath(out_dir))
     if out_dir.exists() and not out_dir.is_dir():
         raise ExportError(f"OUT_DIR {out_dir} is a file, not a folder")
-    if out_dir.is_dir() and any(out_dir.iterdir()) and not overwrite:
-        raise ExportError(f"OUT_DIR {out_dir} already holds files; choose a new folder or add --overwrite")
     # --overwrite replaces an earlier export (only files an export writes), never a run, a checkpoint or a project
     foreign = out_dir.is_dir() and next((p for p in out_dir.iterdir() if not p.is_file() or
                                          p.name not in EXPORT_FILES), None)
     if foreign or (overwrite and out_dir.resolve() in checkpoint.resolve().parents):
         raise ExportError(f"OUT_DIR {out_dir} holds {foreign or checkpoint}, which no export writes: --overwrite "
                           "replaces an earlier export only; choose a new folder")
+    if out_dir.is_dir() and any(out_dir.iterdir()) and not overwrite:
+        raise ExportError(f"OUT_DIR {out_dir} already holds an export; choose a new folder or add --overwrite")
     state = read_checkpoint(checkpoint)
     recipe = state["recipe"]
     if format == "hf" and recipe != "tiny_transformer":
@@ -450,6 +450,8 @@ def export_checkpoint(checkpoint: Path, out_dir: Path, overwrite: bool = False, 
                               f"{worst:.3g} ({each}), tolerance {TOLERANCE:g}")
         files = {"graph": {"torch.export": "model.pt2", "onnx": "model.onnx"},
                  "safetensors": {"safetensors": "model.safetensors"}, "hf": {"transformers": "."}}[format]
+        if format != "hf":  # the tokenizer of a transformer that has one, beside the model
+            files |= {Path(name).stem: name for name in exportable.files}
         info = {"recipe": recipe, "source": str(checkpoint), "step": state.get("step"),
                 "averaged": bool(state.get("averaged")),  # best.pt of an --ema run: the weights' moving average
                 "torch_version": torch.__version__, "format": format, "files": files, **exportable.info,
@@ -504,8 +506,26 @@ def tempfile_dir(out_dir: Path) -> str:
     return path
 
 
+@contextlib.contextmanager
+def stops_held_off():
+    """Ctrl-C and SIGTERM are ignored while the export is put in place: between its renames a stop would leave
+    OUT_DIR empty or half replaced. By the end the export is whole, or an error says why not."""
+    stops = (signal.SIGINT, signal.SIGTERM)
+    handlers = [signal.signal(signum, signal.SIG_IGN) for signum in stops]
+    try:
+        yield
+    finally:
+        for signum, handler in zip(stops, handlers, strict=True):
+            signal.signal(signum, signal.SIG_DFL if handler is None else handler)
+
+
 def replace_dir(new: Path, out_dir: Path) -> None:
     """Put the finished folder ``new`` at ``out_dir``; an earlier export there is removed only afterwards."""
+    with stops_held_off():
+        replace_dir_now(new, out_dir)
+
+
+def replace_dir_now(new: Path, out_dir: Path) -> None:
     try:
         if out_dir.is_dir() and any(out_dir.iterdir()):
             old = new.with_name(new.name + ".old")
@@ -515,7 +535,7 @@ def replace_dir(new: Path, out_dir: Path) -> None:
                 return move_files(new, out_dir)
             try:
                 os.replace(new, out_dir)
-            except BaseException:  # an OSError, or Ctrl-C between the two renames (or just after the second)
+            except OSError:
                 if new.exists():
                     os.replace(old, out_dir)  # the earlier export stays
                 else:
@@ -546,7 +566,7 @@ def move_files(new: Path, out_dir: Path) -> None:
         for path in new.iterdir():
             os.replace(path, out_dir / path.name)
             moved.append(path.name)
-    except BaseException:  # Ctrl-C, say: the earlier export as it was (if even that fails, it stays in ``aside``)
+    except OSError:  # the earlier export as it was (if even that fails, it stays in ``aside``)
         for name in moved:
             os.replace(out_dir / name, new / name)
         for path in aside.iterdir():
@@ -594,7 +614,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{info['recipe']}: eager vs " + ", vs ".join(f"{name} max difference {value:.2e}" for name, value in
                                                           diff.items())
           + f" (batch {CHECK_BATCH}, tolerance {TOLERANCE:g})")
-    print(f"done: exported {args.checkpoint} to {args.out_dir} ({FORMATS[args.format]})")
+    written = FORMATS["hf"] if args.format == "hf" else ", ".join([*info["files"].values(), "model.json"])
+    print(f"done: exported {args.checkpoint} to {args.out_dir} ({written})")
     return 0
 
 

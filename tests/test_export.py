@@ -1,6 +1,7 @@
 """scripts/export.py: every recipe's checkpoint -> model.pt2, model.onnx and model.json that agree with it."""
 
 import json
+import os
 import random
 import re
 import shlex
@@ -175,7 +176,7 @@ def test_overwrite_replaces_an_earlier_export(checkpoints, tmp_path, capsys):
     out = tmp_path / "out"
     assert export.main([str(checkpoints["ddp_mlp"]), str(out)]) == 0
     assert export.main([str(checkpoints["compiled_model"]), str(out)]) == 1
-    assert "already holds files" in capsys.readouterr().err
+    assert "already holds an export; choose a new folder or add --overwrite" in capsys.readouterr().err
     assert json.loads((out / "model.json").read_text())["recipe"] == "ddp_mlp"
     assert export.main([str(checkpoints["compiled_model"]), str(out), "--overwrite"]) == 0
     assert json.loads((out / "model.json").read_text())["recipe"] == "compiled_model"
@@ -515,26 +516,44 @@ def test_ctrl_c_is_exit_130_in_one_line_and_leaves_no_temporary_folder(checkpoin
     assert list(tmp_path.iterdir()) == []
 
 
-@pytest.mark.parametrize("renamed", [False, True])
-def test_ctrl_c_at_the_second_rename_of_overwrite_leaves_one_whole_export(checkpoints, tmp_path, capsys, monkeypatch,
-                                                                         renamed):
-    """The earlier export has moved aside; Ctrl-C comes before the new one moves in (the earlier one comes back),
-    or just after (Python runs the handler at the next bytecode: the new one stays, the earlier one goes)."""
+@pytest.mark.parametrize("moment", ["old aside", "new in place", "old removed"])
+def test_ctrl_c_while_overwrite_puts_the_export_in_place_leaves_it_whole(checkpoints, tmp_path, capsys, monkeypatch,
+                                                                           moment):
+    """Ctrl-C as the earlier export moved aside left OUT_DIR missing (the earlier export in a hidden folder); just
+    after the new one moved in, or while the earlier one was removed, it said "left as it was" of a replaced one
+    (and could leave half of the earlier one behind). Those steps now finish first: the new export, whole."""
+    import signal
+
     out = tmp_path / "out"
     assert export.main([str(checkpoints["ddp_mlp"]), str(out)]) == 0
-    replace = export.os.replace
+    replace, rmtree = export.os.replace, export.shutil.rmtree
 
-    def interrupted(src, dst):
-        if Path(src).name.endswith(".tmp"):
-            if renamed:
-                replace(src, dst)
-            raise KeyboardInterrupt
-        replace(src, dst)
+    def ctrl_c_then(step, *args, **kwargs):  # a real SIGINT, as the terminal sends it: Python acts on it at once
+        os.kill(os.getpid(), signal.SIGINT)
+        return step(*args, **kwargs)
 
-    monkeypatch.setattr(export.os, "replace", interrupted)
-    assert export.main([str(checkpoints["compiled_model"]), str(out), "--overwrite"]) == 130
-    assert capsys.readouterr().err.endswith("\n") and sorted(p.name for p in tmp_path.iterdir()) == ["out"]
-    assert json.loads((out / "model.json").read_text())["recipe"] == ("compiled_model" if renamed else "ddp_mlp")
+    if moment == "old removed":
+        monkeypatch.setattr(export.shutil, "rmtree", lambda path, **kw: ctrl_c_then(rmtree, path, **kw))
+    else:
+        renamed = ".old" if moment == "old aside" else ".tmp"
+        monkeypatch.setattr(export.os, "replace", lambda src, dst: ctrl_c_then(replace, src, dst)
+                            if Path(src if renamed == ".tmp" else dst).name.endswith(renamed) else replace(src, dst))
+    assert export.main([str(checkpoints["compiled_model"]), str(out), "--overwrite"]) == 0
+    assert capsys.readouterr().out.strip().splitlines()[-1].startswith("done: exported")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    assert sorted(p.name for p in out.iterdir()) == ["model.json", "model.onnx", "model.pt2"]
+    assert json.loads((out / "model.json").read_text())["recipe"] == "compiled_model"
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # Ctrl-C works again afterwards
+
+
+def test_a_folder_of_other_files_is_refused_without_suggesting_overwrite(checkpoints, tmp_path, capsys):
+    """It said "add --overwrite", which then refused the folder for holding files no export writes."""
+    (tmp_path / "notes.txt").write_text("mine")
+    for extra in ([], ["--overwrite"]):
+        assert export.main([str(checkpoints["ddp_mlp"]), str(tmp_path), *extra]) == 1
+        assert capsys.readouterr().err == (f"error: OUT_DIR {tmp_path} holds {tmp_path / 'notes.txt'}, which no export "
+                                           "writes: --overwrite replaces an earlier export only; choose a new folder\n")
+    assert [p.name for p in tmp_path.iterdir()] == ["notes.txt"]
 
 
 def test_sigterm_is_exit_143_in_one_line_and_leaves_no_temporary_folder(checkpoints, tmp_path):

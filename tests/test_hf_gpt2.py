@@ -509,9 +509,13 @@ def test_a_sharded_checkpoint_folder_exports_as_a_gpt2_folder(gpt2_dir, text_fil
     ours, theirs = recipe_model(run_dir / "checkpoints" / "last.pt"), hf_model(tmp_path / "out")
     tokenizer = Tokenizer.from_file(str(tmp_path / "out" / "tokenizer.json"))
     assert largest_difference(ours, theirs, windows(ours, tokenizer)) <= TOLERANCE
+    capsys.readouterr()
     assert export.main([str(step), str(tmp_path / "graph")]) == 0  # and as the graph, with the tokenizer beside it
     assert sorted(p.name for p in (tmp_path / "graph").iterdir()) == ["model.json", "model.onnx", "model.pt2",
                                                                      "tokenizer.json"]
+    files = {"torch.export": "model.pt2", "onnx": "model.onnx", "tokenizer": "tokenizer.json"}  # it was left out
+    assert json.loads((tmp_path / "graph" / "model.json").read_text())["files"] == files
+    assert capsys.readouterr().out.strip().endswith("(model.pt2, model.onnx, tokenizer.json, model.json)")
     (step / "__0_0.distcp").unlink()  # a damaged sharded checkpoint: one line, no export
     capsys.readouterr()
     assert export.main([str(step), str(tmp_path / "damaged")]) == 1
