@@ -4,8 +4,9 @@ What it teaches: compiling a model with ``torch.compile`` (mode, backend, dynami
 cost is paid in the first steps (and again at the first evaluation: a graph traced with gradients on is not
 reused under ``no_grad``, nor for a shorter last batch) and must be measured apart from the steady-state step
 time; the two traps the documentation warns about, counted: a new input shape triggers a recompilation unless
-the graph was compiled with dynamic shapes, and code that Dynamo cannot trace breaks the graph unless it is
-fenced off with ``torch.compiler.disable``; and that a compiled model's checkpoint loads into a plain model.
+the graph was compiled with dynamic shapes (sizes 0 and 1 always), and code that Dynamo will not trace breaks the
+graph, and may recompile it at every step, unless it is fenced off with ``torch.compiler.disable``, which makes it
+one deliberate break; and that a compiled model's checkpoint loads into a plain model.
 
 Why this model: a narrow (64-wide) residual MLP with a hand-written RMSNorm, GELU and sigmoid gating, at
 batch 16384. Its 64x64 matmuls are cheap, while each block makes about a dozen element-wise passes over a
@@ -104,7 +105,8 @@ def train(epochs: int, max_steps: int | None, batch_size: int, lr: float, sample
     # every option: config.json, and what a resume must match (a run of a --compare replays as one run)
     config = cli.as_config({k: v for k, v in locals().items() if k != "compare_compiled"})
     run = open_run_dir(RECIPE, run_dir, resume)  # never over another run's checkpoints; one run at a time in it
-    # how it compiles (or whether) changes the speed, not the training: a resume may change it
+    # how it compiles (or whether) changes the speed, and the training only by float rounding (fused kernels round
+    # otherwise): a resume may change it, and is exact to the bit when it compiles as the run started
     checkpoint = resume_checkpoint(run, RECIPE, config, may_change={"mode", "dynamic", "fullgraph", "backend"})
     if already_finished(run, checkpoint, epochs=epochs, max_steps=max_steps):
         return {}
@@ -146,7 +148,7 @@ def train(epochs: int, max_steps: int | None, batch_size: int, lr: float, sample
     resume_dir = None if compare_compiled else run.path  # a --compare starts afresh: nothing to resume
     profiler = StepProfiler(run.path, profile, device)  # --profile N
 
-    step_seconds = []
+    step_seconds, eval_seconds = [], []
     for epoch in epochs_left(step, steps_per_epoch, total_steps):
         train_loader.sampler.set_epoch(epoch)
         for batch in batches_left(train_loader, step, total_steps):
@@ -166,7 +168,9 @@ def train(epochs: int, max_steps: int | None, batch_size: int, lr: float, sample
                 checkpoints.save(step)
                 if stop.requested:
                     stop.exit(step, resume_dir)
+        started = time.perf_counter()  # the first evaluation compiles again: no_grad is another graph
         val = evaluate(model, val_loader, loss_fn, device=device, precision=precision)
+        eval_seconds.append(time.perf_counter() - started)
         log.eval(step, val=val, note="compiled" if compile else "eager")
         if best.improved(val["loss"], step):
             checkpoints.save(step, "best.pt")
@@ -174,10 +178,11 @@ def train(epochs: int, max_steps: int | None, batch_size: int, lr: float, sample
         if stop.requested:
             stop.exit(step, resume_dir)
 
-    metrics = timing(step_seconds, compiled=compile)
+    metrics = timing(step_seconds, compiled=compile) | ({"first_eval_s": eval_seconds[0]} if eval_seconds else {})
     if step_seconds:  # none when resumed at the last step, only to finish
-        log.print(f"first step {metrics['first_step_s']:.2f} s, then " + (f"{metrics['step_ms']:.1f} ms per step" if
-                  "step_ms" in metrics else "too few steps to time a steady step"))
+        log.print(f"first step {metrics['first_step_s']:.2f} s, first evaluation {metrics['first_eval_s']:.2f} s, "
+                  "then " + (f"{metrics['step_ms']:.1f} ms per step" if "step_ms" in metrics else
+                             "too few steps to time a steady step"))
     return log.finish(step, best.metrics() | metrics)
 
 
@@ -269,8 +274,9 @@ def spread(values: list[float]) -> str:
 
 
 class ActivationProbe(nn.Module):
-    """Records the mean activation size for logging: ``.item()`` pulls a value out to Python, which Dynamo
-    cannot put in a graph, so it breaks the graph there."""
+    """Records the mean activation size for logging. ``.item()`` pulls a value out to Python, where Dynamo breaks
+    the graph (by default); and the list it appends to grows, which Dynamo checks (``len(self.history)``) before it
+    reuses a graph, so every call compiles anew."""
 
     def __init__(self):
         super().__init__()
@@ -282,7 +288,8 @@ class ActivationProbe(nn.Module):
 
 
 class FencedActivationProbe(ActivationProbe):
-    # The fence: Dynamo does not even try to trace this; it runs eagerly between two compiled graphs.
+    # The fence: Dynamo does not even try to trace this; it runs eagerly between two graphs compiled once. Still a
+    # graph break (an error under fullgraph=True): one graph needs the bookkeeping out of forward.
     @torch.compiler.disable
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return super().forward(x)
@@ -298,45 +305,51 @@ class ProbedMLP(nn.Module):
 
 
 def count_graphs(model: nn.Module, batch_sizes: list[int], **compile_options) -> tuple[int, float]:
-    """Graphs compiled (first compilation plus recompilations) over a run of input shapes, and the time."""
-    torch._dynamo.reset()  # forget earlier compilations: each count starts from nothing
-    torch._dynamo.utils.counters.clear()  # internal counters: there is no public API for this number yet
+    """Graphs compiled (first compilation plus recompilations) and graph breaks over a run of input shapes, and
+    the time: each count starts from nothing (Inductor's caches of earlier runs off, as on a new machine)."""
+    torch._dynamo.reset()  # forget earlier compilations
+    torch._dynamo.utils.counters.clear()  # internal counters: there is no public API for these numbers yet
     compiled = torch.compile(model, **compile_options)
     started = time.perf_counter()
-    for batch_size in batch_sizes:
-        compiled(torch.randn(batch_size, N_FEATURES)).sum().backward()
-    return torch._dynamo.utils.counters["stats"]["unique_graphs"], time.perf_counter() - started
+    with torch._inductor.config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False):
+        for batch_size in batch_sizes:
+            compiled(torch.randn(batch_size, N_FEATURES)).sum().backward()
+    counters = torch._dynamo.utils.counters
+    return counters["stats"]["unique_graphs"], sum(counters["graph_break"].values()), time.perf_counter() - started
 
 
 def show_traps(seed: int, backend: str) -> dict:
     seed_everything(seed)
-    sizes = [256, 256, 192, 128, 256, 64]
+    count_graphs(GatedMLP(16, 2), [8], backend=backend)  # the compiler's one-off start-up, apart from the counts
+    sizes = [256, 256, 192, 128, 256, 64, 1]
     print(f"Trap 1: the batch size changes along {sizes} (e.g. a last, smaller batch).")
-    print("| dynamic | graphs compiled (forward; each has its backward) | seconds |\n|---|---|---|")
-    recompiles = {}
+    print("| dynamic | forward graphs compiled | seconds |\n|---|---|---|")
+    graphs = {}
     for dynamic in (False, None, True):
-        graphs, seconds = count_graphs(GatedMLP(16, 2), sizes, dynamic=dynamic, backend=backend)
-        recompiles[str(dynamic)] = graphs
-        print(f"| {dynamic} | {graphs} | {seconds:.1f} |")
+        count, _, seconds = count_graphs(GatedMLP(16, 2), sizes, dynamic=dynamic, backend=backend)
+        graphs[str(dynamic)] = count
+        print(f"| {dynamic} | {count} | {seconds:.1f} |")
     print("False recompiles for every new shape; None (the default) recompiles once, then marks the batch "
-          "dimension dynamic; True compiles one graph for any size.\n")
+          "dimension dynamic; True compiles one graph for any size from 2 up. Sizes 0 and 1 always get their own "
+          "graph: a last batch of 1 recompiles even then (drop_last=True avoids it).\n")
 
-    print("Trap 2: a probe that calls .item() inside forward.")
-    print("| probe | graphs | graph breaks |\n|---|---|---|")
+    steps = 10
+    print(f"Trap 2: a probe that calls .item() inside forward, over {steps} training steps.")
+    print("| probe | graphs compiled | graph breaks |\n|---|---|---|")
     breaks = {}
     dynamo_log = logging.getLogger("torch._dynamo")
     level = dynamo_log.level
-    dynamo_log.setLevel(logging.ERROR)  # the unfenced probe makes Dynamo print a long warning
+    dynamo_log.setLevel(logging.ERROR)  # the unfenced probe makes Dynamo print long warnings
     for name, probe in [("traced", ActivationProbe), ("fenced", FencedActivationProbe)]:
-        model = ProbedMLP(probe())
-        torch._dynamo.reset()
-        explained = torch._dynamo.explain(model)(torch.randn(64, N_FEATURES))
-        breaks[name] = {"graphs": explained.graph_count, "breaks": explained.graph_break_count}
-        print(f"| {name} | {explained.graph_count} | {explained.graph_break_count} |")
+        count, broken, _ = count_graphs(ProbedMLP(probe()), [64] * steps, backend=backend)
+        breaks[name] = {"graphs": count, "breaks": broken}
+        print(f"| {name} | {count} | {broken} |")
     dynamo_log.setLevel(level)
-    print("Traced, Dynamo follows the probe until .item() and splits the graph around it; fenced with "
-          "@torch.compiler.disable, it skips the probe outright: one clean break, fewer graphs.")
-    return {"recompiles": recompiles, "graph_breaks": breaks}
+    print("Traced, Dynamo splits the graph at .item(), and checks the probe's growing list before reusing a graph: "
+          "every step recompiles, until after 8 recompiles it gives up and runs that code eagerly. Fenced with "
+          "@torch.compiler.disable, the probe runs eagerly between two graphs compiled once: one deliberate break "
+          "(an error under --fullgraph).")
+    return {"graphs": graphs, "graph_breaks": breaks}
 
 
 def main(
@@ -349,8 +362,9 @@ def main(
     depth: Annotated[int, typer.Option(min=1, help="Gated blocks.")] = 8,
     compile: cli.Compile = False,
     mode: Annotated[
-        Literal["default", "reduce-overhead", "max-autotune"],
-        typer.Option(help="reduce-overhead: CUDA graphs (CUDA only); max-autotune: search kernels (slow to compile)."),
+        Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"],
+        typer.Option(help="reduce-overhead: CUDA graphs (CUDA only); max-autotune: search kernels (slow to compile), "
+                          "with CUDA graphs on CUDA; max-autotune-no-cudagraphs: search kernels only."),
     ] = "default",
     dynamic: Annotated[
         bool | None,
@@ -383,13 +397,14 @@ def main(
         raise typer.BadParameter(f"{mode} is Inductor's: it needs --backend inductor, not {backend}",
                                  param_hint="--mode")
     graphs = "--mode" if mode == "reduce-overhead" else "--backend" if backend == "cudagraphs" else None
-    if graphs and (kind := resolve_device(device).type) != "cuda":  # ~100x slower elsewhere, or a no-op
+    if graphs and (kind := resolve_device(device).type) != "cuda":  # nothing to capture elsewhere
         raise typer.BadParameter(f"captures CUDA graphs, which a {kind} has not: use " +
                                  ("default or max-autotune" if graphs == "--mode" else "inductor"), param_hint=graphs)
     if traps:  # a demonstration on the CPU: the other options would be silently ignored
         if unused := [name for name in options if name not in ("backend", "seed") and cli.option_given(name)]:
             raise typer.BadParameter(f"counts compilations on the CPU, with --backend and --seed only: not "
                                      f"{', '.join(map(cli.option_name, unused))}", param_hint="--traps")
+        resolve_device("cpu")  # (which quiets the C++ toolchain's warning of a CUDA it will not use)
         show_traps(seed, backend)
     elif compare_compiled:
         if resume is not None:
