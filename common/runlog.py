@@ -180,11 +180,12 @@ class RunLog:
         self.flush()
         self.window_start = None  # a checkpoint is being saved: not training time
         return {"loss_sum": self.loss_sum, "loss_steps": self.loss_steps, "train_loss": self.train_loss,
-                "skipped_steps": self.skipped_steps, "evals": self.evals}
+                "skipped_steps": self.skipped_steps, "skipped_in_a_row": self.skipped_in_a_row, "evals": self.evals}
 
     def load_state_dict(self, state: dict) -> None:
         self.loss_sum, self.loss_steps, self.train_loss = state["loss_sum"], state["loss_steps"], state["train_loss"]
         self.skipped_steps, self.evals = state["skipped_steps"], state["evals"]
+        self.skipped_in_a_row = state.get("skipped_in_a_row", 0)  # (not in checkpoints before it was kept)
 
     def finish(self, step: int, metrics: dict | None = None) -> dict:
         """Write metrics.json (the last evaluation, ``metrics``, speed) and the hyper-parameters with their final

@@ -486,6 +486,24 @@ def test_a_window_of_skipped_steps_shows_no_earlier_loss_as_its_own(tmp_path, ca
         "step 15/15  loss 0.5000"]
 
 
+def test_the_count_of_skipped_steps_in_a_row_survives_a_resume(tmp_path):
+    """A resume started the count at 0: a run that overflowed for good trained on past where it had stopped before."""
+    run = Logged(tmp_path / "a", steps=200)
+    for _ in range(30):
+        run.train(stats(float("inf"), float("inf"), True))
+    state = run.log.state_dict()
+    resumed = Logged(tmp_path / "b", steps=200)
+    resumed.log.load_state_dict(state)
+    resumed.step = run.step
+    with pytest.raises(RecipeError, match=r"skipped 50 steps in a row up to step 50;"):
+        for _ in range(20):
+            resumed.train(stats(float("inf"), float("inf"), True))
+        resumed.log.flush()
+    del state["skipped_in_a_row"]  # a checkpoint from before the count was kept: it loads, counting from 0
+    resumed.log.load_state_dict(state)
+    assert resumed.log.skipped_in_a_row == 0 and resumed.log.skipped_steps == 30
+
+
 def test_fp16_that_never_steps_stops_with_what_to_try(tmp_path):
     run = Logged(tmp_path, steps=200)
     for _ in range(49):
