@@ -82,8 +82,8 @@ def amp_step(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.a
     scaler.unscale_(optimizer)  # divide the gradients by the scale again, in place, before anything reads them
     grad_norm = nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)  # clips the true gradients
     # A scaled gradient can overflow fp16 (inf/nan): step() then skips the update, and update() halves the
-    # scale; after 2,000 clean steps in a row it doubles it again. The norm is inf/nan exactly then, so a
-    # skipped step is seen without asking the scaler (which would wait for the device).
+    # scale; after 2,000 clean steps in a row it doubles it again. The norm is inf/nan exactly then, which is how
+    # the step's stats say it was skipped (step() itself reads the overflow flag: fp16 waits for the device here).
     scaler.step(optimizer)
     scaler.update()
     skipped = ~torch.isfinite(grad_norm) if scaler.is_enabled() else None
@@ -104,7 +104,7 @@ def train(epochs: int, max_steps: int | None, batch_size: int, lr: float, sample
     seed_everything(seed)
     device = resolve_device(device)
     precision, why = resolve_precision(precision, device, checkpoint)  # --precision auto: bf16 where native
-    config |= {"precision": precision, "precision_reason": why}
+    config |= {"precision": precision, "precision_reason": "one of --compare's" if compare_precisions else why}
     train_set = synthetic_classification(samples, 784, 10, seed=seed)
     val_set = synthetic_classification(4096, 784, 10, seed=seed + 1_000_000)  # same task, new inputs
     train_loader = make_loader(train_set, batch_size, train=True, seed=seed,
@@ -140,7 +140,7 @@ def train(epochs: int, max_steps: int | None, batch_size: int, lr: float, sample
         for batch in batches_left(train_loader, step, total_steps):
             current_lr = scheduler.get_last_lr()[0]
             stats = amp_step(model, optimizer, scaler, batch, device, precision)
-            scheduler.step()
+            scheduler.step()  # a skipped fp16 step counts too, as in the step number (torch warns if it is the first)
             losses.append(stats.loss)
             step += 1
             log.train(step, stats, lr=current_lr, items=len(batch[-1]))
@@ -214,23 +214,32 @@ def compare(options: dict, run_dir: Path, max_slowdown: float, repeats: int = 3)
         ms = [1000 * s for s in seconds[precision]]
         rows[precision] = {"ms_per_step": ms, "samples_per_s": [options["batch_size"] / s for s in seconds[precision]],
                            "speedup": speedup}
-        error = seconds_per_step(device, precision, 8, 1, 8, steps=1)[1] if math.isinf(ms[0]) else ""
-        if error or statistics.median(speedup) < 1 / max_slowdown:
-            rows[precision]["note"] = f"unsupported here: {error}" if error else \
-                f"{1 / statistics.median(speedup):.0f}x slower than fp32 here: not trained"
+        if any(map(math.isinf, ms)):  # it failed: on any model (a tiny one says why), or at this size
+            error = seconds_per_step(device, precision, 8, 1, 8, steps=1)[1] or "it fails at this --width and " \
+                "--batch-size (out of memory?)"
+            rows[precision]["note"] = f"unsupported here: {error}"
             continue
-        result = train(**options | {"precision": precision, "run_dir": run_dir / precision})
+        if statistics.median(speedup) < 1 / max_slowdown:
+            rows[precision]["note"] = f"{1 / statistics.median(speedup):.0f}x slower than fp32 here: not trained"
+            continue
+        try:
+            result = train(**options | {"precision": precision, "run_dir": run_dir / precision})
+        except cli.RecipeError as err:  # fp16 overflowing, say: a result of the comparison, not the end of it
+            if not str(err).startswith("training diverged"):
+                raise
+            rows[precision]["note"] = str(err).split(";")[0]
+            continue
         rows[precision] |= {k: result[k] for k in ("train_loss", "val_loss", "val_acc")}
         rows[precision]["skipped_steps"] = result.get("skipped_steps", 0)
         fp32 = result["losses"] if precision == "fp32" else fp32
-        differences = [abs(a - b) for a, b in zip(result["losses"], fp32, strict=True) if math.isfinite(a)]
-        rows[precision]["max_loss_diff"] = max(differences, default=math.nan)
+        pairs = zip(result["losses"], fp32, strict=True) if fp32 else []  # none if fp32 diverged
+        rows[precision]["max_loss_diff"] = max((abs(a - b) for a, b in pairs if math.isfinite(a)), default=math.nan)
 
-    print("| precision | ms per step | samples/s | speed-up over fp32 | last epoch's mean train loss | max loss diff "
-          "vs fp32 | overflow steps skipped |\n|---|---|---|---|---|---|---|")
-    for precision, row in rows.items():
-        quality = f"{row['note']} | | |" if "note" in row else \
-            f"{row['train_loss']:.4f} | {row['max_loss_diff']:.4f} | {row['skipped_steps']} |"
+    print("| precision | ms per step | samples/s | speed-up over fp32 | last epoch's mean train loss | val loss | max "
+          "loss diff vs fp32 | overflow steps skipped |\n|---|---|---|---|---|---|---|---|")
+    for precision, row in rows.items():  # (the train loss leaves skipped steps out: the val loss has every step's)
+        quality = f"{row['note']} | | | |" if "note" in row else f"{row['train_loss']:.4f} | {row['val_loss']:.4f} | " \
+            f"{row['max_loss_diff']:.4f} | {row['skipped_steps']} |"
         print(f"| {precision} | {spread(row['ms_per_step'])} | {statistics.median(row['samples_per_s']):,.0f} | "
               f"{spread(row['speedup'])}x | {quality}")
     wide = [p for p, row in rows.items() if max(row["ms_per_step"]) > 1.25 * min(row["ms_per_step"])]

@@ -76,7 +76,7 @@ def test_mixed_precision_compare_table(run_inprocess, tmp_path):
     assert result.code == 0, result.stderr
     table = parse_table(result.stdout)
     assert {"fp32", "bf16", "fp16"} <= table.keys()
-    assert "| speed-up over fp32 | last epoch's mean train loss |" in result.stdout  # was "final loss": not the last
+    assert "| speed-up over fp32 | last epoch's mean train loss | val loss |" in result.stdout  # was "final loss"
     summary = json.loads((tmp_path / "cmp" / "metrics.json").read_text())
     rows = summary["compare"]
     assert summary["repeats"] == 3 and "median (min-max) of 3 interleaved rounds" in result.stdout
@@ -90,12 +90,44 @@ def test_mixed_precision_compare_table(run_inprocess, tmp_path):
             pytest.approx(row["samples_per_s"])
         assert float(speedup.split()[0]) == pytest.approx(statistics.median(row["speedup"]), abs=0.01)
         assert float(final_loss) == pytest.approx(row["train_loss"], abs=1e-4)
+        assert float(table[precision][4]) == pytest.approx(row["val_loss"], abs=1e-4)  # every step's, skipped too
         assert math.isfinite(row["max_loss_diff"])
+        reason = json.loads((tmp_path / "cmp" / precision / "config.json").read_text())["precision_reason"]
+        assert reason == "one of --compare's"  # bf16 and fp16 were "the default"
     assert rows["fp32"]["max_loss_diff"] == 0 and rows["fp32"]["speedup"] == [1.0, 1.0, 1.0]
     assert 0 < rows["bf16"]["max_loss_diff"] < 0.1  # bf16 really ran, and tracks fp32 closely
     for precision in ("fp32", "bf16", "fp16"):
         assert (tmp_path / "cmp" / precision / "checkpoints" / "last.pt").is_file()
     assert_a_second_compare_is_refused_without_a_hint_to_resume(run_inprocess, "mixed_precision", tmp_path / "cmp")
+
+
+def test_a_precision_that_diverges_or_fails_at_full_size_is_a_row_of_the_compare(run_inprocess, tmp_path,
+                                                                                   monkeypatch):
+    """fp16 diverging ended the whole --compare (no table, no metrics.json, the folder then refused); bf16 failing
+    at full size only (out of memory, say) while a tiny model ran was a ZeroDivisionError."""
+    mixed = load_recipe("mixed_precision")
+    timed, train = mixed.seconds_per_step, mixed.train
+
+    def bf16_too_big(device, precision, width, *args, **kwargs):
+        return (math.inf, "out of memory") if precision == "bf16" and width > 8 else \
+            timed(device, precision, width, *args, **kwargs)
+
+    def fp16_diverges(**options):
+        if options["precision"] == "fp16":
+            raise mixed.cli.RecipeError("training diverged: the validation loss is nan at step 8; no checkpoint yet. "
+                                        "Try a lower --lr")
+        return train(**options)
+
+    monkeypatch.setattr(mixed, "seconds_per_step", bf16_too_big)
+    monkeypatch.setattr(mixed, "train", fp16_diverges)
+    result = run_inprocess("mixed_precision", "--compare", *MP_SMALL, "--epochs", 1, "--max-slowdown", 1e6,
+                           "--run-dir", tmp_path / "cmp")
+    assert result.code == 0, result.stderr
+    table = parse_table(result.stdout)
+    assert table["bf16"][3] == "unsupported here: it fails at this --width and --batch-size (out of memory?)"
+    assert table["fp16"][3] == "training diverged: the validation loss is nan at step 8"
+    rows = json.loads((tmp_path / "cmp" / "metrics.json").read_text())["compare"]
+    assert rows["fp16"]["note"] == table["fp16"][3] and "train_loss" in rows["fp32"]
 
 
 def assert_a_second_compare_is_refused_without_a_hint_to_resume(run_inprocess, recipe: str, run_dir) -> None:
