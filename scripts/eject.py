@@ -26,10 +26,12 @@ every error is one line ``error: ...`` on stderr.
 
 import argparse
 import ast
+import builtins
 import itertools
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -133,12 +135,13 @@ def function_parts(fn: ast.AST) -> tuple[frozenset[str], list[ast.AST], list[ast
     return frozenset(p.arg for p in params), outer, body
 
 
-def global_refs(node: ast.AST, local: frozenset[str] = frozenset()) -> Iterator[tuple[ast.Name, str]]:
-    """Every read of a module-level name in ``node``, as (Name node, dotted path); reads of parameters and
-    local variables (``local``, and those of the functions inside ``node``) are left out."""
+def global_refs(node: ast.AST, local: frozenset[str] = frozenset()
+                ) -> Iterator[tuple[ast.Name, str, frozenset[str]]]:
+    """Every read of a module-level name in ``node``, as (Name node, dotted path, the local names where it is read);
+    reads of parameters and local variables (``local``, and those of the functions inside ``node``) are left out."""
     if found := dotted(node):
         if isinstance(found[0].ctx, ast.Load) and found[0].id not in local:
-            yield found
+            yield *found, local
     elif isinstance(node, FUNCTIONS):
         params, outer, body = function_parts(node)
         for child in outer:
@@ -169,7 +172,7 @@ def parse(path: Path, label: str, core: bool = False) -> Source:
     try:
         tree = ast.parse(text, filename=label)
     except SyntaxError as err:
-        raise EjectError(f"{label}:{err.lineno}: {err.msg}") from None
+        raise EjectError(f"{label}{f':{err.lineno}' if err.lineno else ''}: {err.msg}") from None  # (a NUL byte: none)
     source = Source(label, text.splitlines(), tree, {}, {}, {}, {})
     for node in tree.body:
         if isinstance(node, ast.ImportFrom) and (node.level or node.names[0].name == "*"):
@@ -281,6 +284,7 @@ class Ejection:
         # definition -> its reads of imports, in the order they were reached
         self.taken: dict[Definition, list[tuple[ast.Name, Import]]] = {}
         self.module_reads: dict[Source, list[ast.Name]] = {}  # file -> the `cli` of each `cli.Epochs`, to be cut out
+        self.core_builtins: set[str] = set()  # the builtins the core code read: the recipe may not rebind them
         self.recipe_reads = self.take(self.recipe, self.body)
         self.sections = self.order_sections()
         self.renames = self.check_names()
@@ -317,12 +321,17 @@ class Ejection:
         """Take the core definitions that ``nodes`` read, and theirs in turn; return the reads of imports."""
         import_reads = []
         for node in nodes:
-            for name, path in global_refs(node):
+            for name, path, local in global_refs(node):
                 target = self.resolve(source, path)
+                if target is None and source is not self.recipe and name.id in dir(builtins):
+                    self.core_builtins.add(name.id)
                 if name.id in source.core_modules:  # `cli.Epochs` becomes `Epochs` in the merged file
                     if "." not in path:  # `getattr(cli, ...)`: the module itself, which the merged file has not
                         raise EjectError(f"{source.label}:{name.lineno}: {name.id} is read as a module, which a copy "
                                          f"does not have; read its names as {name.id}.NAME")
+                    if (bare := path.split(".")[1]) in local:  # `vocab_state = hf_tokens.vocab_state(...)`
+                        raise EjectError(f"{source.label}:{name.lineno}: {name.id}.{bare} is {bare} in a copy, where "
+                                         f"the local {bare!r} of this function would hide it; rename the local")
                     self.module_reads.setdefault(source, []).append(name)
                 if isinstance(target, Import):
                     import_reads.append((name, target))
@@ -352,6 +361,9 @@ class Ejection:
         """Make every module-level name of the merged file mean one thing: a core definition may not share a name
         with the recipe's code; a core import that would is given an alias. Returns {import: aliased import}."""
         owners = {name: (self.label, self.label) for name in bound_names(self.body)}  # name -> (meaning, where)
+        if hidden := sorted(owners.keys() & self.core_builtins):  # a recipe's own print(), say, read by the core too
+            raise EjectError(f"{self.label} defines {', '.join(hidden)}, which the core code it uses reads as Python's "
+                             "builtin; rename it in the recipe")
         for _, item in self.recipe_reads:
             owners.setdefault(item.binding, (item.meaning, f"an import in {self.label}"))
         for source, definitions in self.sections:
@@ -402,11 +414,14 @@ class Ejection:
         groups = [["from __future__ import annotations"], *(import_lines(g) for g in (stdlib, third_party) if g)]
         return "\n\n".join("\n".join(group) for group in groups)
 
-    def text(self) -> str:
+    def text(self, script: str) -> str:
+        """The merged file, whose docstring calls it ``script`` where it named the recipe's file."""
         lines, tree = self.recipe.lines, self.recipe.tree
-        docstring = ["\n".join(lines[: tree.body[0].end_lineno])] if ast.get_docstring(tree) else []
+        docstring = ["\n".join(lines[: tree.body[0].end_lineno]).replace(self.label, script)] \
+            if ast.get_docstring(tree) else []
         generated = (f"# Generated by scripts/eject.py from {self.label} and the torch-recipes core ({CORE}/): the\n"
-                     "# recipe comes first, then the core code it uses, so this file runs on its own. Edit it freely.")
+                     "# recipe comes first, then the core code it uses, so this file runs on its own. Edit it freely.\n"
+                     "# The docs/, benchmarks/ and README its comments name are the torch-recipes repository's.")
         head = "\n\n".join([*docstring, generated, self.import_block()]).rstrip("\n")
         guard_start = self.body[-1].lineno
         own = lines[self.body_start : guard_start - 1]
@@ -479,6 +494,14 @@ def ejected(path: Path) -> bool:
     return re.search(header, path.read_text(encoding="utf-8", errors="replace"), re.MULTILINE) is not None
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM or SIGHUP as Ctrl-C: the draft beside OUTPUT goes on the way out, as it did not."""
+
+
+def terminate(signum, frame) -> None:
+    raise Terminated
+
+
 class Parser(argparse.ArgumentParser):
     def error(self, message: str):  # one line instead of argparse's usage block; exit 2 like every usage error
         print(f"error: {message} (usage: python scripts/eject.py RECIPE OUTPUT [--overwrite])", file=sys.stderr)
@@ -491,14 +514,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("output", help="the script to write, e.g. my_train.py")
     parser.add_argument("--overwrite", action="store_true", help="replace OUTPUT if it exists (your edits in it too)")
     args = parser.parse_args(argv)
-    recipe, output = Path(args.recipe), Path(args.output)
-    if not recipe.is_file():  # a name: mnist_onecycle
-        recipe = ROOT / "recipes" / f"{args.recipe.removesuffix('.py')}.py"
+    recipe, output = ROOT / "recipes" / f"{args.recipe.removesuffix('.py')}.py", Path(args.output)
+    if "/" in args.recipe or os.sep in args.recipe or not recipe.is_file():  # a path, not a name (mnist_onecycle)
+        recipe = Path(args.recipe)
     if not recipe.is_file():
         known = ", ".join(sorted(path.stem for path in (ROOT / "recipes").glob("*.py")))
         parser.error(f"no recipe {args.recipe!r}; give one of {known}, or the path of a recipe file")
     draft = None
     try:
+        if ejected(recipe):  # an earlier copy, edits and all, would be copied again into a muddle
+            raise EjectError(f"{recipe} is a copy eject wrote, not a recipe; eject the recipe it came from")
         if output.is_dir() or args.output.endswith(("/", os.sep)):  # Path("new/") is "new": a file it would write
             what = "is a folder" if output.is_dir() else "names a folder (it ends in a slash)"
             raise EjectError(f"{output} {what}; give the path of the script to write, e.g. {output / 'train.py'}")
@@ -506,6 +531,8 @@ def main(argv: list[str] | None = None) -> int:
             missing = next(p for p in output.parents if not p.is_dir())  # the first folder missing, or a file
             what = "is a file" if missing.exists() else "does not exist"
             raise EjectError(f"cannot write {output}: {missing} {what}")
+        if output.exists() and not output.is_file():  # /dev/null, a pipe: replaced, or read for ever
+            raise EjectError(f"{output} is not a regular file; give the path of the script to write")
         if output.resolve() == recipe.resolve():
             raise EjectError(f"{output} is the recipe itself; write the script somewhere else")
         home, core, recipes = output.resolve().parent, (ROOT / "common").resolve(), (ROOT / "recipes").resolve()
@@ -526,7 +553,7 @@ def main(argv: list[str] | None = None) -> int:
         handle, name = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name[:100]}.", suffix=".tmp")
         draft = Path(name)
         with os.fdopen(handle, "w", encoding="utf-8", newline="\n") as f:
-            f.write(ejection.text())
+            f.write(ejection.text(output.name))
         if failure := check_imports(draft, output):
             raise EjectError(ejection.import_failure(*failure))
         if target.exists():
@@ -549,9 +576,10 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"error: {err}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        print(f"error: interrupted; {output} left as it was", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as err:  # Ctrl-C; SIGTERM or SIGHUP too (a scheduler's, a closed terminal's)
+        stopped = isinstance(err, Terminated)
+        print(f"error: {'terminated' if stopped else 'interrupted'}; {output} left as it was", file=sys.stderr)
+        return 143 if stopped else 130
     finally:
         if draft is not None:
             draft.unlink(missing_ok=True)
@@ -561,4 +589,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    for stop in ("SIGTERM", "SIGHUP"):  # (Windows has no SIGHUP)
+        if hasattr(signal, stop):
+            signal.signal(getattr(signal, stop), terminate)
     sys.exit(main())
