@@ -275,10 +275,12 @@ def flatten_alpha(image: torch.Tensor) -> torch.Tensor:
     if alpha.min() == 1:
         return image[:1]
     opaque = alpha[0] >= 0.5
-    margin = opaque & (F.max_pool2d((~opaque)[None].double(), 3, stride=1, padding=1)[0] > 0)  # beside see-through
+    clear = (~opaque)[None].double()
+    margin = opaque & (F.max_pool2d(clear, 3, stride=1, padding=1)[0] > 0)  # beside the see-through part
+    inner = opaque & (F.max_pool2d(clear, 7, stride=1, padding=3)[0] == 0)  # past an anti-aliased edge
     edge = grey[0][margin].median() if margin.any() else None
-    if edge is not None and ((grey[0][opaque] - edge).abs() > 0.4 * white).double().mean() >= 0.01:
-        background = edge  # a card: some opaque pixels (the ink) far from the margin's shade (the paper)
+    if edge is not None and ((grey[0][inner] - edge).abs() > 0.4 * white).sum() >= 10:
+        background = edge  # a card: opaque pixels (the ink) far from the margin's shade (the paper)
     else:
         dark_ink = (grey * alpha).sum() < white / 2 * alpha.sum()  # the opaque pixels' mean shade
         background = white if dark_ink else 0

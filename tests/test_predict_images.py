@@ -367,3 +367,20 @@ def test_an_unreadable_file_is_an_error_line_after_the_others_predictions(checkp
     only_bad = run_inprocess(RECIPE, "--predict", tmp_path / "3.jpg", "--resume", checkpoint)
     assert only_bad.code == 1 and only_bad.stdout.strip() == "done: predictions=0"
     assert only_bad.stderr.strip() == f"error: {tmp_path / '3.jpg'} is not a readable PNG or JPEG image"
+
+
+def test_a_drawing_whose_soft_edge_is_lighter_as_well_as_see_through_keeps_its_ink(tmp_path):
+    """Black ink blended toward white at its anti-aliased edge, as some apps save it: the card rule took the light
+    edge for paper inside a card and laid the drawing on black, losing a third of its ink."""
+    import numpy as np
+    from PIL import Image
+
+    rows, cols = np.mgrid[:100, :100]
+    distance = np.hypot(rows - 50, cols - 50)
+    alpha = (255 * np.clip(np.minimum(distance - 22, 38 - distance) + 0.5, 0, 1)).round()  # a thick 0, one soft pixel
+    grey = (255 - alpha).astype(np.uint8)  # the colour blended like the alpha
+    Image.fromarray(np.stack([grey, alpha.astype(np.uint8)], axis=-1), "LA").save(tmp_path / "drawing.png")
+    seen = (grey * alpha / 255 + 255 - alpha).round().astype(np.uint8)  # as a viewer shows it, on white
+    Image.fromarray(seen).save(tmp_path / "seen.png")
+    drawing, expected = mnist.read_digit(tmp_path / "drawing.png"), mnist.read_digit(tmp_path / "seen.png")
+    torch.testing.assert_close(drawing, expected, atol=1e-6, rtol=0)  # its ink was 90 of 201
