@@ -46,6 +46,7 @@ import shutil
 import signal
 import sys
 import tempfile
+import threading
 import warnings
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -510,6 +511,9 @@ def tempfile_dir(out_dir: Path) -> str:
 def stops_held_off():
     """Ctrl-C and SIGTERM are ignored while the export is put in place: between its renames a stop would leave
     OUT_DIR empty or half replaced. By the end the export is whole, or an error says why not."""
+    if threading.current_thread() is not threading.main_thread():  # signals reach the main thread only
+        yield
+        return
     stops = (signal.SIGINT, signal.SIGTERM)
     handlers = [signal.signal(signum, signal.SIG_IGN) for signum in stops]
     try:

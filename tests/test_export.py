@@ -546,6 +546,19 @@ def test_ctrl_c_while_overwrite_puts_the_export_in_place_leaves_it_whole(checkpo
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # Ctrl-C works again afterwards
 
 
+def test_an_export_off_the_main_thread_is_written(checkpoints, tmp_path):
+    """Holding off Ctrl-C (signal.signal, the main thread's alone) made it a ValueError after the whole export."""
+    import threading
+
+    outcome = []
+    thread = threading.Thread(target=lambda: outcome.append(export.export_checkpoint(checkpoints["ddp_mlp"],
+                                                                                     tmp_path / "out")))
+    thread.start()
+    thread.join()
+    assert outcome and outcome[0]["recipe"] == "ddp_mlp"
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["model.json", "model.onnx", "model.pt2"]
+
+
 def test_a_folder_of_other_files_is_refused_without_suggesting_overwrite(checkpoints, tmp_path, capsys):
     """It said "add --overwrite", which then refused the folder for holding files no export writes."""
     (tmp_path / "notes.txt").write_text("mine")
