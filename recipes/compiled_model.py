@@ -304,7 +304,7 @@ class ProbedMLP(nn.Module):
         return self.head(self.probe(self.body(x)))
 
 
-def count_graphs(model: nn.Module, batch_sizes: list[int], **compile_options) -> tuple[int, float]:
+def count_graphs(model: nn.Module, batch_sizes: list[int], **compile_options) -> tuple[int, int, float]:
     """Graphs compiled (first compilation plus recompilations) and graph breaks over a run of input shapes, and
     the time: each count starts from nothing (Inductor's caches of earlier runs off, as on a new machine)."""
     torch._dynamo.reset()  # forget earlier compilations

@@ -241,9 +241,10 @@ def read_digit(path: Path) -> torch.Tensor:
         alpha = png and (data[25] in (4, 6) or data[25] == 3 and b"tRNS" in chunks)
         # (grey, alpha) or (grey,), uint8 (uint16: a 16-bit PNG), turned upright as a phone's EXIF tag says
         image = decode(data, ImageReadMode.GRAY_ALPHA if alpha else ImageReadMode.GRAY)
-        if png and data[25] in (0, 2) and b"tRNS" in chunks:  # grey or RGB with one see-through colour, as optipng
-            image, alpha = torch.cat([image, see_through(data, chunks, image.dtype)]), True  # writes: torchvision
-    except (RuntimeError, ValueError, OSError, PIL.Image.DecompressionBombError):  # ignores it
+        # a grey or RGB PNG with one see-through colour (a tRNS chunk, as optipng writes them): torchvision ignores it
+        if png and data[25] in (0, 2) and b"tRNS" in chunks:
+            image, alpha = torch.cat([image, see_through(data, chunks, image.dtype)]), True
+    except (RuntimeError, ValueError, OSError, PIL.Image.DecompressionBombError):
         image = None
     if image is None or image.shape[0] != 1 + alpha:  # a GIF or WebP decodes, but in colour whatever was asked
         raise cli.RecipeError(f"{path} is not a readable PNG or JPEG image")
