@@ -560,9 +560,10 @@ def test_sigterm_and_sighup_leave_no_draft_beside_the_output(stop, code, tmp_pat
     import time
 
     ignore = stop.endswith("nohup")
+    hangup = signal.SIG_IGN if ignore else signal.SIG_DFL  # (not whatever this process inherited: CI's nohup)
     process = subprocess.Popen([sys.executable, ROOT / "scripts" / "eject.py", "mixed_precision", "train.py"],
-                               cwd=tmp_path, stderr=subprocess.PIPE, text=True, preexec_fn=(lambda: signal.signal(
-                                   signal.SIGHUP, signal.SIG_IGN)) if ignore else None)
+                               cwd=tmp_path, stderr=subprocess.PIPE, text=True,
+                               preexec_fn=lambda: signal.signal(signal.SIGHUP, hangup))
     deadline = time.monotonic() + 120  # the draft is written before the copy's imports are checked (seconds)
     while not list(tmp_path.glob(".train.py.*.tmp")) and process.poll() is None and time.monotonic() < deadline:
         time.sleep(0.01)

@@ -538,12 +538,17 @@ def test_ctrl_c_while_overwrite_puts_the_export_in_place_leaves_it_whole(checkpo
         renamed = ".old" if moment == "old aside" else ".tmp"
         monkeypatch.setattr(export.os, "replace", lambda src, dst: ctrl_c_then(replace, src, dst)
                             if Path(src if renamed == ".tmp" else dst).name.endswith(renamed) else replace(src, dst))
-    assert export.main([str(checkpoints["compiled_model"]), str(out), "--overwrite"]) == 0
+    # Python's own Ctrl-C handler, as in a terminal (a background job, as CI may run the tests, ignores SIGINT)
+    inherited = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        assert export.main([str(checkpoints["compiled_model"]), str(out), "--overwrite"]) == 0
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # Ctrl-C works again afterwards
+    finally:
+        signal.signal(signal.SIGINT, inherited)
     assert capsys.readouterr().out.strip().splitlines()[-1].startswith("done: exported")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
     assert sorted(p.name for p in out.iterdir()) == ["model.json", "model.onnx", "model.pt2"]
     assert json.loads((out / "model.json").read_text())["recipe"] == "compiled_model"
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # Ctrl-C works again afterwards
 
 
 def test_an_export_off_the_main_thread_is_written(checkpoints, tmp_path):
