@@ -934,7 +934,9 @@ def train(csv_path: Path | None, target: str, task: str, drop: list[str] | None,
     resume_dir = run.path.parent if cv else run.path  # a cross-validation resumes as a whole
 
     def validate(weights: nn.Module, loader=val_loader, unseen=unseen) -> dict[str, float]:
-        metrics = evaluate(weights, loader, loss_fn, device=device, precision=precision, accuracy=classification)
+        # a regression in fp32, as --predict runs it: bf16's 8-bit mantissa rounds the outputs, and so the RMSE
+        metrics = evaluate(weights, loader, loss_fn, device=device, precision=precision if classification else "fp32",
+                           accuracy=classification)
         if not classification:  # RMSE in the target's own units
             metrics["rmse"] = math.sqrt(metrics["loss"]) * spec["target_std"]
         elif unseen:  # evaluate left out the rows of a class unseen in training: they count as wrong

@@ -236,6 +236,27 @@ def test_a_csv_saved_with_a_byte_order_mark_keeps_its_first_column_name(run_inpr
     assert set(state["features"]["numeric"]) == {"age", "income"}
 
 
+def test_a_bf16_regression_is_scored_in_fp32_and_a_classification_in_its_precision(run_inprocess, tmp_path,
+                                                                                     monkeypatch):
+    """bf16 rounded a regression's outputs (3 significant digits): its val_rmse, best.pt and --cv scores were up to
+    twice the error --predict (fp32) makes with the same weights."""
+    evaluated, evaluate = [], tabular.evaluate
+
+    def spied(*args, precision, accuracy, **kwargs):
+        evaluated.append((precision, accuracy))
+        return evaluate(*args, precision=precision, accuracy=accuracy, **kwargs)
+
+    monkeypatch.setattr(tabular, "evaluate", spied)
+    path = tmp_path / "reg.csv"
+    path.write_text("x,y\n" + "".join(f"{i % 10},{(i % 10) * 1000 + 5000}\n" for i in range(200)))
+    for target, task in (("y", "regression"), ("x", "classification")):
+        evaluated.clear()
+        result = run_inprocess(RECIPE, "--csv", path, "--target", target, "--task", task, "--epochs", 1,
+                               "--precision", "bf16", "--run-dir", tmp_path / task)
+        assert result.code == 0, result.stderr
+        assert evaluated and set(evaluated) == {("fp32", False) if task == "regression" else ("bf16", True)}
+
+
 def test_regression_reports_rmse(run_inprocess, tmp_path):
     path = tmp_path / "reg.csv"
     rows = ["x,z,colour,y"] + [f"{i % 10},{i % 7},{'ab'[i % 2]},{(i % 10) * 2.5 + (i % 2) + 0.1:.2f}"
