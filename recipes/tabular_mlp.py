@@ -60,6 +60,7 @@ MISSING_CLASS, UNSEEN_CLASS = -1, -2  # encode's target for a row without a clas
 PLE_BINS, PERIODIC_FREQUENCIES, PERIODIC_SIGMA, EMBEDDING_WIDTH = 32, 32, 0.5, 8
 # periodic, a column whose values repeat (this many training rows per distinct value, or more): spreads up to this
 REPEATED_FROM, PERIODIC_SIGMA_REPEATED = 10, 100.0
+STRAY_WORDS = 0.01  # a column whose present values are numbers but for this share or less is numeric (mostly_numbers)
 MIN_STEPS = 800  # the default length on a small table (default_epochs)
 EMBED_REGRESSION_FROM = 10_000  # --num-embedding auto: training rows from which a regression embeds (auto_embedding)
 # A standardised number is kept within this many standard deviations: no training value is further (at most
@@ -269,11 +270,27 @@ def mean_and_std(values: np.ndarray) -> tuple[float, float]:
     return float((values / scale).mean() * scale), float((values / scale).std() * scale) or 1.0
 
 
+def mostly_numbers(column: pa.ChunkedArray, name: str) -> np.ndarray | None:
+    """A column of numbers but for a few stray cells (at most STRAY_WORDS of its present ones: "1,200", "12 kg", a
+    typo) as numbers, those cells missing, with a warning; None for a column of words. Without this, one stray cell
+    would make the column a category of its every value, as a new row's stray cell is already read as missing."""
+    indices, words = distinct(column)
+    stray_word = pc.invert(pc.fill_null(pc.match_substring_regex(words, NUMBER, ignore_case=True), True))
+    stray = stray_word.to_numpy(zero_copy_only=False)[indices]
+    present = int(pc.is_valid(words).to_numpy(zero_copy_only=False)[indices].sum())
+    if not stray.any() or stray.sum() > STRAY_WORDS * present:
+        return None
+    example = words.filter(stray_word)[0].as_py()
+    print(f"warning: column {name!r}: {stray.sum():,} of {present:,} values are not numbers (such as {example!r}), "
+          "read as missing", file=sys.stderr)
+    return numbers(column, strict=False)
+
+
 def fit_features(table: pa.Table, target: str, task: str, bins: int = 0, rows: str = "") -> dict:
-    """Learn the preprocessing from the training rows: which columns are numeric (every present value is
-    a number) with their mean and std, how many rows share a value on average (and, with ``bins``, the quantile
-    bin edges of the standardised values), the vocabulary of every other column, and the target's classes
-    (classification) or mean and std (regression). A plain dict, so it fits in a checkpoint."""
+    """Learn the preprocessing from the training rows: which columns are numeric (every present value is a number,
+    or all but a stray few) with their mean and std, how many rows share a value on average (and, with ``bins``,
+    the quantile bin edges of the standardised values), the vocabulary of every other column, and the target's
+    classes (classification) or mean and std (regression). A plain dict, so it fits in a checkpoint."""
     task = target_task(table[target], target, task, rows)
     spec = {"target": target, "task": task, "numeric": {}, "categorical": {}, "bins": {}, "rows_per_value": {}}
     if task == "classification":
@@ -283,6 +300,8 @@ def fit_features(table: pa.Table, target: str, task: str, bins: int = 0, rows: s
         spec["target_mean"], spec["target_std"] = mean_and_std(values[~np.isnan(values)])
     for name in table.column_names:
         values = None if name == target else numbers(table[name], strict=True)
+        if values is None and name != target:
+            values = mostly_numbers(table[name], name)
         if values is not None and not np.isnan(values).all():
             present = values[~np.isnan(values)]
             spec["numeric"][name] = mean, std = mean_and_std(present)
