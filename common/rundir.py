@@ -53,12 +53,12 @@ def open_run_dir(recipe: str, run_dir: Path | None, resume: str | None,
     a command that always starts afresh (--compare), which a refusal then does not tell to resume."""
     if resume == "auto" and run_dir is None:
         raise typer.BadParameter("'auto' looks for checkpoints in --run-dir; give --run-dir too", param_hint="--resume")
+    if resume != "auto" and os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0").strip("0") != "":  # torchrun's
+        raise typer.BadParameter("torchrun --max-restarts relaunches this same command after a failure, which then "
+                                 "starts over: give --resume auto and a --run-dir", param_hint="--resume")
+    created = []
     if run_dir is None:
-        run_dir = base = Path("runs") / recipe / datetime.now().strftime("%Y%m%d-%H%M%S")
-        for n in range(1, 1000):  # two runs started in the same second
-            if not run_dir.exists():
-                break
-            run_dir = base.with_name(f"{base.name}-{n}")
+        run_dir, created = new_run_dir(Path("runs") / recipe / datetime.now().strftime("%Y%m%d-%H%M%S"))
     last = held = None
     foreign = []  # a config.json or metrics.json that no run of this recipe wrote: a model's folder, a project's
     if run_dir.is_dir():
@@ -73,6 +73,11 @@ def open_run_dir(recipe: str, run_dir: Path | None, resume: str | None,
     own = held and next((run_dir / "checkpoints").rglob("*.pt"), held if held.suffix == ".distcp" else None)  # its
     # own, whole or not (best.pt first; shards alone)
     other = (own if holds_runs else None if own else held) if held else None  # the other kind of run's checkpoints
+    best = next(run_dir.glob("checkpoints/best*.pt"), None) if last is None and not holds_runs else None
+    if resume is None and best is not None and resumable:  # killed before its first last.pt, or it was deleted
+        raise RecipeError(f"{run_dir} holds checkpoints/{best.name} but no checkpoints/last.pt to continue from: a "
+                          "new run there, --resume auto's too, starts afresh over it; move it away, or choose another "
+                          "--run-dir")
     if resume is None and held is not None and (other is None or not resumable):
         how = "continue it with --resume auto, or choose" if resumable else "this command starts afresh: choose"
         raise RecipeError(f"{run_dir} already holds checkpoints; {how} another --run-dir")
@@ -88,7 +93,10 @@ def open_run_dir(recipe: str, run_dir: Path | None, resume: str | None,
     if last is None and not holds_runs and recorded_recipe(run_dir / "metrics.json") == recipe:
         raise RecipeError(f"{run_dir} holds a finished run (its metrics.json) but not its checkpoints/last.pt: nothing "
                           "to continue, and a new run there would overwrite its records; choose another --run-dir")
-    created = [d for d in [run_dir, *run_dir.parents] if not d.exists()]  # runs/ and runs/RECIPE/ too, if new
+    if resume == "auto" and best is not None and launched_as_rank_0():  # a restart (the same command) goes on
+        print(f"warning: {run_dir} holds checkpoints/{best.name} but no checkpoints/last.pt to continue from "
+              "(killed before its first?): starting afresh, over it", file=sys.stderr)
+    created = created or [d for d in [run_dir, *run_dir.parents] if not d.exists()]  # runs/, runs/RECIPE/ if new
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
         tempfile.TemporaryFile(dir=run_dir).close()  # a folder that exists may still be read-only
@@ -99,6 +107,22 @@ def open_run_dir(recipe: str, run_dir: Path | None, resume: str | None,
     lock = hold(run_dir)
     on_exit(lambda: release(run_dir, lock, created))
     return RunFolder(run_dir, last if resume == "auto" else Path(resume) if resume else None, held)
+
+
+def new_run_dir(base: Path) -> tuple[Path, list[Path]]:
+    """A folder of its own, ``base`` or ``base-N`` (two runs started in the same second), made at once: a name
+    chosen only while it does not exist could be chosen by two runs started together. With the folders made."""
+    created = [d for d in base.parents if not d.exists()]
+    for n in range(1000):
+        run_dir = base.with_name(f"{base.name}-{n}") if n else base
+        try:
+            run_dir.mkdir(parents=True)
+            return run_dir, [run_dir, *created]
+        except FileExistsError:
+            continue
+        except OSError as err:
+            raise RecipeError(f"cannot write to --run-dir {run_dir}: {why_not_written(run_dir, err)}") from None
+    raise RecipeError(f"{base.parent} holds 1,000 runs named {base.name}: choose a --run-dir")
 
 
 def recorded_recipe(path: Path) -> str | None:
@@ -131,6 +155,8 @@ def hold(run_dir: Path) -> int | None:
     fd = os.open(run_dir, os.O_RDONLY)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        HELD_LOCKS.add(fd)
+        os.register_at_fork(after_in_child=lambda: close_in_forked_child(fd))
         return fd
     except BlockingIOError:
         os.close(fd)
@@ -146,11 +172,23 @@ def hold(run_dir: Path) -> int | None:
                       "--run-dir")
 
 
+HELD_LOCKS: set[int] = set()  # the file descriptors of the run folders this process holds (hold)
+
+
+def close_in_forked_child(fd: int) -> None:
+    """A forked child (a DataLoader worker) shares the lock until it closes its copy: a run killed with kill -9
+    would hold its folder until its orphaned workers noticed, and its immediate restart would be refused."""
+    if fd in HELD_LOCKS:
+        HELD_LOCKS.discard(fd)
+        os.close(fd)
+
+
 def release(run_dir: Path, lock: int | None, created: list[Path]) -> None:
     if created and next(run_dir.rglob("*.pt"), None) is None:
         shutil.rmtree(run_dir, ignore_errors=True)  # a mistake, or a crash before the first save: no empty folders
         remove_empty(created[1:])  # and the folders made to hold it
-    if lock is not None:
+    if lock in HELD_LOCKS:
+        HELD_LOCKS.discard(lock)
         os.close(lock)
 
 

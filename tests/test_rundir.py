@@ -2,18 +2,24 @@
 before any data is loaded."""
 
 import json
+import multiprocessing
+import os
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
+import typer
 from conftest import ROOT, read_metrics, write_table
 
+from common import rundir
+from common.checkpoint import save_checkpoint
 from common.cli import RecipeError
 from common.loop import batches_left, epochs_left
-from common.rundir import open_run_dir
+from common.rundir import RunFolder, open_run_dir
 
 SLOW = ["--epochs", "200", "--samples", "4096", "--batch-size", "64", "--width", "64", "--depth", "2"]
 
@@ -56,6 +62,86 @@ def test_the_lock_of_a_killed_run_does_not_block_its_restart(run_inprocess, tmp_
                             "auto")  # (a fixed --max-steps 12 is below a checkpoint at step 15: refused, as it must be)
     assert resumed.code == 0, resumed.stderr
     assert f"resumed at step {step}" in resumed.stdout and read_metrics(run_dir)["steps"] == step + 2
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="forked DataLoader workers")
+def test_a_forked_child_does_not_keep_the_lock_of_its_parent(tmp_path):
+    """A DataLoader worker forked while the folder is held shared the lock: after a kill -9 of the run, its orphaned
+    workers held the folder for seconds, and the restart (torchrun's, at once) was refused as "in use"."""
+    lock = rundir.hold(tmp_path)
+    forked, ready = os.pipe()
+    child = os.fork()
+    if child == 0:  # a worker that lives on
+        os.write(ready, b"1")  # (once forked: its fork handlers have run)
+        time.sleep(10)
+        os._exit(0)
+    try:
+        assert os.read(forked, 1) == b"1"
+        rundir.release(tmp_path, lock, [])  # its parent dies
+        again = rundir.hold(tmp_path)  # the restart, while the child still runs
+        assert again is not None
+        rundir.release(tmp_path, again, [])
+    finally:
+        os.kill(child, signal.SIGKILL)
+        os.waitpid(child, 0)
+        os.close(forked), os.close(ready)
+
+
+def test_runs_started_together_in_the_default_folder_get_one_each(tmp_path, monkeypatch):
+    """The name was chosen while no folder had it, and made later: two runs started at once could both choose it,
+    and one was refused ("in use by another run")."""
+    monkeypatch.chdir(tmp_path)
+    context = multiprocessing.get_context("fork")
+    for _ in range(10):
+        barrier, results = context.Barrier(2), context.SimpleQueue()
+
+        def start(barrier=barrier, results=results):
+            barrier.wait()
+            try:
+                results.put(str(open_run_dir("rec", None, None).path))
+            except RecipeError as err:
+                results.put(f"error: {err}")
+            os._exit(0)  # the folder stays: the lock goes with the process
+
+        processes = [context.Process(target=start) for _ in range(2)]
+        for process in processes:
+            process.start()
+        paths = [results.get() for _ in processes]
+        for process in processes:
+            process.join()
+        assert len(set(paths)) == 2 and all(Path(path).is_dir() for path in paths), paths
+    assert len(list((tmp_path / "runs" / "rec").iterdir())) == 20
+
+
+def test_a_best_checkpoint_without_its_last_is_not_started_over_unwarned(tmp_path, capsys):
+    """A folder whose last.pt was deleted was told "continue it with --resume auto", which started afresh over its
+    best.pt. A restart (--resume auto: a run killed between its first best.pt and last.pt) still starts afresh."""
+    run_dir = tmp_path / "run"
+    save_checkpoint(run_dir / "checkpoints" / "best.pt", {"model": {}, "recipe": "t", "config": {}})
+    with pytest.raises(RecipeError, match=r"run holds checkpoints/best.pt but no checkpoints/last.pt to continue from: "
+                       "a new run there, --resume auto's too, starts afresh over it; move it away, or choose another "
+                       "--run-dir$"):
+        open_run_dir("t", run_dir, None)
+    assert capsys.readouterr().err == ""
+    assert open_run_dir("t", run_dir, "auto") == RunFolder(run_dir, None)
+    assert capsys.readouterr().err == (f"warning: {run_dir} holds checkpoints/best.pt but no checkpoints/last.pt to "
+                                       "continue from (killed before its first?): starting afresh, over it\n")
+
+
+def test_torchrun_max_restarts_needs_resume_auto(tmp_path, monkeypatch):
+    """Each restart ran the same command: without --resume auto it started over (in a new default folder, or was
+    refused the folder it had filled), though the recipes say --max-restarts resumes."""
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "3")
+    for resume in (None, str(tmp_path / "x.pt")):
+        with pytest.raises(typer.BadParameter, match="torchrun --max-restarts relaunches this same command after a "
+                           "failure, which then starts over: give --resume auto and a --run-dir"):
+            open_run_dir("t", tmp_path / "run", resume)
+    assert open_run_dir("t", tmp_path / "run", "auto") == RunFolder(tmp_path / "run", None)
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "0")  # torchrun's default
+    assert open_run_dir("t", tmp_path / "other", None) == RunFolder(tmp_path / "other", None)
+    result = subprocess.run([sys.executable, "recipes/ddp_mlp.py", "--run-dir", tmp_path / "ddp"], cwd=ROOT,
+                            env={**os.environ, "TORCHELASTIC_MAX_RESTARTS": "1"}, capture_output=True, text=True)
+    assert result.returncode == 2 and "--resume" in result.stderr and "--max-restarts" in result.stderr, result.stderr
 
 
 def test_the_same_process_may_open_a_run_directory_again_once_its_command_has_ended(run_inprocess, tmp_path):
