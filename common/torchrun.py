@@ -4,6 +4,8 @@ waits for a rank that never comes."""
 
 import os
 
+import torch
+
 from common.cli import RecipeError
 
 
@@ -23,3 +25,12 @@ def torchrun_env() -> tuple[int, int, int] | None:
         raise RecipeError(f"{given}: no group of processes has these (RANK and LOCAL_RANK below WORLD_SIZE, "
                           "MASTER_PORT from 1 to 65535): launch with torchrun, or unset RANK")
     return rank, local_rank, world_size
+
+
+def gpu_of(local_rank: int) -> torch.device:
+    """The GPU of the process with this LOCAL_RANK, one GPU per process: more processes on this machine than it has
+    GPUs is one line, not CUDA's "invalid device ordinal" in a traceback."""
+    if local_rank >= (count := torch.cuda.device_count()):
+        raise RecipeError(f"LOCAL_RANK {local_rank}, but this machine has {count} CUDA device(s): start at most "
+                          f"{count} processes on it (torchrun --nproc_per_node), or use --device cpu")
+    return torch.device("cuda", local_rank)

@@ -6,7 +6,8 @@ DistributedSampler that gives every rank its own shard and a new shuffle each ep
 ``--batch-size`` per process, so the global batch is world size x batch size; evaluation split across
 ranks with the sums all-reduced, so every test digit counts exactly once; only rank 0 writing logs and
 checkpoints while the others wait for it (``from_rank_0``: a broadcast of its outcome); every rank resuming
-from the same checkpoint, which is what makes ``torchrun --max-restarts`` fault tolerant.
+from the same checkpoint, which is what makes ``torchrun --max-restarts`` fault tolerant (with ``--resume auto
+--run-dir DIR``: a restart runs the same command; without them the launch is refused).
 
     python recipes/ddp_mlp.py                                    # one process, no process group at all
     OMP_NUM_THREADS=1 torchrun --nproc_per_node=2 recipes/ddp_mlp.py   # two processes, one CPU thread each
@@ -54,7 +55,7 @@ from common.rundir import already_finished, open_run_dir
 from common.runlog import RunLog, log_interval
 from common.runtime import autocast, from_rank_0, resolve_device, resolve_precision, seed_everything, unwrap
 from common.stop import StopRequest
-from common.torchrun import torchrun_env
+from common.torchrun import gpu_of, torchrun_env
 
 RECIPE = "ddp_mlp"
 
@@ -89,7 +90,7 @@ def init_distributed(device_name: str, backend: str) -> tuple[int, int, torch.de
         return 0, 1, device
     rank, local_rank, world_size = launched
     if device.type == "cuda":
-        device = torch.device("cuda", local_rank)
+        device = gpu_of(local_rank)  # one GPU per process: LOCAL_RANK picks it
         torch.cuda.set_device(device)
     if backend == "auto":  # nccl moves tensors GPU to GPU; gloo is the CPU backend
         backend = "nccl" if device.type == "cuda" else "gloo"

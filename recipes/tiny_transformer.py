@@ -80,7 +80,7 @@ from common.runtime import (
 )
 from common.sharded import ShardedCheckpointer, last_sharded, load_sharded, load_trainer_state
 from common.stop import StopRequest
-from common.torchrun import torchrun_env
+from common.torchrun import gpu_of, torchrun_env
 
 RECIPE = "tiny_transformer"
 
@@ -503,7 +503,7 @@ def init_distributed(device: torch.device) -> tuple[int, int, torch.device]:
         return 0, 1, device
     rank, local_rank, world_size = launched
     if device.type == "cuda":
-        device = torch.device("cuda", local_rank)  # one GPU per process: LOCAL_RANK picks it
+        device = gpu_of(local_rank)  # one GPU per process: LOCAL_RANK picks it
         torch.cuda.set_device(device)
     # torchrun keeps one key-value store across restarts, and the process groups of every attempt would use the
     # same keys: a restarted group could read a dead worker's address (pytorch/pytorch#167288). A prefix per

@@ -387,3 +387,18 @@ def test_evaluation_runs_the_module_inside_ddp_not_ddps_forward(tmp_path):
     finally:
         dist.destroy_process_group()
     assert forwards == [] and figures["loss"] == pytest.approx(math.log(10), abs=0.5)
+
+
+def test_more_processes_on_a_machine_than_it_has_gpus_is_one_line(monkeypatch):
+    """torchrun --nproc_per_node=2 on a one-GPU machine: rank 1's set_device raised CUDA's "invalid device ordinal",
+    a traceback, since no process group was there yet to carry a one-line error."""
+    from common.cli import RecipeError
+    from common.torchrun import gpu_of
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert gpu_of(0) == torch.device("cuda", 0)
+    with pytest.raises(RecipeError, match=r"^LOCAL_RANK 1, but this machine has 1 CUDA device\(s\): start at most 1 "
+                       r"processes on it \(torchrun --nproc_per_node\), or use --device cpu$"):
+        gpu_of(1)
+    for recipe in ("ddp_mlp", "tiny_transformer"):  # where each process picks its GPU
+        assert "device = gpu_of(local_rank)" in (ROOT / "recipes" / f"{recipe}.py").read_text()
