@@ -82,6 +82,7 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Loss
 
 
 @torch.no_grad()
+@torch.profiler.record_function("evaluate")  # --profile leaves it out of the step it falls in
 def evaluate(model: nn.Module, batches: Iterable[Sequence[torch.Tensor]], loss_fn: LossFn, *, device: torch.device,
              precision: str = "fp32", accuracy: bool = True) -> dict[str, float]:
     """Mean loss (and accuracy) over every counted target of ``batches``, in eval mode; restores the mode.

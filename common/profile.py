@@ -87,20 +87,25 @@ class StepProfiler:
 
 def phases(step) -> dict[str, float]:
     """One profiled step's milliseconds by phase, from the events directly inside it: the DataLoader's and the
-    optimizer's own (named by torch), autograd's backward functions and what follows them until the optimizer
-    (clipping, unscaling), the operators before the backward (the forward pass, the loss), and the rest."""
+    optimizer's own (named by torch), autograd's backward functions and what follows the last of them until the
+    optimizer (clipping, unscaling), the other operators (the forward passes of every micro-batch, the losses), and
+    the rest. An evaluation or a checkpoint that fell in the step (``record_function``'s "evaluate", "checkpoint")
+    is left out: the figures are a training step's."""
     ms = dict.fromkeys(PHASES, 0.0)
-    in_backward = False
-    for event in step.cpu_children:
-        length = (event.time_range.end - event.time_range.start) / 1000
+    events = [e for e in step.cpu_children if e.name not in ("evaluate", "checkpoint")]
+    backward = [i for i, e in enumerate(events) if e.name.startswith("autograd::engine")]
+    optimizer = [i for i, e in enumerate(events) if e.name.startswith("Optimizer.") and backward and i > backward[-1]]
+    after_backward = range(backward[-1] + 1, optimizer[0] if optimizer else len(events)) if backward else range(0)
+    for i, event in enumerate(events):
         if event.name.startswith("enumerate(DataLoader)"):
             phase = "data"
         elif event.name.startswith("Optimizer."):
-            phase, in_backward = "optimizer", False
-        elif event.name.startswith("autograd::engine"):
-            phase, in_backward = "backward", True
+            phase = "optimizer"
+        elif event.name.startswith("autograd::engine") or i in after_backward:
+            phase = "backward"
         else:
-            phase = "backward" if in_backward else "forward"
-        ms[phase] += length
-    ms["rest"] = max(0.0, (step.time_range.end - step.time_range.start) / 1000 - sum(ms.values()))
+            phase = "forward"
+        ms[phase] += (event.time_range.end - event.time_range.start) / 1000
+    left_out = sum(e.time_range.end - e.time_range.start for e in step.cpu_children if e not in events) / 1000
+    ms["rest"] = max(0.0, (step.time_range.end - step.time_range.start) / 1000 - left_out - sum(ms.values()))
     return ms

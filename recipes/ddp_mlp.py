@@ -122,6 +122,7 @@ def stop_agreed(stop: StopRequest, device: torch.device) -> bool:
 
 
 @torch.no_grad()
+@torch.profiler.record_function("evaluate")  # --profile leaves it out of the step it falls in
 def evaluate(model: nn.Module, loader, device: torch.device, precision: str) -> dict[str, float]:
     """Loss and accuracy over the whole test set, in the precision the model trains in: each rank scores its own
     shard, then one all-reduce adds the sums of every rank, so every digit counts exactly once and every rank gets

@@ -2,9 +2,12 @@
 
 import json
 import re
+from types import SimpleNamespace
 
 import pytest
 from conftest import RECIPES, assert_same_weights, load_weights, run_subprocess, smoke_args
+
+from common.profile import phases
 
 ARGS = ["--epochs", 1, "--samples", 1024, "--batch-size", 64, "--width", 32, "--depth", 2, "--num-workers", 0]
 
@@ -94,3 +97,31 @@ def test_on_a_gpu_operators_are_ranked_by_their_kernels_time(tmp_path, capsys):
     assert "(the CPU's time: the GPU runs behind it)" in out
     assert json.loads((tmp_path / "profile.json").read_text())["operators"] == {"aten::mm": 2.0,
                                                                                 "aten::launch_heavy": 0.01}
+
+
+def step_of(*events: tuple[str, float, float], end: float):
+    """A ProfilerStep event as phases() reads it: its direct children, each (name, start ms, end ms)."""
+    span = lambda start, stop: SimpleNamespace(start=start * 1000, end=stop * 1000)  # noqa: E731 (microseconds)
+    return SimpleNamespace(time_range=span(0, end),
+                           cpu_children=[SimpleNamespace(name=n, time_range=span(a, b)) for n, a, b in events])
+
+
+def test_a_step_of_several_micro_batches_counts_their_forward_passes_as_forward():
+    """The operators between two backward passes (the next micro-batch's forward) were counted as backward:
+    --grad-accum 4 doubled the backward and shrank the forward."""
+    step = step_of(("enumerate(DataLoader)#next", 0, 1), ("aten::mm", 1, 3), ("autograd::engine::run", 3, 6),
+                   ("aten::mm", 6, 8), ("autograd::engine::run", 8, 11), ("aten::norm", 11, 12),  # clipping
+                   ("Optimizer.step#AdamW.step", 12, 14), ("aten::add", 14, 14.5), end=15)
+    assert phases(step) == {"data": 1, "forward": 4.5, "backward": 7, "optimizer": 2, "rest": 0.5}
+    zero_grad_first = step_of(("Optimizer.zero_grad#AdamW.zero_grad", 0, 1), ("aten::mm", 1, 2),
+                              ("autograd::engine::run", 2, 4), ("aten::norm", 4, 5),
+                              ("Optimizer.step#AdamW.step", 5, 6), end=6)
+    assert phases(zero_grad_first) == {"data": 0, "forward": 1, "backward": 3, "optimizer": 2, "rest": 0}
+
+
+def test_an_evaluation_or_a_save_in_a_profiled_step_is_left_out_of_it():
+    """An epoch's evaluation and checkpoint fall in the next profiled step: its batches were counted as data, its
+    matrix products as forward, the save as rest, in a table of training steps."""
+    step = step_of(("evaluate", 0, 10), ("checkpoint", 10, 12), ("enumerate(DataLoader)#next", 12, 13),
+                   ("aten::mm", 13, 14), ("autograd::engine::run", 14, 16), ("Optimizer.step#SGD.step", 16, 17), end=18)
+    assert phases(step) == {"data": 1, "forward": 1, "backward": 2, "optimizer": 1, "rest": 1}
