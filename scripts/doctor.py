@@ -311,7 +311,7 @@ def not_a_report(path: Path) -> str | None:
     if not path.parent.is_dir():
         return f"{path.parent} is not a folder"
     try:
-        earlier_report = "recommended_options" in json.loads(path.read_text())
+        earlier_report = "recommended_options" in (saved := json.loads(path.read_text())) and isinstance(saved, dict)
     except FileNotFoundError:
         earlier_report = True  # nothing there to keep
     except (OSError, ValueError, TypeError):  # unreadable, not JSON, JSON but no object
@@ -437,4 +437,8 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     signal.signal(signal.SIGTERM, interrupt)
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:  # before main's own handler: as the recipe is imported (torch with it), say
+        print("error: interrupted; nothing measured", file=sys.stderr)
+        sys.exit(130)

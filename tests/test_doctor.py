@@ -155,7 +155,8 @@ def test_the_recipes_own_usage_errors_exit_2_and_an_unwritable_json_is_found_bef
     assert doctor.main(["mixed_precision", "--json", str(tmp_path / "reports.json")]) == 1
     assert capsys.readouterr().err == f"error: cannot write --json {tmp_path / 'reports.json'}: it is a folder\n"
     # a file a report must not replace (a run's config.json, say: it was replaced, the run's record lost)
-    for content in ('{"recipe": "mixed_precision", "lr": 0.1}', "not json", "[1]"):
+    for content in ('{"recipe": "mixed_precision", "lr": 0.1}', "not json", "[1]", '["recommended_options"]',
+                    '"its recommended_options"'):  # JSON that holds the words, and is no report (was replaced)
         (tmp_path / "config.json").write_text(content)
         assert doctor.main(["mixed_precision", "--json", str(tmp_path / "config.json")]) == 1
         assert capsys.readouterr().err == f"error: cannot write --json {tmp_path / 'config.json'}: it exists and is " \

@@ -354,3 +354,20 @@ def test_no_rate_is_suggested_where_the_loss_never_fell_below_its_start(tmp_path
     assert find_lr.main([str(tmp_path / "least_squares.py"), "--from", "0.05", "--to", "1", "--ramp-steps", "20",
                          "--plot", str(tmp_path / "lr.png")]) == 0
     assert 0.05 <= float(re.search(r"suggested: --lr ([\d.e-]+)", capsys.readouterr().out)[1]) <= 0.70
+
+
+@pytest.mark.parametrize(("tool", "nothing"), [("find_lr", "written"), ("doctor", "measured")])
+def test_sigterm_as_the_recipe_is_imported_is_one_line(tool, nothing, tmp_path):
+    """Loading the recipe (importing torch: a second or two) came before the tool's KeyboardInterrupt handler: a
+    Ctrl-C or SIGTERM then was a traceback, exit -2."""
+    recipe = tmp_path / "slow_import.py"
+    recipe.write_text("import time\nfrom pathlib import Path\n\n\ndef main():\n    pass\n\n\n"
+                      "Path(__file__).with_name('importing').touch()\ntime.sleep(60)\n")
+    proc = subprocess.Popen([sys.executable, f"scripts/{tool}.py", str(recipe)], cwd=find_lr.ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not (tmp_path / "importing").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=60)
+    assert (proc.returncode, err) == (130, f"error: interrupted; nothing {nothing}\n")
