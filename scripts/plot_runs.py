@@ -20,6 +20,7 @@ replaced only if it is a figure (a PNG that matplotlib wrote).
 import argparse
 import fnmatch
 import io
+import json
 import logging
 import math
 import os
@@ -104,6 +105,15 @@ def read_scalars(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
     return scalars
 
 
+def steps_trained(run_dir: Path) -> int | None:
+    """The steps a finished run trained, from its metrics.json; None: no such record."""
+    try:
+        steps = json.loads((run_dir / "metrics.json").read_text()).get("steps")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return steps if type(steps) is int else None
+
+
 def matching(scalars: dict, pattern: str) -> list[str]:
     return sorted(tag for tag in scalars if fnmatch.fnmatchcase(tag, pattern))  # "*": any characters
 
@@ -135,6 +145,10 @@ def plot(run_dirs: list[Path], out: Path) -> tuple[list[str], int]:
     for label, run_dir in zip(labels(run_dirs), run_dirs, strict=True):
         if scalars := read_scalars(run_dir):
             runs.append((label, scalars))
+            last, trained = max(points[-1][0] for points in scalars.values()), steps_trained(run_dir)
+            if trained is not None and last < trained:  # TensorBoard stops at a damaged record, and says nothing
+                print(f"warning: {run_dir}: its event files end at step {last}, but it trained {trained} steps "
+                      "(metrics.json): a damaged event file? drawn as far as it goes", file=sys.stderr)
         else:  # a file of another kind named like one, or a run killed before its first log line
             print(f"skipped {run_dir}: its event files hold no scalars", file=sys.stderr)
     present = [q for q in QUANTITIES if any(matching(s, tag) for _, s in runs for tag, _ in q[2])]

@@ -290,3 +290,24 @@ def test_a_folder_that_cannot_be_read_is_said_as_a_read_not_as_the_figures_write
     assert plot_runs.main([str(tmp_path / "runs"), "--out", str(tmp_path / "x.png")]) == 1
     assert capsys.readouterr().err == f"error: cannot read {deep}: File name too long\n"
     assert not (tmp_path / "x.png").exists()
+
+
+def test_an_event_file_damaged_midway_is_said_not_drawn_short_in_silence(tmp_path):
+    """TensorBoard stops reading at a damaged record and says nothing: a run of 20 steps was drawn to step 9, and
+    its accuracy panel was gone, with exit 0 and no word."""
+    run = make_run(tmp_path / "run")
+    (run / "metrics.json").write_text('{"recipe": "mixed_precision", "steps": 20}')
+    out = tmp_path / "x.png"
+    whole = plot(run, "--out", out)
+    assert whole.code == 0 and whole.stderr == "", whole.stderr
+    events = next(run.glob("events.out.tfevents.*"))
+    data = bytearray(events.read_bytes())
+    data[len(data) // 2 : len(data) // 2 + 8] = b"\xff" * 8
+    events.write_bytes(bytes(data))
+    damaged = plot(run, "--out", out)
+    assert damaged.code == 0, damaged.stderr
+    warning = damaged.stderr.strip().splitlines()
+    assert len(warning) == 1 and warning[0].startswith(f"warning: {run}: its event files end at step ")
+    assert warning[0].endswith(", but it trained 20 steps (metrics.json): a damaged event file? drawn as far as it "
+                               "goes")
+    assert int(warning[0].split("end at step ")[1].split(",")[0]) < 20
