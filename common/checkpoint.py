@@ -3,8 +3,7 @@
 Writing goes to a temporary file beside the target, flushed and fsynced, then ``os.replace``d over it: a crash
 leaves the old checkpoint or the new one, never half of one. Loading uses ``torch.load(weights_only=True)``,
 which rebuilds only tensors and plain containers: a pickle that would run code is refused unrun. The model is
-saved unwrapped (no ``module.`` or ``_orig_mod.`` prefixes): a compiled or DDP run's loads into a plain model.
-"""
+saved unwrapped (no ``module.`` or ``_orig_mod.`` prefixes): a compiled or DDP run's loads into a plain model."""
 
 import math
 import os
@@ -177,6 +176,10 @@ class Checkpointer:
         self.parts, self.data, self.data_id = parts or {}, data or {}, data_id  # data_id: the training data's checksum
         self.last_good, self.last_step = run.resume_from, None  # what a failure leaves to resume from
 
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
     def training_state(self, step: int) -> dict:
         """Everything but the model and optimizer tensors."""
         return {"recipe": self.recipe, "config": self.config, "step": step, "steps_per_epoch": self.steps_per_epoch,
@@ -184,7 +187,7 @@ class Checkpointer:
                 **{name: part.state_dict() for name, part in self.parts.items()},
                 "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
                 "scaler": self.scaler.state_dict() if self.scaler is not None and self.scaler.is_enabled() else None,
-                "rng": rng_state(self.loader_generator, next(self.model.parameters()).device), **self.data}
+                "rng": rng_state(self.loader_generator, self.device), **self.data}
 
     @torch.profiler.record_function("checkpoint")  # --profile leaves it out of the step it falls in
     def save(self, step: int, name: str = "last.pt", weights: nn.Module | None = None) -> None:
@@ -234,7 +237,7 @@ class Checkpointer:
                 self.scaler.load_state_dict(checkpoint["scaler"])
             for name, part in self.parts.items():
                 part.load_state_dict(checkpoint[name])
-            restore_rng_state(checkpoint["rng"], self.loader_generator, next(self.model.parameters()).device)
+            restore_rng_state(checkpoint["rng"], self.loader_generator, self.device)
             self.last_step = checkpoint["step"]  # a failed save then names it as the checkpoint left intact
             return self.last_step
         except (KeyError, TypeError, ValueError, AttributeError, RuntimeError) as err:
