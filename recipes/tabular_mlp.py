@@ -62,6 +62,7 @@ PLE_BINS, PERIODIC_FREQUENCIES, PERIODIC_SIGMA, EMBEDDING_WIDTH = 32, 32, 0.5, 8
 REPEATED_FROM, PERIODIC_SIGMA_REPEATED = 10, 100.0
 STRAY_WORDS = 0.01  # a column whose present values are numbers but for this share or less is numeric (mostly_numbers)
 MIN_STEPS = 800  # the default length on a small table (default_epochs)
+LBFGS_STEPS = 100  # --optimizer lbfgs's default length (default_epochs): each step up to 20 passes over the table
 EMBED_REGRESSION_FROM = 10_000  # --num-embedding auto: training rows from which a regression embeds (auto_embedding)
 # A standardised number is kept within this many standard deviations: no training value is further (at most
 # sqrt(rows - 1) of them), and a model's first layer stays far from float32's overflow at 3.4e38
@@ -659,10 +660,12 @@ def default_batch_size(rows: int) -> int:
     return min(256, max(16, rows // 16))
 
 
-def default_epochs(steps_per_epoch: int) -> int:
+def default_epochs(steps_per_epoch: int, optimizer_name: str) -> int:
     """10 epochs, or more on a small table: enough for MIN_STEPS optimizer steps (on 150 rows, 10 epochs are 100
-    steps of 16: too few to train). Chosen on Adult, wine and diabetes (benchmarks/tabular_sweep.py)."""
-    return max(10, math.ceil(MIN_STEPS / steps_per_epoch))
+    steps of 16: too few to train). Chosen on Adult, wine and diabetes (benchmarks/tabular_sweep.py). LBFGS, one
+    full-batch step an epoch: LBFGS_STEPS. Its best validation score came at step 7 on wine, at steps 50, 57, 48 of
+    200 on diabetes (seeds 0-2); MIN_STEPS of them took 6.7 minutes on wine and wrote 12 GB of checkpoints."""
+    return LBFGS_STEPS if optimizer_name == "lbfgs" else max(10, math.ceil(MIN_STEPS / steps_per_epoch))
 
 
 def auto_embedding(task: str, train_rows: int) -> str:
@@ -730,7 +733,8 @@ def main(
     cv: Annotated[int | None, typer.Option(min=2, help="K-fold cross-validation (stratified for classes): K runs, "
                                                         "each validated on its own fold, in RUN_DIR/fold-0...")] = None,
     epochs: Annotated[int | None, typer.Option(min=1, help="Passes over the training rows [default: 10; on a small "
-                                                          f"table enough for {MIN_STEPS} steps].")] = None,
+                                                          f"table enough for {MIN_STEPS} steps; lbfgs {LBFGS_STEPS}]."
+                                               )] = None,
     max_steps: cli.MaxSteps = None,
     batch_size: Annotated[int | None, typer.Option(min=1, help="Rows per step [default: 256; on a small table a "
                                                               "16th of its training rows, at least 16; lbfgs: all].")
@@ -865,7 +869,7 @@ def train(csv_path: Path | None, target: str, task: str, drop: list[str] | None,
         check_same_run({"config": {"lr": checkpoint["config"].get("lr_used", checkpoint["config"]["lr"])}},
                        run.resume_from, {"lr": lr})
     if already_finished(run, checkpoint, max_steps=max_steps,
-                        epochs=epochs or checkpoint and default_epochs(checkpoint["steps_per_epoch"])):
+                        epochs=epochs or checkpoint and default_epochs(checkpoint["steps_per_epoch"], optimizer_name)):
         return json.loads((run.path / "metrics.json").read_text())
     seed_everything(seed)
     device = resolve_device(device)
@@ -918,7 +922,7 @@ def train(csv_path: Path | None, target: str, task: str, drop: list[str] | None,
     optimizer = make_optimizer(optimizer_name, model, lr, weight_decay)
     # Per-epoch schedule: drop the learning rate 10x at 50% and again at 75% of the epochs. With few epochs the
     # two coincide (MultiStepLR would then apply both drops at once) or fall on epoch 0 (a drop before training).
-    epochs = epochs or default_epochs(len(train_loader))
+    epochs = epochs or default_epochs(len(train_loader), optimizer_name)
     milestones = sorted({m for m in (epochs // 2, epochs * 3 // 4) if m > 0})
     scheduler = torch.optim.lr_scheduler.MultiStepLR(optimizer, milestones, gamma=0.1)
     scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
