@@ -69,20 +69,20 @@ def autocast(device: torch.device, precision: str) -> torch.autocast:
 
 def native_bf16(device: torch.device) -> str | None:
     """Why ``device`` multiplies bf16 natively, or None: CUDA from compute capability 8.0 (Ampere) on; a CPU with
-    AVX-512 BF16 or AMX (its flags in /proc/cpuinfo: found, not guessed from the model's name)."""
+    AVX-512 BF16 or AMX, or Arm's BF16 (its flags in /proc/cpuinfo: found, not guessed from the model's name)."""
     if device.type == "cuda":
         major, minor = torch.cuda.get_device_capability(device)
         return f"CUDA compute capability {major}.{minor} >= 8.0" if major >= 8 else None
     if device.type == "cpu":
-        found = sorted(cpu_flags() & {"avx512_bf16", "amx_bf16"})
+        found = sorted(cpu_flags() & {"avx512_bf16", "amx_bf16", "bf16"})  # bf16: Arm's (Graviton3, Neoverse V1)
         return f"the CPU has {' and '.join(found)}" if found else None
     return None  # MPS: fp32 by itself
 
 
-def cpu_flags() -> set[str]:
-    """The CPU's feature flags (Linux's /proc/cpuinfo); none known elsewhere."""
+def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> set[str]:
+    """The CPU's feature flags (Linux's /proc/cpuinfo: x86's "flags", Arm's "Features"); none known elsewhere."""
     try:
-        return set(re.findall(r"^flags\s*:(.*)$", Path("/proc/cpuinfo").read_text(), flags=re.M)[0].split())
+        return set(re.findall(r"^(?:flags|Features)\s*:(.*)$", cpuinfo.read_text(), flags=re.M)[0].split())
     except (OSError, IndexError):
         return set()
 

@@ -789,6 +789,28 @@ def test_the_header_says_where_a_precision_came_from(run_inprocess, tmp_path):
         assert json.loads((tmp_path / run / "config.json").read_text())["precision_reason"] == why
 
 
+GRAVITON3 = """processor\t: 0
+BogoMIPS\t: 2100.00
+Features\t: fp asimd evtstrm aes pmull sha1 sha2 crc32 atomics fphp asimdhp cpuid asimdrdm jscvt fcma lrcpc dcpop \
+sha3 sm3 sm4 asimddp sha512 sve asimdfhm dit uscat ilrcpc flagm ssbs paca pacg dcpodp svei8mm svebf16 i8mm bf16 dgh rng
+CPU implementer\t: 0x41
+"""
+
+
+def test_an_arm_cpu_with_bf16_multiplies_it_natively(tmp_path, monkeypatch):
+    """Arm lists its features under "Features", not "flags": a Graviton3 (BF16) was told "no native bf16 matmul on
+    this cpu: emulated, it would be slower" by the doctor, and auto chose fp32 there."""
+    import common.runtime as runtime
+
+    (tmp_path / "cpuinfo").write_text(GRAVITON3)
+    flags = runtime.cpu_flags(tmp_path / "cpuinfo")
+    assert {"asimd", "sve", "bf16"} <= flags
+    monkeypatch.setattr(runtime, "cpu_flags", lambda: flags)
+    assert runtime.resolve_precision("auto", CPU) == ("bf16", "auto: the CPU has bf16")
+    monkeypatch.setattr(runtime, "cpu_flags", lambda: flags - {"bf16", "svebf16"})  # a Graviton2's: no BF16
+    assert runtime.resolve_precision("auto", CPU) == ("fp32", "auto: no native bf16 matmul on this cpu")
+
+
 def test_this_machines_cpu_flags_are_read():
     from common.runtime import cpu_flags
 
