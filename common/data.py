@@ -22,7 +22,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, TensorDataset
 
 from common.cli import RecipeError
-from common.rundir import remove_empty
+from common.rundir import remove_empty, why_not_written
 
 MNIST_FILES = ["train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"]
 MNIST_MEAN, MNIST_STD = 0.1307, 0.3081
@@ -116,7 +116,10 @@ def load_mnist(data_dir: Path, *, train: bool) -> tuple[torch.Tensor, torch.Tens
     except (OSError, RuntimeError, urllib.error.URLError) as err:
         if all((raw / name).exists() or (raw / f"{name}.gz").exists() for name in MNIST_FILES):
             raise RecipeError(f"MNIST files in {raw} are unreadable ({err}); delete them to download again") from None
+        made = raw.is_dir()  # (before the folders made for the download go)
         remove_empty(created)
+        if not made:  # a file where a folder on its way should be ("Not a directory" says nothing)
+            raise RecipeError(f"cannot put MNIST in {raw}: {why_not_written(raw, err)}") from None
         why = (str(err).strip() or "no reason given").splitlines()[-1]  # torchvision's last line says why
         raise RecipeError(f"MNIST is not in {raw} and could not be downloaded ({why}; offline?): "
                           f"put {', '.join(MNIST_FILES)} (or their .gz) in {raw}") from None
@@ -161,7 +164,10 @@ def download(url: str, dest: Path, md5: str) -> Path:
     if dest.is_file() and _md5(dest) == md5:
         return dest
     created = [d for d in [dest.parent, *dest.parent.parents] if not d.exists()]
-    dest.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as err:  # a file where the folder should be ("File exists" says nothing)
+        raise RecipeError(f"cannot download to {dest.parent}: {why_not_written(dest.parent, err)}") from None
     tmp = dest.with_name(f".{dest.name}.part")
     try:
         with urllib.request.urlopen(url, timeout=30) as response, open(tmp, "wb") as f:

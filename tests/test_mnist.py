@@ -155,6 +155,15 @@ def test_offline_without_data_names_the_files_and_folder(run_inprocess, tmp_path
     assert not (tmp_path / "rel").exists()
 
 
+def test_a_data_dir_that_is_a_file_is_said_so(run_inprocess, tmp_path):
+    """It said "MNIST is not in .../raw and could not be downloaded ([Errno 20] Not a directory ...; offline?)"."""
+    (tmp_path / "data").write_text("")
+    result = run_inprocess(RECIPE, "--data-dir", tmp_path / "data", "--run-dir", tmp_path / "run")
+    assert (result.code, result.stderr) == (1, f"error: cannot put MNIST in {tmp_path / 'data' / 'MNIST' / 'raw'}: "
+                                               f"{tmp_path / 'data'} is a file, not a folder\n")
+    assert (tmp_path / "data").read_text() == "" and not (tmp_path / "run").exists()
+
+
 @pytest.mark.skipif(sys.platform == "win32", reason="no flock on Windows")
 def test_ranks_download_mnist_one_at_a_time(tmp_path, monkeypatch):
     """torchrun's ranks all call load_mnist: torchvision truncates and rewrites the files in place, so a rank that

@@ -372,6 +372,17 @@ def test_adult_offline_suggests_csv(run_inprocess, tmp_path, monkeypatch):
     assert not (tmp_path / "data").exists()  # the folder made for the download is gone with it
 
 
+def test_a_data_folder_that_is_a_file_is_said_so(run_inprocess, tmp_path):
+    """It said "error: File exists: .../adult (the checkpoints written are intact)"."""
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "adult").write_text("")
+    result = run_inprocess(RECIPE, "--data-dir", tmp_path / "data", "--run-dir", tmp_path / "run")
+    assert result.code == 1 and result.stderr.startswith(
+        f"error: cannot download to {tmp_path / 'data' / 'adult'}: {tmp_path / 'data' / 'adult'} is a file, not a "
+        "folder"), result.stderr
+    assert result.stderr.count("\n") == 1 and not (tmp_path / "run").exists()
+
+
 @pytest.mark.parametrize(
     ("name", "content", "message"),
     [
