@@ -4,7 +4,8 @@
 
 Each split shuffles the 10,000 official test digits with its seed (mixing the cleaner first 5,000, written by
 census staff, with the harder last 5,000, by students), trains on 5,000 and tests on the other 5,000, 3 epochs.
-Splits 100 and up are for tuning; benchmark item 3 reports on splits 0, 1, 2, which no default was chosen on.
+Splits 100 and up are for tuning; benchmark item 3 reports on splits 0-4, which no default was chosen on (other
+shuffles of the same digits, though: docs/benchmarks.md says how much they share).
 """
 
 import argparse

@@ -301,8 +301,8 @@ def test_finetune_on_the_backbones_digits_must_hold_out_the_same_ones(run_inproc
         result = run_inprocess(RECIPE, "--finetune", backbone, "--data-dir", mnist_dir, "--width", 4, option, value,
                                "--max-steps", 1, "--run-dir", tmp_path / f"tuned{option}")
         assert result.code == 1 and result.stderr == (
-            f"error: --finetune {backbone} trained on these digits with --seed 0 --val-size None: pass the same, or "
-            "its training digits validate this run\n"), result.stderr
+            f"error: --finetune {backbone} trained on these digits with --seed 0 and no --val-size: pass the same, "
+            "or its training digits validate this run\n"), result.stderr  # ("--val-size None": no such value)
     result = run_inprocess(RECIPE, "--finetune", backbone, "--data-dir", mnist_dir, "--width", 4, "--max-steps", 1,
                            "--run-dir", tmp_path / "tuned")
     assert result.code == 0, result.stderr
