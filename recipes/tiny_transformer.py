@@ -6,7 +6,8 @@ input/output embeddings and GPT-2's scaled initialisation; AdamW with weight dec
 0.99 by default: small batches give noisy gradients, and a slower second-moment average suits them); linear
 warmup then cosine decay (``SequentialLR`` of ``LinearLR`` and ``CosineAnnealingLR``) stepped every
 optimizer step; gradient clipping and accumulation; an ``IterableDataset`` of random windows that stays
-correct with worker processes; validation in bits per byte; sampling with temperature and top-k; tokens/s
+correct with worker processes; validation in bits per byte (per character with ``--vocab chars``, per token with
+GPT-2's: not comparable across them); sampling with temperature and top-k; tokens/s
 and model FLOP utilisation (MFU).
 
 Scaling it out under ``torchrun`` (docs/scaling.md's "Scaling the transformer" has the commands): ``--parallel
@@ -25,7 +26,8 @@ common/hf_gpt2.py converts names and layouts, common/hf_tokens.py tokenizers, bo
 
     python recipes/tiny_transformer.py                       # corpus: this Python's standard library
     python recipes/tiny_transformer.py --text input.txt --vocab chars
-    python recipes/tiny_transformer.py --init-from gpt2 --text input.txt --lr 3e-5 --min-lr-ratio 1
+    python recipes/tiny_transformer.py --init-from gpt2 --text input.txt --lr 3e-5 --warmup-steps 0 \
+        --min-lr-ratio 1 --batch-size 8 --steps 200 --eval-every 50 --eval-batches 4   # docs/deploy.md
     python recipes/tiny_transformer.py --sample-only --resume runs/tiny_transformer/.../checkpoints/last.pt
     torchrun --nproc_per_node=2 recipes/tiny_transformer.py --parallel fsdp --batch-size 16
 
