@@ -765,7 +765,8 @@ def main(
                                                     "from --resume; written as --output says.")
     ] = None,
     output: Annotated[Path | None, typer.Option(help="Predictions file: .csv, .tsv (either gzipped if named .gz) or "
-                                                    ".parquet [default: PREDICT.predictions.csv].")] = None,
+                                                    ".parquet [default: PREDICT's last suffix replaced: new.csv -> "
+                                                    "new.predictions.csv].")] = None,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="With --predict: replace the --output file if it "
                                                                 "exists.")] = False,
     seed: cli.Seed = 0,
