@@ -106,6 +106,7 @@ def phases(step) -> dict[str, float]:
         else:
             phase = "forward"
         ms[phase] += (event.time_range.end - event.time_range.start) / 1000
-    left_out = sum(e.time_range.end - e.time_range.start for e in step.cpu_children if e not in events) / 1000
+    left_out = sum(e.time_range.end - e.time_range.start for e in step.cpu_children
+                   if e.name in ("evaluate", "checkpoint")) / 1000
     ms["rest"] = max(0.0, (step.time_range.end - step.time_range.start) / 1000 - left_out - sum(ms.values()))
     return ms

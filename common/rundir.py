@@ -53,7 +53,7 @@ def open_run_dir(recipe: str, run_dir: Path | None, resume: str | None,
     a command that always starts afresh (--compare), which a refusal then does not tell to resume."""
     if resume == "auto" and run_dir is None:
         raise typer.BadParameter("'auto' looks for checkpoints in --run-dir; give --run-dir too", param_hint="--resume")
-    if resume != "auto" and os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0").strip("0") != "":  # torchrun's
+    if resume != "auto" and os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") not in ("", "0"):  # torchrun's
         raise typer.BadParameter("torchrun --max-restarts relaunches this same command after a failure, which then "
                                  "starts over: give --resume auto and a --run-dir", param_hint="--resume")
     created = []

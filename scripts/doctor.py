@@ -311,7 +311,7 @@ def not_a_report(path: Path) -> str | None:
     if not path.parent.is_dir():
         return f"{path.parent} is not a folder"
     try:
-        earlier_report = "recommended_options" in (saved := json.loads(path.read_text())) and isinstance(saved, dict)
+        earlier_report = isinstance(saved := json.loads(path.read_text()), dict) and "recommended_options" in saved
     except FileNotFoundError:
         earlier_report = True  # nothing there to keep
     except (OSError, ValueError, TypeError):  # unreadable, not JSON, JSON but no object
