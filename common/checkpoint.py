@@ -1,10 +1,10 @@
 """Checkpoints (docs/conventions.md): plain dicts of tensors and numbers, written atomically, loaded safely.
 
-Writing goes to a temporary file beside the target, flushed and fsynced, then ``os.replace``d over it: a crash
-leaves the old checkpoint or the new one, never half of one. Loading uses ``torch.load(weights_only=True)``,
-which rebuilds only tensors and plain containers: a pickle that would run code is refused unrun. The model is
-saved unwrapped (no ``module.`` or ``_orig_mod.`` prefixes): a compiled or DDP run's loads into a plain model."""
+Writing goes to a temporary file beside the target, fsynced, then ``os.replace``d over it: a crash leaves the old
+checkpoint or the new one, never half of one. Loading uses ``torch.load(weights_only=True)``: a pickle that would
+run code is refused unrun. The model is saved unwrapped (no ``module.`` or ``_orig_mod.`` prefixes)."""
 
+import errno
 import math
 import os
 import random
@@ -49,6 +49,9 @@ def fsync_dir(path: Path) -> None:
         fd = os.open(path, os.O_RDONLY)
         try:
             os.fsync(fd)
+        except OSError as err:  # EINVAL and the like: a file system that syncs no folder; the rename stands as it is
+            if err.errno not in (errno.EINVAL, errno.ENOTSUP, errno.ENOSYS):
+                raise
         finally:
             os.close(fd)
 
@@ -92,9 +95,8 @@ def load_model_state(model: nn.Module, state_dict: dict, source: Path, what: str
 
 
 def rng_state(loader_generator: torch.Generator | None = None, device: torch.device | None = None) -> dict:
-    """Every random stream a run draws from: python, torch, the training device's CUDA generator (so the checkpoint
-    does not depend on how many GPUs are visible), and the loader's (DataLoader workers resumed mid-epoch get new
-    seeds: that changes random augmentation in them, not the order of the samples)."""
+    """Every random stream a run draws from: python, torch, the training device's CUDA generator, the loader's
+    (DataLoader workers resumed mid-epoch get new seeds: other random augmentation, the same sample order)."""
     on_cuda = device is not None and torch.device(device).type == "cuda"
     return {"python": random.getstate(), "torch": torch.get_rng_state(),
             "cuda": torch.cuda.get_rng_state(device) if on_cuda else None,
@@ -119,9 +121,8 @@ MAY_CHANGE = DERIVED_KEYS | {"max_steps", "run_dir", "resume", "checkpoint_every
 
 
 def check_same_run(checkpoint: dict, source: Path, config: dict, may_change: set[str] = frozenset()) -> None:
-    """Refuse, naming each difference, a resume with other options than the checkpoint's: the optimizer and scheduler
-    state it loads would silently override them (another epoch count, batch size, learning rate), or draw a curve
-    nobody asked for. Only ``MAY_CHANGE`` and a recipe's ``may_change`` (sampling, prediction) may differ."""
+    """Refuse, naming each difference, a resume with other options than the checkpoint's (its optimizer and scheduler
+    state would silently override them); only ``MAY_CHANGE`` and a recipe's ``may_change`` may differ."""
     saved = checkpoint.get("config", {})
     changed = [f"{option_name(key)} {saved.get(key)} there, {config.get(key)} here"
                for key in sorted(saved.keys() | config.keys())
@@ -160,10 +161,9 @@ def diverged(what: str, last_good: Path | None) -> RecipeError:
 
 class Checkpointer:
     """A run's checkpoints, RUN_DIR/checkpoints/NAME, and restoring a run from one. Each holds the model, optimizer,
-    scheduler and GradScaler, the step (which fixes the loader's position), every random stream, the recipe and
-    its options, the state of the run's other ``parts`` (its log, best score, an EMA: objects with ``state_dict``
-    and ``load_state_dict``), and ``data``, what the recipe needs to rebuild its model and data (vocabulary,
-    feature statistics). With several processes, rank 0 saves (``from_rank_0``) and every rank restores."""
+    scheduler, GradScaler, step (the loader's position), every random stream, the recipe and its options, the run's
+    other ``parts`` (log, best score, EMA: with ``state_dict`` and ``load_state_dict``) and ``data`` to rebuild its
+    model and data (a vocabulary, say). With several processes, rank 0 saves (``from_rank_0``), every rank restores."""
 
     def __init__(self, run: RunFolder, recipe: str, config: dict, *, model: nn.Module, optimizer: torch.optim.Optimizer,
                  scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,

@@ -58,6 +58,7 @@ class RunLog:
         self.skipped_steps = self.skipped_in_a_row = 0  # fp16 steps the GradScaler skipped for overflowing
         self.evals: dict[str, dict[str, float]] = {}  # the last evaluation: {"val": {"loss": ..., "acc": ...}}
         self.items, self.seconds, self.first_window = 0, 0.0, None  # throughput leaves the first window out
+        self.earlier_wall_s = 0.0  # earlier launches', up to their last checkpoint: wall_s is the whole run's
 
     def start(self, step: int, config: dict, device: torch.device, world_size: int = 1) -> None:
         """Write config.json (the options, and where the run ran), open TensorBoard, print the header line."""
@@ -180,12 +181,19 @@ class RunLog:
         self.flush()
         self.window_start = None  # a checkpoint is being saved: not training time
         return {"loss_sum": self.loss_sum, "loss_steps": self.loss_steps, "train_loss": self.train_loss,
-                "skipped_steps": self.skipped_steps, "skipped_in_a_row": self.skipped_in_a_row, "evals": self.evals}
+                "skipped_steps": self.skipped_steps, "skipped_in_a_row": self.skipped_in_a_row, "evals": self.evals,
+                "items": self.items, "seconds": self.seconds, "first_window": self.first_window, "wall_s": self.wall_s}
 
     def load_state_dict(self, state: dict) -> None:
         self.loss_sum, self.loss_steps, self.train_loss = state["loss_sum"], state["loss_steps"], state["train_loss"]
         self.skipped_steps, self.evals = state["skipped_steps"], state["evals"]
         self.skipped_in_a_row = state.get("skipped_in_a_row", 0)  # (not in checkpoints before it was kept)
+        self.items, self.seconds = state.get("items", 0), state.get("seconds", 0.0)  # (nor these)
+        self.first_window, self.earlier_wall_s = state.get("first_window"), state.get("wall_s", 0.0)
+
+    @property
+    def wall_s(self) -> float:
+        return self.earlier_wall_s + time.perf_counter() - self.started
 
     def finish(self, step: int, metrics: dict | None = None) -> dict:
         """Write metrics.json (the last evaluation, ``metrics``, speed) and the hyper-parameters with their final
@@ -196,8 +204,8 @@ class RunLog:
         metrics = metrics or {}
         evals = {f"{prefix}_{name}": value for prefix, m in self.evals.items() for name, value in m.items()}
         summary = {"recipe": self.recipe, "steps": step, "train_loss": self.train_loss, **evals, **metrics,
-                   "wall_s": time.perf_counter() - self.started}
-        if self.throughput:  # none for a launch that only finished (resumed at the last step), or timed no step
+                   "wall_s": self.wall_s}
+        if self.throughput:  # none for a run that timed no step
             summary[f"{self.unit}_per_s"] = self.throughput
         if self.skipped_steps:
             summary["skipped_steps"] = self.skipped_steps

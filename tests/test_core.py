@@ -284,6 +284,27 @@ def test_failed_save_leaves_previous_checkpoint_intact(tmp_path, monkeypatch):
     assert torch.equal(ckpt.load_checkpoint(path, "test")["model"]["w"], torch.ones(3))
 
 
+@pytest.mark.parametrize(("code", "saved"), [(errno.EINVAL, True), (errno.ENOTSUP, True), (errno.EIO, False)])
+def test_a_file_system_that_cannot_sync_a_folder_still_takes_checkpoints(code, saved, tmp_path, monkeypatch):
+    """Some file systems refuse fsync on a folder (EINVAL): every save after its rename was "could not write
+    checkpoint", though written, and no run could train there. A real failure to sync (EIO) still stops it."""
+    real_fsync = os.fsync
+
+    def fsync(fd):
+        if os.path.isdir(f"/proc/self/fd/{fd}"):
+            raise OSError(code, os.strerror(code))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    run = RunFolder(tmp_path, None)
+    model = nn.Linear(2, 1)
+    checkpoints = ckpt.Checkpointer(run, "t", {}, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    with contextlib.nullcontext() if saved else pytest.raises(RecipeError, match="could not write checkpoint"):
+        checkpoints.save(7)
+    assert ckpt.load_checkpoint(tmp_path / "checkpoints" / "last.pt", "t")["step"] == 7
+    assert checkpoints.last_step == (7 if saved else None)
+
+
 class Payload:
     def __init__(self, marker):
         self.marker = marker

@@ -306,3 +306,27 @@ def test_folds_stratify_a_class_however_its_cells_spell_it():
     ones = np.array([float(c) == 1 for c in cells])
     for k in range(3):
         assert abs(ones[folds == k].sum() - 8 / 3) <= 1 and abs((~ones[folds == k]).sum() - 4 / 3) <= 1
+
+
+def test_a_signal_between_two_folds_stops_the_next_one_resumably(run_inprocess, table_csv, tmp_path, monkeypatch):
+    """A SIGTERM after fold 0's loop (its test set, metrics, fold 1's set-up) was said to be heard, then fold 1
+    made a new stop request of its own and trained to the end: the job was killed after the scheduler's grace."""
+    import signal
+
+    loads, load_tables = [], tabular.load_tables
+
+    def signalled_in_fold_1(*args):
+        loads.append(1)
+        if len(loads) == 2:
+            signal.raise_signal(signal.SIGTERM)
+        return load_tables(*args)
+
+    monkeypatch.setattr(tabular, "load_tables", signalled_in_fold_1)
+    args = ["--csv", table_csv, *COMMON, "--epochs", 2, "--cv", 2, "--run-dir", tmp_path / "cv"]
+    result = run_inprocess(RECIPE, *args)
+    assert result.code == 143 and "interrupted at step 1; checkpoint saved" in result.stdout, result.stdout
+    assert torch.load(tmp_path / "cv" / "fold-1" / "checkpoints" / "last.pt", weights_only=True)["step"] == 1
+    assert [(tmp_path / "cv" / f"fold-{k}" / "metrics.json").exists() for k in (0, 1)] == [True, False]
+    monkeypatch.setattr(tabular, "load_tables", load_tables)
+    resumed = run_inprocess(RECIPE, *args, "--resume", "auto")
+    assert resumed.code == 0 and len(read_metrics(tmp_path / "cv")["folds"]) == 2, resumed.stderr
