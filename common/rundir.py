@@ -184,7 +184,7 @@ def close_in_forked_child(fd: int) -> None:
 
 
 def release(run_dir: Path, lock: int | None, created: list[Path]) -> None:
-    if created and next(run_dir.rglob("*.pt"), None) is None:
+    if created and next(run_dir.rglob("*.pt"), None) is None and not (run_dir / "metrics.json").exists():
         shutil.rmtree(run_dir, ignore_errors=True)  # a mistake, or a crash before the first save: no empty folders
         remove_empty(created[1:])  # and the folders made to hold it
     if lock in HELD_LOCKS:

@@ -89,11 +89,11 @@ def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> set[str]:
 
 def resolve_precision(precision: str, device: torch.device, checkpoint: dict | None = None) -> tuple[str, str]:
     """``--precision``, with ``auto`` resolved: bf16 where the device runs bf16 matmuls natively, else fp32 (never
-    fp16, which needs loss scaling to be safe); a resumed run keeps the precision it started with unless
+    fp16, which needs loss scaling to be safe); a resumed run keeps its checkpoint's precision unless
     --precision is given. Returns the precision and why, for the header and config.json."""
     started = (checkpoint or {}).get("config", {}).get("precision")
     if started in PRECISION_DTYPES and (precision == "auto" or not option_given("precision")):
-        return started, "as the run started"
+        return started, "as its checkpoint ran"
     if precision != "auto":  # (a replayed bf16 may have been auto's choice on another machine: said so)
         return precision, "as given" if option_given("precision") else "from --config" if option_given(
             "config_file") else "the default"

@@ -179,6 +179,8 @@ def seconds_per_step(device: torch.device, precision: str, width: int, depth: in
             synchronize(device)
             seconds.append(time.perf_counter() - start)
     except RuntimeError as err:  # e.g. an autocast dtype the device cannot run
+        if type(getattr(err, "inner_exception", None)).__name__ in cli.COMPILER_MISSING:
+            raise  # no precision compiles: the command's one error line says so
         return float("inf"), str(err).splitlines()[0]
     return statistics.median(seconds[1:]), ""
 
@@ -215,8 +217,8 @@ def compare(options: dict, run_dir: Path, max_slowdown: float, repeats: int = 3)
         rows[precision] = {"ms_per_step": ms, "samples_per_s": [options["batch_size"] / s for s in seconds[precision]],
                            "speedup": speedup}
         if any(map(math.isinf, ms)):  # it failed: on any model (a tiny one says why), or at this size
-            error = seconds_per_step(device, precision, 8, 1, 8, steps=1)[1] or "it fails at this --width and " \
-                "--batch-size (out of memory?)"
+            error = seconds_per_step(device, precision, 8, 1, 8, steps=1, compile=options["compile"])[1] or \
+                "it fails at this --width and --batch-size (out of memory?)"
             rows[precision]["note"] = f"unsupported here: {error}"
             continue
         if statistics.median(speedup) < 1 / max_slowdown:

@@ -794,7 +794,7 @@ def test_auto_precision_keeps_what_a_resumed_run_started_with(monkeypatch):
 
     monkeypatch.setattr(runtime, "cpu_flags", lambda: {"avx512_bf16"})
     started_in_fp32 = {"config": {"precision": "fp32"}}
-    assert runtime.resolve_precision("auto", CPU, started_in_fp32) == ("fp32", "as the run started")
+    assert runtime.resolve_precision("auto", CPU, started_in_fp32) == ("fp32", "as its checkpoint ran")
     assert runtime.resolve_precision("bf16", CPU, started_in_fp32) == ("bf16", "as given")  # unless told otherwise
 
 

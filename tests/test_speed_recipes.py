@@ -62,7 +62,7 @@ def test_fp16_resume_restores_the_scaler(run_inprocess, tmp_path):
     # without --precision (whose default is fp32): the run goes on in the precision it started with
     resumed = run_inprocess("mixed_precision", *common[:-2], "--resume", "auto", "--run-dir", tmp_path / "cut")
     assert resumed.code == 0, resumed.stderr
-    assert "| precision fp16 (as the run started) |" in resumed.stdout
+    assert "| precision fp16 (as its checkpoint ran) |" in resumed.stdout
     assert_same_weights(load_weights(tmp_path / "full" / "checkpoints" / "last.pt"),
                         load_weights(tmp_path / "cut" / "checkpoints" / "last.pt"))
     full = torch.load(tmp_path / "full" / "checkpoints" / "last.pt", weights_only=True)["scaler"]
@@ -128,6 +128,21 @@ def test_a_precision_that_diverges_or_fails_at_full_size_is_a_row_of_the_compare
     assert table["fp16"][3] == "training diverged: the validation loss is nan at step 8"
     rows = json.loads((tmp_path / "cmp" / "metrics.json").read_text())["compare"]
     assert rows["fp16"]["note"] == table["fp16"][3] and "train_loss" in rows["fp32"]
+
+
+def test_a_compare_whose_every_precision_diverged_keeps_its_table(run_inprocess, tmp_path, monkeypatch):
+    """No precision saved a checkpoint, so the folder its done: line named, metrics.json and all, was removed."""
+    mixed = load_recipe("mixed_precision")
+
+    def diverges(**options):
+        raise mixed.cli.RecipeError("training diverged: the loss is nan at step 2; no checkpoint yet. Try a lower --lr")
+
+    monkeypatch.setattr(mixed, "train", diverges)
+    result = run_inprocess("mixed_precision", "--compare", *MP_SMALL, "--epochs", 1, "--max-slowdown", 1e6,
+                           "--run-dir", tmp_path / "cmp")
+    assert result.code == 0 and result.stdout.endswith(f"run_dir={tmp_path / 'cmp'}\n"), result.stderr
+    rows = json.loads((tmp_path / "cmp" / "metrics.json").read_text())["compare"]
+    assert {row["note"] for row in rows.values()} == {"training diverged: the loss is nan at step 2"}
 
 
 def assert_a_second_compare_is_refused_without_a_hint_to_resume(run_inprocess, recipe: str, run_dir) -> None:
@@ -456,9 +471,11 @@ def test_compare_times_both_models_in_the_precision_asked_for(run_inprocess, tmp
     assert read_metrics(tmp_path / "cmp")["precision"] == "bf16" and "speed in bf16: median" in result.stdout
 
 
-@pytest.mark.parametrize(("recipe", "args"), [("mixed_precision", MP_SMALL), ("compiled_model", CM_SMALL)])
+@pytest.mark.parametrize(("recipe", "args"), [("mixed_precision", MP_SMALL), ("compiled_model", CM_SMALL),
+                                              ("mixed_precision", [*MP_SMALL, "--compare"])])
 def test_compile_without_a_cpp_compiler_is_one_line(recipe, args, tmp_path):
-    """Inductor writes C++ on a CPU: where no compiler is installed, --compile ended in a traceback."""
+    """Inductor writes C++ on a CPU: where no compiler is installed, --compile ended in a traceback; --compare's
+    table called every precision, fp32 too, "unsupported here ... (out of memory?)", and exited 0."""
     result = run_subprocess([ROOT / "recipes" / f"{recipe}.py", "--compile", *args, "--max-steps", 1, "--run-dir",
                              tmp_path / "run"], env={"CXX": "/no/such/g++", "TORCHINDUCTOR_CACHE_DIR": str(tmp_path)})
     assert result.code == 1 and result.stderr == "error: torch.compile cannot compile the model here: " \

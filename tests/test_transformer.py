@@ -525,7 +525,7 @@ def test_auto_precision_is_recorded_and_a_resume_keeps_the_precision_it_started_
     resumed = run_inprocess(RECIPE, *fp32)  # auto again: the run started in fp32 and goes on in fp32
     assert resumed.code == 0, resumed.stderr
     assert json.loads((tmp_path / "fp32" / "config.json").read_text())["precision"] == "fp32"
-    assert "| precision fp32 (as the run started) |" in resumed.stdout
+    assert "| precision fp32 (as its checkpoint ran) |" in resumed.stdout
 
 
 def test_auto_attention_is_einsum_only_under_16_bit_autocast_on_a_cpu(run_inprocess, corpus_txt, tmp_path):
