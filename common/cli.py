@@ -1,8 +1,7 @@
 """The options every recipe shares, declared once, and the error handling around a recipe's command.
 
 A recipe declares a common option in one line (``epochs: cli.Epochs = 3``). A bad value is a usage error (exit 2)
-naming the option and what it accepts; a problem the user can fix, a ``RecipeError``: ``error: ...``, exit 1.
-"""
+naming the option and what it accepts; a problem the user can fix, a ``RecipeError``: ``error: ...``, exit 1."""
 
 import atexit
 import json
@@ -29,7 +28,6 @@ class RecipeError(Exception):
 
 def checked(accepts: Callable[[float], bool], rule: str) -> Callable[[float | None], float | None]:
     """A Typer callback refusing, as "must be RULE", what ``accepts`` refuses (nan fails every comparison)."""
-
     def check(value: float | None) -> float | None:
         if value is not None and not accepts(value):
             raise typer.BadParameter(f"must be {rule}, got {value}")
@@ -86,21 +84,19 @@ Precision = Annotated[Literal["auto", "fp32", "bf16", "fp16"], typer.Option(
 Compile = Annotated[bool, typer.Option("--compile/--no-compile", help="Wrap the model in torch.compile.")]
 NumWorkers = Annotated[int, typer.Option(min=0, max=4 * (os.cpu_count() or 1), help="DataLoader worker processes "
                                          "(0: load in the main one; at most 4 per CPU core: each is a process).")]
-DataDir = Annotated[Path, typer.Option(parser=folder, metavar="<path>", help="Where data sets are downloaded and "
-                                       "cached.")]
+DataDir = Annotated[Path, typer.Option(parser=folder, metavar="<path>", help="Where data sets are downloaded, kept.")]
 RunDir = Annotated[Path | None, typer.Option(parser=folder, metavar="<path>", help="Where this run writes everything "
                                              "[default: runs/RECIPE/YYYYmmdd-HHMMSS].")]
 Resume = Annotated[str | None, typer.Option(callback=resume_target, help="Continue from this checkpoint file, or "
                                             "'auto': the newest one in --run-dir, else start fresh.")]
 CheckpointEvery = Annotated[int | None, typer.Option(min=1, help="Also save checkpoints/last.pt every N steps.")]
-LogEvery = Annotated[int | None, typer.Option(min=1, help="Print a line (and read the losses back from the device) "
-                                              "every N steps [default: a tenth of an epoch, or of the evaluation "
-                                              "interval, at most 50].")]
+LogEvery = Annotated[int | None, typer.Option(min=1, help="Print a line (and read the losses back) every N steps "
+                                              "[default: a tenth of an epoch or evaluation interval, at most 50].")]
 Profile = Annotated[int | None, typer.Option(min=1, help="Profile N training steps after a warm-up: a trace in "
                                              "--run-dir, a table of a step's time (and slower samples/s).")]
 EMADecay = Annotated[float | None, typer.Option("--ema", callback=ema_decay, help="Also keep an average of the "
-                                                "weights, decay e.g. 0.999 (warmed up): evaluated beside them "
-                                                "(ema_val_*), it chooses best.pt, which then holds it.")]
+                                                "weights, decay e.g. 0.999 (warmed up): evaluated beside them, it "
+                                                "chooses best.pt, which then holds it.")]
 KeepBest = Annotated[int, typer.Option(min=1, help="Keep the K best checkpoints (best-stepN.pt); best.pt is the best.")]
 Patience = Annotated[int | None, typer.Option(min=1, help="Stop after N evaluations without a better score.")]
 
@@ -204,6 +200,10 @@ def run_recipe(main: Callable[..., object], argv: list[str] | None = None) -> No
             try:
                 status = app(args=argv, standalone_mode=False)
             except (RuntimeError, TypeError) as err:  # the machine's memory (a size past 2**63 too), a peer's end
+                if stopping := getattr(getattr(signal.getsignal(signal.SIGINT), "__self__", None), "signal", None):
+                    quiet or print("interrupted: the signal stopped this step's work too (a terminal's Ctrl-C reaches "
+                                   "torch.compile's compiler); nothing saved since the last checkpoint", flush=True)
+                    sys.exit(128 + stopping)
                 reason = re.sub(r"^\[[^]]*\]\s*", "", str(err).strip().split("\n")[0])
                 if type(cause := getattr(err, "inner_exception", None)).__name__ in COMPILER_MISSING:
                     raise RecipeError(f"torch.compile cannot compile the model here: {type(cause).__name__}: "

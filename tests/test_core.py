@@ -918,6 +918,32 @@ def test_a_collective_whose_peer_died_is_one_line_and_any_other_runtime_error_a_
                                        "resumes from the last checkpoint\n")
 
 
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_step_that_fails_because_the_stop_signal_reached_its_helpers_too_is_an_interruption(signum, capsys):
+    """A terminal's Ctrl-C goes to the whole group: to torch.compile's C++ compiler too, whose death failed the
+    compile. The run ended "error: torch.compile cannot compile the model here" (exit 1), not as interrupted."""
+    from common.cli import run_recipe
+
+    class CppCompileError(RuntimeError):
+        pass
+
+    def main(run_dir: Path = Path("unused")):
+        StopRequest()  # the recipe's, listening
+        signal.raise_signal(signum)  # heard: "saving a checkpoint after this step" ...
+        failed = RuntimeError("backend='inductor' raised: CppCompileError: C++ compile error")  # ... but the step
+        failed.inner_exception = CppCompileError("C++ compile error")  # fails, as Dynamo wraps the compiler's
+        raise failed
+
+    previous = signal.getsignal(signum)
+    with pytest.raises(SystemExit) as exit_:
+        run_recipe(main, [])
+    out, err = capsys.readouterr()
+    assert exit_.value.code == 128 + signum and err == ""
+    assert out.endswith("interrupted: the signal stopped this step's work too (a terminal's Ctrl-C reaches "
+                        "torch.compile's compiler); nothing saved since the last checkpoint\n")
+    assert signal.getsignal(signum) == previous  # the command's clean-ups ran
+
+
 @pytest.mark.parametrize(("args", "code", "message"), [
     (["--epochs", "0"], 2, "Invalid value for '--epochs': Input should be greater than or equal to 1"),
     (["--resume", "{tmp}/none.pt"], 1, "checkpoint {tmp}/none.pt does not exist"),
