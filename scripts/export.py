@@ -154,10 +154,11 @@ def tabular_mlp(state: dict, path: Path) -> Exportable:
                   "categorical": {"shape": ["batch", n_cat], "dtype": "int64", "columns": list(spec["categorical"])}},
         # The preprocessing as data: enough to encode new rows in any language.
         "preprocessing": {
-            "numeric": "(value - mean) / std per column, in the order of 'columns'; a missing value is 0",
-            "categorical": "the value's index in the column's vocabulary; 0 a value never seen in training, "
-                           "1 a missing one",
-            "missing_values": sorted(recipe.MISSING.to_pylist()),  # compared lower-case
+            "numeric": "(value - mean) / std per column, in the order of 'columns', clipped to "
+                       f"+-{recipe.FAR}; a missing value is 0, and so is inf or a cell that is not a number",
+            "categorical": "the value, stripped of surrounding whitespace, as its index in the column's "
+                           "vocabulary; 0 a value never seen in training, 1 a missing one",
+            "missing_values": sorted(recipe.MISSING.to_pylist()),  # compared stripped and lower-cased
             "features": spec,
         },
         "output": ({"logits": {"shape": ["batch", len(spec["classes"])], "dtype": "float32",
@@ -266,6 +267,9 @@ def read_checkpoint(path: Path) -> dict:
         reason = (f"it refers to Python code ({code.group(1)}) that safe loading refuses to run" if code
                   else "it is corrupt, truncated, or not a PyTorch checkpoint")
         raise ExportError(f"cannot load checkpoint {path}: {reason}") from None
+    if isinstance(state, dict) and "model" not in state and (path.parent / ".metadata").is_file():
+        raise ExportError(f"{path} holds a sharded checkpoint's training state, not its weights: pass its folder, "
+                          f"{path.parent}")
     if not isinstance(state, dict) or "model" not in state or not isinstance(state.get("recipe"), str) or \
             state["recipe"] not in BUILDERS:  # (a list for a name was a TypeError: unhashable)
         raise ExportError(f"{path} is not a checkpoint of a recipe of this project "
@@ -383,7 +387,8 @@ def export_safetensors(exportable: Exportable, out: Path, recipe: str) -> dict[s
     return {"safetensors": max((read[k].double() - state[k].double()).abs().max().item() for k in state)}
 
 
-# every file an export writes: what --overwrite may replace
+# every file an export writes: what --overwrite may replace; and its folder before it is put in place
+TEMPORARY = re.compile(r"\..+\.tmp(\.old)?")
 EXPORT_FILES = {"model.pt2", "model.onnx", "model.json", "model.safetensors", "tokenizer.json", "config.json",
                 "generation_config.json", "tokenizer_config.json"}
 FORMATS = {"graph": "model.pt2, model.onnx, model.json", "hf": "a GPT-2 folder for transformers",
@@ -398,8 +403,8 @@ def export_checkpoint(checkpoint: Path, out_dir: Path, overwrite: bool = False, 
     if out_dir.exists() and not out_dir.is_dir():
         raise ExportError(f"OUT_DIR {out_dir} is a file, not a folder")
     # --overwrite replaces an earlier export (only files an export writes), never a run, a checkpoint or a project
-    foreign = out_dir.is_dir() and next((p for p in out_dir.iterdir() if not p.is_file() or
-                                         p.name not in EXPORT_FILES), None)
+    foreign = out_dir.is_dir() and next((p for p in out_dir.iterdir() if not (  # (or an export's own folder)
+        p.is_file() and p.name in EXPORT_FILES or p.is_dir() and TEMPORARY.fullmatch(p.name))), None)
     if foreign or (overwrite and out_dir.resolve() in checkpoint.resolve().parents):
         raise ExportError(f"OUT_DIR {out_dir} holds {foreign or checkpoint}, which no export writes: --overwrite "
                           "replaces an earlier export only; choose a new folder")
@@ -424,7 +429,7 @@ def export_checkpoint(checkpoint: Path, out_dir: Path, overwrite: bool = False, 
         tmp = Path(tempfile_dir(out_dir.absolute()))  # beside it: for ".", in the folder above
     except OSError as err:
         remove_empty(created)
-        raise ExportError(f"cannot write to {out_dir.parent}: {err.strerror}") from None
+        raise ExportError(f"cannot write to {out_dir.absolute().parent}: {err.strerror}") from None
     try:
         try:
             for name, text in exportable.files.items():
@@ -499,8 +504,11 @@ def remove_empty(folders: list[Path]) -> None:
 
 
 def tempfile_dir(out_dir: Path) -> str:
-    """A fresh folder next to ``out_dir``: on the same file system, so the final rename is atomic."""
-    path = tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".tmp", dir=out_dir.parent)
+    """A fresh folder on ``out_dir``'s file system, so that the final renames are atomic: beside it, or in it where
+    it is a mount point or its parent is not writable (a volume of a container, say; its files then move in)."""
+    inside = out_dir.is_dir() and (out_dir.stat().st_dev != out_dir.parent.stat().st_dev or
+                                   not os.access(out_dir.parent, os.W_OK))
+    path = tempfile.mkdtemp(prefix=f".{out_dir.name[:100]}.", suffix=".tmp", dir=out_dir if inside else out_dir.parent)
     umask = os.umask(0)
     os.umask(umask)
     os.chmod(path, 0o777 & ~umask)  # mkdtemp makes it private; the export is an ordinary folder

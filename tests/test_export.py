@@ -143,6 +143,41 @@ def test_model_json_says_how_to_prepare_the_inputs(checkpoints, exported):
     assert info["block_size"] == 16 and info["model_config"]["n_layer"] == 2
 
 
+def test_model_json_followed_to_the_letter_encodes_raw_cells_as_the_recipe_does(exported):
+    """model.json said nothing of stripping a cell, of inf or a word in a numeric column, or of the clip: a table
+    written with ", " separators (Adult's) encoded every category as unseen, with other predictions."""
+    import math
+
+    import pyarrow as pa
+
+    info = json.loads((exported["tabular_mlp"] / "model.json").read_text())
+    rules, spec = info["preprocessing"], info["preprocessing"]["features"]
+    far = float(re.search(r"clipped to \+-(\d+)", rules["numeric"])[1])
+    missing = set(rules["missing_values"])
+    word = spec["categorical"]["colour"][2]
+    cells = {"age": [" 31 ", "inf", "twelve", "1e30", "N/A"], "income": ["5", "-1e30", " 7", "?", ""],
+             "colour": [f"  {word} ", word, "never seen", " NA ", "?"], "city": ["x", "", word, "nan", " ? "]}
+
+    def by_the_letter(column: str, cell: str) -> float:
+        cell = cell.strip()
+        if column in spec["numeric"]:
+            mean, std = spec["numeric"][column]
+            try:
+                value = float(cell)
+            except ValueError:
+                return 0.0
+            return 0.0 if not math.isfinite(value) else min(max((value - mean) / std, -far), far)
+        vocabulary = spec["categorical"][column]
+        return 1 if cell.lower() in missing else vocabulary.index(cell) if cell in vocabulary[2:] else 0
+
+    tabular = load_recipe("tabular_mlp")
+    numeric, categorical, _ = tabular.encode(spec, pa.table(cells), with_target=False)
+    for j, column in enumerate(info["input"]["numeric"]["columns"]):
+        assert numeric[:, j].tolist() == pytest.approx([by_the_letter(column, c) for c in cells[column]]), column
+    for j, column in enumerate(info["input"]["categorical"]["columns"]):
+        assert categorical[:, j].tolist() == [by_the_letter(column, c) for c in cells[column]], column
+
+
 BARE = """
 import importlib.util, json, sys, torch
 assert not any(p.endswith(("recipes", "common")) or p == {root!r} for p in sys.path), sys.path
@@ -170,6 +205,32 @@ def test_model_pt2_runs_in_a_process_with_only_torch(checkpoints, exported, tmp_
         with torch.no_grad():
             expected = eager_model(recipe, checkpoints[recipe])(*batch)
         torch.testing.assert_close(outputs[recipe], expected, rtol=0, atol=1e-4)
+
+
+def test_an_export_into_a_mount_point_under_a_read_only_folder_is_written(checkpoints, tmp_path):
+    """A container's volume (-v ./exported:/exported): the temporary folder beside OUT_DIR was on another file
+    system, so no rename could put it in place ("Invalid cross-device link"), and a read-only folder above refused
+    it at once. A name near the 255-byte limit failed too: the temporary folder's name was 14 bytes longer."""
+    parent = tmp_path / "root"
+    out = parent / ("o" * 250)
+    parent.mkdir()
+    mounted = []
+    try:
+        for folder in (parent, out):
+            folder.mkdir(exist_ok=True)
+            if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(folder)],
+                                                   capture_output=True).returncode != 0:
+                pytest.skip("no tmpfs can be mounted here")
+            mounted.insert(0, folder)
+        out.mkdir(exist_ok=True)
+        assert export.main([str(checkpoints["ddp_mlp"]), str(out)]) == 0
+        subprocess.run(["mount", "-o", "remount,ro", str(parent)], check=True)
+        assert export.main([str(checkpoints["compiled_model"]), str(out), "--overwrite"]) == 0
+        assert json.loads((out / "model.json").read_text())["recipe"] == "compiled_model"
+        assert sorted(p.name for p in out.iterdir()) == ["model.json", "model.onnx", "model.pt2"]  # nothing else
+    finally:
+        for folder in mounted:
+            subprocess.run(["umount", str(folder)], check=True)
 
 
 def test_overwrite_replaces_an_earlier_export(checkpoints, tmp_path, capsys):

@@ -219,7 +219,7 @@ class RunsCode:
         return os.system, (f"touch {self.path}",)
 
 
-def test_bad_input_to_a_sharded_run(run_inprocess, corpus_txt, tmp_path):
+def test_bad_input_to_a_sharded_run(run_inprocess, corpus_txt, tmp_path, capsys):
     bad = run_inprocess("tiny_transformer", "--parallel", "zero", "--text", corpus_txt)
     assert bad.code == 2 and "--parallel" in bad.stderr
 
@@ -227,6 +227,11 @@ def test_bad_input_to_a_sharded_run(run_inprocess, corpus_txt, tmp_path):
     args = ["--text", corpus_txt, *TINY, "--parallel", "fsdp", "--batch-size", 8, "--max-steps", 3]
     assert run_inprocess("tiny_transformer", *args, "--run-dir", run_dir).code == 0
     step = run_dir / "checkpoints" / "dcp" / "step-000003"
+    from scripts import export  # its trainer.pt was "not a checkpoint of a recipe of this project"
+
+    assert export.main([str(step / "trainer.pt"), str(tmp_path / "exported")]) == 1
+    assert capsys.readouterr().err == f"error: {step / 'trainer.pt'} holds a sharded checkpoint's training state, " \
+                                      f"not its weights: pass its folder, {step}\n"
 
     # a fresh run over existing sharded checkpoints would overwrite them: refused
     fresh = run_inprocess("tiny_transformer", *args, "--run-dir", run_dir)
