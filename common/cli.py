@@ -84,7 +84,7 @@ Precision = Annotated[Literal["auto", "fp32", "bf16", "fp16"], typer.Option(
 Compile = Annotated[bool, typer.Option("--compile/--no-compile", help="Wrap the model in torch.compile.")]
 NumWorkers = Annotated[int, typer.Option(min=0, max=4 * (os.cpu_count() or 1), help="DataLoader worker processes "
                                          "(0: load in the main one; at most 4 per CPU core: each is a process).")]
-DataDir = Annotated[Path, typer.Option(parser=folder, metavar="<path>", help="Where data sets are downloaded, kept.")]
+DataDir = Annotated[Path, typer.Option(parser=folder, metavar="<path>", help="Where data sets are cached on download.")]
 RunDir = Annotated[Path | None, typer.Option(parser=folder, metavar="<path>", help="Where this run writes everything "
                                              "[default: runs/RECIPE/YYYYmmdd-HHMMSS].")]
 Resume = Annotated[str | None, typer.Option(callback=resume_target, help="Continue from this checkpoint file, or "

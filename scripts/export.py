@@ -426,7 +426,7 @@ def export_checkpoint(checkpoint: Path, out_dir: Path, overwrite: bool = False, 
 
     created = make_parents(out_dir)
     try:
-        tmp = Path(tempfile_dir(out_dir.absolute()))  # beside it: for ".", in the folder above
+        tmp = Path(tempfile_dir(out_dir.absolute()))  # beside it (for ".", in the folder above), or in it
     except OSError as err:
         remove_empty(created)
         raise ExportError(f"cannot write to {out_dir.absolute().parent}: {err.strerror}") from None
