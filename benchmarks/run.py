@@ -39,6 +39,8 @@ import torch
 from benchmarks import harness
 from benchmarks.harness import CPU, cpu_hardware, describe_hardware
 
+MNIST_FILES = ("t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz")  # the official test set (torchvision's)
+
 
 def device_name(value: str) -> torch.device:
     if not re.fullmatch(r"cpu|mps|cuda(:\d+)?", value):
@@ -102,8 +104,8 @@ def main() -> None:
     # checked before any item runs: a bad --out found after 40 minutes of measuring would lose them
     if args.out and (args.out.is_dir() or not args.out.parent.is_dir()):
         parser.error(f"argument --out: {args.out} is a folder or in a missing one; give a .json file's path")
-    if args.mnist_dir and not (args.mnist_dir / "t10k-images-idx3-ubyte.gz").is_file():
-        parser.error(f"argument --mnist-dir: {args.mnist_dir} holds no t10k-images-idx3-ubyte.gz (MNIST's test set)")
+    if args.mnist_dir and (absent := [name for name in MNIST_FILES if not (args.mnist_dir / name).is_file()]):
+        parser.error(f"argument --mnist-dir: {args.mnist_dir} holds no {' or '.join(absent)} (MNIST's test set)")
     if args.adult_csv and not args.adult_csv.is_file():
         parser.error(f"argument --adult-csv: {args.adult_csv} is not a file")
     if problem := check_device(args.device):
@@ -111,7 +113,7 @@ def main() -> None:
         sys.exit(1)
     harness.DEVICE = args.device
     mnist_dir = args.mnist_dir or ROOT / "data" / "MNIST" / "raw"  # left out: skipped where it is not
-    mnist_dir = mnist_dir if (mnist_dir / "t10k-images-idx3-ubyte.gz").is_file() else None
+    mnist_dir = mnist_dir if all((mnist_dir / name).is_file() for name in MNIST_FILES) else None
     torch.set_num_threads(min(2, os.cpu_count() or 1))
 
     with tempfile.TemporaryDirectory() as tmp:

@@ -28,7 +28,7 @@ def doctor_check(quick: bool, mnist_dir: Path | None, adult_csv: Path | None, wo
     rows, met, figures = [], [], {}
     for name, options in recipe_options(quick, mnist_dir, adult_csv, work).items():
         report = work / f"doctor_{name}.json"
-        extra = ["--try", "bf16", "--rounds", "1"] if quick else []
+        extra = ["--try", "bf16", "--rounds", "1", "--window", "3"] if quick else []
         run_command([sys.executable, "scripts/doctor.py", name, *options, *extra, "--json", report])
         said = json.loads(report.read_text())
         if not said["recommended_options"]:
