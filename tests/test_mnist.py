@@ -378,7 +378,7 @@ def test_augmentation_warps_the_training_digits_but_keeps_their_labels(run_inpro
 
 
 def test_augmented_run_stopped_and_resumed_ends_with_the_same_weights(run_inprocess, mnist_dir, tmp_path):
-    common = ["--augment", "--epochs", 2, "--batch-size", 32, "--data-dir", mnist_dir]
+    common = ["--augment", "--epochs", 2, "--batch-size", 32, "--width", 4, "--data-dir", mnist_dir]
     assert run_inprocess(RECIPE, *common, "--run-dir", tmp_path / "full").code == 0
     assert run_inprocess(RECIPE, *common, "--max-steps", 9, "--run-dir", tmp_path / "cut").code == 0
     resumed = run_inprocess(RECIPE, *common, "--resume", "auto", "--run-dir", tmp_path / "cut")
