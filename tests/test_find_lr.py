@@ -89,7 +89,7 @@ def test_groups_at_their_own_rates_keep_their_ratio_along_the_ramp(tmp_path, cap
     assert len(seen) == 20 and seen[0] == pytest.approx([1e-4, 1e-3]) and seen[-1] == pytest.approx([0.1, 1.0])
 
 
-def test_a_real_recipe_gets_its_own_option_and_the_user_runs_are_untouched(tmp_path, capsys, monkeypatch):
+def test_a_real_recipe_gets_its_own_option_and_the_user_runs_are_untouched(tmp_path, capsys, monkeypatch, mnist_dir):
     monkeypatch.chdir(tmp_path)
     args = ["mixed_precision", "--samples", "1024", "--width", "32", "--batch-size", "64", "--device", "cpu",
             "--ramp-steps", "60", "--plot", str(tmp_path / "mp.png")]
@@ -98,6 +98,12 @@ def test_a_real_recipe_gets_its_own_option_and_the_user_runs_are_untouched(tmp_p
     assert re.search(r"suggested: --lr [\d.e-]+", out)
     assert "--ramp-steps" not in out.splitlines()[-1] and "--samples 1024" in out.splitlines()[-1]
     assert not (tmp_path / "runs").exists()
+    # mnist_onecycle's rate is its OneCycle peak, --max-lr (it takes --lr too, so a hard-coded --lr would still run)
+    args = ["mnist_onecycle", "--data-dir", str(mnist_dir), "--width", "4", "--batch-size", "32", "--device", "cpu",
+            "--ramp-steps", "20", "--plot", str(tmp_path / "mnist.png")]
+    assert find_lr.main(args) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"suggested: --max-lr [\d.e-]+", out) and " --max-lr " in out.splitlines()[-1], out
 
 
 RECIPES = ", ".join(sorted(p.stem for p in (find_lr.ROOT / "recipes").glob("*.py")))

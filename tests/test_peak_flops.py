@@ -48,6 +48,8 @@ def test_a_known_gpu_gets_its_datasheet_figure_and_says_so(fake_gpu):
 def test_fp32_counts_tf32_only_when_it_is_switched_on(fake_gpu):
     fake_gpu("NVIDIA H100 80GB HBM3")
     assert torch.get_float32_matmul_precision() == "highest"  # PyTorch's default: TF32 off
+    assert device_peak_flops(torch.device("cuda"), torch.float32) == (67e12, "datasheet: NVIDIA H100 80GB HBM3, fp32 "
+                                                                       "dense")
     try:
         torch.set_float32_matmul_precision("high")
         assert device_peak_flops(torch.device("cuda"), torch.float32) == (494e12, "datasheet: NVIDIA H100 80GB HBM3, "
@@ -149,7 +151,8 @@ def test_a_cache_that_cannot_be_written_costs_only_a_measurement_next_time(monke
     """write_json says a failed write as a RecipeError, which ended the run before it trained ("could not write
     ~/.cache/torch-recipes/peak_flops.json"): the cache is a convenience, not a file of the run."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    monkeypatch.setattr(runtime, "measure_matmul_flops", lambda device, dtype: 2.0e11)
+    readings = iter([2.0e11] * 5 + [2.5e11] * 5)  # the second call's five readings differ from the first's
+    monkeypatch.setattr(runtime, "measure_matmul_flops", lambda device, dtype: next(readings))
     (tmp_path / "torch-recipes" / "peak_flops.json").mkdir(parents=True)  # replacing a folder fails, even as root
     assert device_peak_flops(torch.device("cpu"), torch.float32)[0] == 2.0e11
-    assert device_peak_flops(torch.device("cpu"), torch.float32)[0] == 2.0e11  # measured again, no error
+    assert device_peak_flops(torch.device("cpu"), torch.float32)[0] == 2.5e11  # measured again, no error

@@ -2,6 +2,7 @@
 
 import sys
 
+import pytest
 import torch
 from conftest import ROOT, run_subprocess
 from torch.utils.tensorboard import SummaryWriter
@@ -35,6 +36,11 @@ def test_two_runs_make_a_small_valid_png(tmp_path):
     assert data[:8] == PNG_MAGIC and data[12:16] == b"IHDR"
     assert 1000 < len(data) < 150_000
     assert result.stdout.strip() == f"wrote {out}: loss, accuracy, bits, learning rate for 2 run(s)"
+    panels = {axes.get_title(): axes for axes in drawn_figure([a, b], tmp_path / "again.png").axes}
+    assert [line.get_label() for line in panels["accuracy"].get_lines()] == ["a val"]  # the curves, not the titles
+    (bits,) = panels["bits"].get_lines()
+    assert bits.get_label() == "b val" and list(bits.get_xdata()) == [5, 10, 15, 20]
+    assert list(bits.get_ydata()) == pytest.approx([0.5 + step / 50 for step in (5, 10, 15, 20)])
 
 
 def drawn_figure(run_dirs, out):
@@ -230,6 +236,11 @@ def test_a_regression_run_draws_its_rmse(tmp_path):
     writer.close()
     result = plot(tmp_path / "reg", "--out", tmp_path / "reg.png")
     assert result.code == 0 and result.stdout.strip() == f"wrote {tmp_path / 'reg.png'}: loss, rmse for 1 run(s)"
+    _, rmse = drawn_figure([tmp_path / "reg"], tmp_path / "again.png").axes  # the panel holds the curve, not a title
+    (line,) = rmse.get_lines()
+    assert line.get_label() == "reg val" and line.get_linestyle() == "--"
+    assert list(line.get_xdata()) == list(range(1, 11))
+    assert list(line.get_ydata()) == pytest.approx([2.0 / step for step in range(1, 11)])
 
 
 def test_without_arguments_every_run_under_runs_goes_into_curves_png(tmp_path):
