@@ -750,6 +750,27 @@ def test_loader_workers_ignore_ctrl_c_and_sigterm_which_the_main_process_handles
     assert handlers == [signal.SIG_IGN, signal.SIG_IGN]
 
 
+def test_each_line_of_the_log_is_flushed_as_it_is_written(tmp_path, monkeypatch):
+    """Redirected to a file (a cluster job's log), stdout is block-buffered: without a flush after each line, a
+    slow run's log would show nothing for minutes, like a hung one."""
+    events = []
+
+    class Stdout(io.StringIO):
+        def write(self, text):
+            events.append("write")
+            return super().write(text)
+
+        def flush(self):
+            events.append("flush")
+
+    monkeypatch.setattr(sys, "stdout", Stdout())
+    log = RunLog(RunFolder(tmp_path, None), "t", total_steps=2, every=1)
+    for line in ("one", "two"):
+        log.print(line)
+        assert events[-1] == "flush"
+        events.clear()
+
+
 def test_a_log_file_gets_a_line_every_few_steps_in_the_format_of_the_evaluation_line(tmp_path, monkeypatch, capsys):
     """Without a terminal (a cluster job's log) a run still says every N steps where it is, how fast and when it
     will be done, flushed as written, so that a slow run reads differently from a hung one."""
