@@ -143,7 +143,6 @@ def as_config(options: dict) -> dict:
 
 class Command(NamedTuple):
     """The recipe command that runs now (``run_recipe`` sets it, as click keeps its current context)."""
-
     flags: dict[str, list[str]]  # parameter -> its flags: csv_path -> [--csv], dynamic -> [--dynamic, --no-dynamic]
     cleanup: ExitStack  # what to release when the command ends, however it ends
     argv: list[str]  # its arguments
@@ -200,11 +199,12 @@ def run_recipe(main: Callable[..., object], argv: list[str] | None = None) -> No
             try:
                 status = app(args=argv, standalone_mode=False)
             except (RuntimeError, TypeError) as err:  # the machine's memory (a size past 2**63 too), a peer's end
-                if stopping := getattr(getattr(signal.getsignal(signal.SIGINT), "__self__", None), "signal", None):
-                    quiet or print("interrupted: the signal stopped this step's work too (a terminal's Ctrl-C reaches "
-                                   "torch.compile's compiler); nothing saved since the last checkpoint", flush=True)
-                    sys.exit(128 + stopping)
                 reason = re.sub(r"^\[[^]]*\]\s*", "", str(err).strip().split("\n")[0])
+                stop = getattr(signal.getsignal(signal.SIGINT), "__self__", None)  # a StopRequest, once one listens
+                if type(stop).__name__ == "StopRequest" and stop.signal:  # (a terminal's Ctrl-C reaches the compiler)
+                    quiet or print(f"interrupted: the step failed as the signal reached its helpers too ({reason}); "
+                                   "nothing saved since the last checkpoint", flush=True)
+                    sys.exit(128 + stop.signal)
                 if type(cause := getattr(err, "inner_exception", None)).__name__ in COMPILER_MISSING:
                     raise RecipeError(f"torch.compile cannot compile the model here: {type(cause).__name__}: "
                                       + str(cause).split("\n")[0]) from None

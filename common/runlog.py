@@ -187,9 +187,11 @@ class RunLog:
     def load_state_dict(self, state: dict) -> None:
         self.loss_sum, self.loss_steps, self.train_loss = state["loss_sum"], state["loss_steps"], state["train_loss"]
         self.skipped_steps, self.evals = state["skipped_steps"], state["evals"]
-        self.skipped_in_a_row = state.get("skipped_in_a_row", 0)  # (not in checkpoints before it was kept)
-        self.items, self.seconds = state.get("items", 0), state.get("seconds", 0.0)  # (nor these)
-        self.first_window, self.earlier_wall_s = state.get("first_window"), state.get("wall_s", 0.0)
+        self.skipped_in_a_row = state.get("skipped_in_a_row", 0)  # (not in checkpoints before it was kept, nor these:)
+        items, seconds, first = state.get("items", 0), state.get("seconds", 0.0), state.get("first_window")
+        if first and items > first[0]:  # the earlier launches' start-up left out now: this launch's own first window
+            items, seconds = items - first[0], seconds - first[1]  # (start-up, compiling) is left out in its turn
+        self.items, self.seconds, self.earlier_wall_s = items, seconds, state.get("wall_s", 0.0)
 
     @property
     def wall_s(self) -> float:

@@ -552,6 +552,32 @@ def test_throughput_leaves_out_the_first_window(tmp_path, monkeypatch):
     assert log.throughput == 2000 / 2.0  # the two later windows alone: 1,000 items a second, not 3000 / 53
 
 
+def test_a_resumed_run_leaves_out_each_launchs_start_up_and_keeps_the_earlier_speed(tmp_path, monkeypatch):
+    """A relaunch that only finished wrote no throughput (and tiny_transformer an MFU of 0); then, keeping the first
+    launch's first window, a resumed run counted its own start-up (compiling) as training: 3,533 samples/s against
+    the 57k of its windows. Both launches here: a slow first window of 10 steps, then 1,000 items a second."""
+    now = [0.0]
+    monkeypatch.setattr(time, "perf_counter", lambda: now[0])
+
+    def launch(log: RunLog, steps: range) -> None:
+        for step in steps:
+            now[0] += 5.0 if step < steps.start + 10 else 0.1  # start-up and compiling, then 100 items in 0.1 s
+            log.train(step, stats(1.0), lr=0.1, items=100)
+        log.flush()
+
+    first = RunLog(RunFolder(tmp_path / "a", None), "t", total_steps=40, every=10, write=False)
+    first.start(0, {}, CPU)
+    launch(first, range(1, 21))
+    assert first.throughput == pytest.approx(1000.0)
+    state = first.state_dict()
+    for steps, expected in ((range(21, 41), 1000.0), (range(21, 21), 1000.0)):  # resumed; only finishing
+        second = RunLog(RunFolder(tmp_path / "b", None), "t", total_steps=40, every=10, write=False)
+        second.load_state_dict(state)
+        second.start(20, {}, CPU)
+        launch(second, steps)
+        assert second.throughput == pytest.approx(expected)
+
+
 def test_a_window_of_no_timed_step_shows_no_speed_rather_than_zero(tmp_path, monkeypatch, capsys):
     """The first step after an evaluation has no known start: it is not timed. A window of only that step (one step
     an epoch, say) and a run of only such steps say nothing of their speed, rather than 0 samples/s."""
@@ -960,8 +986,8 @@ def test_a_step_that_fails_because_the_stop_signal_reached_its_helpers_too_is_an
         run_recipe(main, [])
     out, err = capsys.readouterr()
     assert exit_.value.code == 128 + signum and err == ""
-    assert out.endswith("interrupted: the signal stopped this step's work too (a terminal's Ctrl-C reaches "
-                        "torch.compile's compiler); nothing saved since the last checkpoint\n")
+    assert out.endswith("interrupted: the step failed as the signal reached its helpers too (backend='inductor' "
+                        "raised: CppCompileError: C++ compile error); nothing saved since the last checkpoint\n")
     assert signal.getsignal(signum) == previous  # the command's clean-ups ran
 
 

@@ -130,6 +130,27 @@ def test_a_precision_that_diverges_or_fails_at_full_size_is_a_row_of_the_compare
     assert rows["fp16"]["note"] == table["fp16"][3] and "train_loss" in rows["fp32"]
 
 
+def test_a_precision_that_alone_fails_to_compile_is_a_row_of_the_compare(run_inprocess, tmp_path, monkeypatch):
+    """A compiler that is missing fails fp32 first, and ends the command in one line; a precision whose code alone
+    fails to compile (fp16's vector code on an older compiler, say) is a row of the table, not the end of it."""
+    mixed = load_recipe("mixed_precision")
+    step = mixed.amp_step
+
+    def fp16_fails(model, optimizer, scaler, batch, device, precision):
+        if precision == "fp16":
+            failed = RuntimeError("backend='inductor' raised: CppCompileError: C++ compile error")
+            failed.inner_exception = type("CppCompileError", (RuntimeError,), {})("C++ compile error")
+            raise failed
+        return step(model, optimizer, scaler, batch, device, precision)
+
+    monkeypatch.setattr(mixed, "amp_step", fp16_fails)
+    result = run_inprocess("mixed_precision", "--compare", *MP_SMALL, "--epochs", 1, "--max-slowdown", 1e6,
+                           "--run-dir", tmp_path / "cmp")
+    assert result.code == 0, result.stderr
+    assert parse_table(result.stdout)["fp16"][3] == "unsupported here: backend='inductor' raised: CppCompileError: " \
+                                                    "C++ compile error"
+
+
 def test_a_compare_whose_every_precision_diverged_keeps_its_table(run_inprocess, tmp_path, monkeypatch):
     """No precision saved a checkpoint, so the folder its done: line named, metrics.json and all, was removed."""
     mixed = load_recipe("mixed_precision")
