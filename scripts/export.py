@@ -27,7 +27,8 @@ under each name, so ``model.load_state_dict(safetensors.torch.load_file(...))`` 
 Before anything is kept, one batch runs through the eager model and what was written (the exported program and
 onnxruntime; transformers' GPT-2; the weights read back); the largest difference must be at most 1e-4, else
 the export fails. Everything is written into a temporary
-folder next to OUT_DIR and renamed at the end: a failed export leaves nothing behind.
+folder next to OUT_DIR and renamed at the end: a failed export leaves nothing behind. (Where OUT_DIR is a mount
+point, or its parent is read-only, the folder is made inside it, and its files moved in one by one.)
 
 Exit status 0 on success, 2 on a usage error, 1 on any other problem; every error is one line
 ``error: ...`` on stderr.
@@ -504,15 +505,30 @@ def remove_empty(folders: list[Path]) -> None:
 
 
 def tempfile_dir(out_dir: Path) -> str:
-    """A fresh folder on ``out_dir``'s file system, so that the final renames are atomic: beside it, or in it where
-    it is a mount point or its parent is not writable (a volume of a container, say; its files then move in)."""
-    inside = out_dir.is_dir() and (out_dir.stat().st_dev != out_dir.parent.stat().st_dev or
-                                   not os.access(out_dir.parent, os.W_OK))
-    path = tempfile.mkdtemp(prefix=f".{out_dir.name[:100]}.", suffix=".tmp", dir=out_dir if inside else out_dir.parent)
+    """A fresh folder on ``out_dir``'s mount, so that putting the export in place is renames: beside it (one rename
+    replaces the folder), or in it where it is a mount point of its own or its parent is not writable (a volume
+    of a container, say; its files then move in one by one)."""
+    prefix = f".{out_dir.name[:100]}."
+    try:
+        beside = Path(tempfile.mkdtemp(prefix=prefix, suffix=".tmp", dir=out_dir.parent))
+    except OSError:
+        if not out_dir.is_dir():
+            raise
+        beside = None  # a parent not writable
+    if beside is not None and out_dir.is_dir():  # a mount point (a bind mount too) takes no rename from outside:
+        try:  # tried while the folder is empty
+            os.rename(beside, out_dir / beside.name)
+            os.rename(out_dir / beside.name, beside)
+        except OSError:
+            for folder in (beside, out_dir / beside.name):
+                with contextlib.suppress(OSError):
+                    folder.rmdir()
+            beside = None
+    path = beside or Path(tempfile.mkdtemp(prefix=prefix, suffix=".tmp", dir=out_dir))
     umask = os.umask(0)
     os.umask(umask)
     os.chmod(path, 0o777 & ~umask)  # mkdtemp makes it private; the export is an ordinary folder
-    return path
+    return str(path)
 
 
 @contextlib.contextmanager

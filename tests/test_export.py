@@ -228,6 +228,16 @@ def test_an_export_into_a_mount_point_under_a_read_only_folder_is_written(checkp
         assert export.main([str(checkpoints["compiled_model"]), str(out), "--overwrite"]) == 0
         assert json.loads((out / "model.json").read_text())["recipe"] == "compiled_model"
         assert sorted(p.name for p in out.iterdir()) == ["model.json", "model.onnx", "model.pt2"]  # nothing else
+        # a bind mount of the same file system (docker -v /data/out:/work/exported): the same device number, yet
+        # no rename crosses into it
+        bound, source = tmp_path / "work" / "exported", tmp_path / "data-out"
+        bound.mkdir(parents=True)
+        source.mkdir()
+        subprocess.run(["mount", "--bind", str(source), str(bound)], check=True)
+        mounted.insert(0, bound)
+        assert export.main([str(checkpoints["ddp_mlp"]), str(bound)]) == 0
+        assert sorted(p.name for p in source.iterdir()) == ["model.json", "model.onnx", "model.pt2"]
+        assert sorted(p.name for p in bound.parent.iterdir()) == ["exported"]  # no temporary folder left beside
     finally:
         for folder in mounted:
             subprocess.run(["umount", str(folder)], check=True)

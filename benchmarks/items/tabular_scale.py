@@ -88,7 +88,7 @@ def tabular_scale(quick: bool, work: Path, recipe: Path = ROOT / "recipes" / "ta
     shown += (f"; floor, a script that only imports torch and takes one AdamW step: {floor['seconds']:.1f} s, "
               f"{floor['peak_rss_gb']:.2f} GB")
     at_1m = figures.get(1_000_000)
-    # Judged net of the floor: what any script pays to start torch (2.6-3.0 s on the 2-core CPUs measured) is no
+    # Judged net of the floor: what any script pays to start torch (2.1-2.3 s on a 2-core AMD EPYC) is no
     # part of reading a table, and on such a CPU it alone takes most of the 3 s
     if at_1m is not None:
         at_1m["net_of_floor_s"] = at_1m["first_step_s"] - floor["seconds"]
