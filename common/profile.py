@@ -85,6 +85,9 @@ class StepProfiler:
         write_json(self.run_dir / "profile.json", {"steps": len(steps), "ms_per_step": medians, "operators": operators})
 
 
+NOT_TRAINING = ("evaluate", "checkpoint")  # record_function names of what may fall in a step and is left out of it
+
+
 def phases(step) -> dict[str, float]:
     """One profiled step's milliseconds by phase, from the events directly inside it: the DataLoader's and the
     optimizer's own (named by torch), autograd's backward functions and what follows the last of them until the
@@ -92,7 +95,8 @@ def phases(step) -> dict[str, float]:
     the rest. An evaluation or a checkpoint that fell in the step (``record_function``'s "evaluate", "checkpoint")
     is left out: the figures are a training step's."""
     ms = dict.fromkeys(PHASES, 0.0)
-    events = [e for e in step.cpu_children if e.name not in ("evaluate", "checkpoint")]
+    left_out = [e for e in step.cpu_children if e.name in NOT_TRAINING]  # by name: events define no equality
+    events = [e for e in step.cpu_children if e.name not in NOT_TRAINING]
     backward = [i for i, e in enumerate(events) if e.name.startswith("autograd::engine")]
     optimizer = [i for i, e in enumerate(events) if e.name.startswith("Optimizer.") and backward and i > backward[-1]]
     after_backward = range(backward[-1] + 1, optimizer[0] if optimizer else len(events)) if backward else range(0)
@@ -106,7 +110,6 @@ def phases(step) -> dict[str, float]:
         else:
             phase = "forward"
         ms[phase] += (event.time_range.end - event.time_range.start) / 1000
-    left_out = sum(e.time_range.end - e.time_range.start for e in step.cpu_children
-                   if e.name in ("evaluate", "checkpoint")) / 1000
-    ms["rest"] = max(0.0, (step.time_range.end - step.time_range.start) / 1000 - left_out - sum(ms.values()))
+    left_out_ms = sum(e.time_range.end - e.time_range.start for e in left_out) / 1000
+    ms["rest"] = max(0.0, (step.time_range.end - step.time_range.start) / 1000 - left_out_ms - sum(ms.values()))
     return ms
