@@ -459,9 +459,15 @@ def saved_model_config(checkpoint: dict, path: Path) -> GPTConfig:
     except (KeyError, TypeError) as err:  # none, not a dict, or a setting this GPTConfig lacks
         raise cli.RecipeError(f"checkpoint {path} holds no model shape this recipe builds ({err})") from None
     sizes = (config.vocab_size, config.block_size, config.n_layer, config.n_head, config.n_embd)
-    if not all(type(size) is int and size >= 1 for size in sizes) or config.n_embd % config.n_head:
+    if not all(type(size) is int and size >= 1 for size in sizes) or config.n_embd % config.n_head \
+            or config.block_size < 2:  # generation refills its cache from the last block_size // 2 tokens
         raise cli.RecipeError(f"checkpoint {path} is damaged: its model's vocab_size, block_size, n_layer, n_head, "
-                              f"n_embd {sizes} make no model (whole numbers, n_head dividing n_embd)")
+                              f"n_embd {sizes} make no model (whole numbers, n_head dividing n_embd, block_size >= 2)")
+    kinds = (config.attention, config.activation, config.bias)
+    if not (type(config.dropout) in (int, float) and 0 <= config.dropout < 1) or kinds[0] not in ("sdpa", "einsum") \
+            or kinds[1] not in ("gelu", "gelu_new") or type(config.bias) is not bool:
+        raise cli.RecipeError(f"checkpoint {path} is damaged: its model's dropout {config.dropout!r}, attention, "
+                              f"activation and bias {kinds} are not ones this recipe builds")
     return config
 
 

@@ -178,7 +178,7 @@ def tabular_mlp(state: dict, path: Path) -> Exportable:
 
 def tiny_transformer(state: dict, path: Path) -> Exportable:
     recipe = load_recipe("tiny_transformer")
-    config = recipe.GPTConfig(**state["model_config"])
+    config = recipe.saved_model_config(state, path)  # a damaged shape or setting is one line
     reference = recipe.GPT(config)
     load_model_state(reference, state["model"], path)
     # The graph always uses SDPA: the einsum path is the same math written out (for the lesson), but its

@@ -474,6 +474,12 @@ def bad_case(case: str, checkpoints: dict, tmp_path: Path) -> tuple[list, str]:
         state = torch.load(checkpoints["tiny_transformer"], weights_only=True)
         torch.save(state | {"tokenizer": '{"version": "1.0", "model": {"type": '}, bad)
         return [bad, out], "the checkpoint's tokenizer is damaged (not a tokenizers JSON)"
+    if case == "a one-token block":  # was an AssertionError from torch.export's Dim(min=1, max=1)
+        state = torch.load(checkpoints["tiny_transformer"], weights_only=True)
+        state["model_config"]["block_size"] = 1
+        state["model"]["wpe.weight"] = state["model"]["wpe.weight"][:1]
+        torch.save(state, bad)
+        return [bad, out], "make no model (whole numbers, n_head dividing n_embd, block_size >= 2)"
     if case == "checkpoint is a folder":
         (tmp_path / "folder.pt").mkdir()
         return [tmp_path / "folder.pt", out], "is not a file"
@@ -484,7 +490,7 @@ BAD_CASES = ["missing checkpoint", "random bytes", "truncated checkpoint", "anot
              "a bare state_dict", "pickle payload", "weights of another shape", "extras missing",
              "a negative width", "weights that are not a dict", "a weight that is no tensor",
              "a recipe named in a list", "out dir is a file", "out dir under a file", "checkpoint is a folder",
-             "a damaged tokenizer"]
+             "a damaged tokenizer", "a one-token block"]
 
 
 @pytest.mark.parametrize("case", BAD_CASES)

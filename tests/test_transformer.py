@@ -263,6 +263,13 @@ def test_warmup_then_cosine_schedule():
     (lambda s: s["model_config"].update(n_head=3), "is damaged: its model's vocab_size, block_size, n_layer, n_head, "
      "n_embd (256, 16, 2, 3, 32) make no model"),
     (lambda s: s["model_config"].update(vocab_size=-1), "make no model"),
+    # was an IndexError in generate: a cache of one token refilled from block_size // 2 = 0 tokens
+    (lambda s: s["model_config"].update(block_size=1),
+     "make no model (whole numbers, n_head dividing n_embd, block_size >= 2)"),
+    (lambda s: s["model_config"].update(dropout=2.0), "dropout 2.0, attention, activation and bias"),  # a ValueError
+    # sampled without error, as exact GELU and SDPA: not what the checkpoint says it is
+    (lambda s: s["model_config"].update(activation="relu"), "('sdpa', 'relu', False) are not ones this recipe builds"),
+    (lambda s: s["model_config"].update(attention="flash"), "('flash', 'gelu', False) are not ones"),
     (lambda s: s.update(vocab=7), "the checkpoint's vocabulary is damaged (a int, not None or a string"),
     (lambda s: s["model"].update({"wpe.weight": 5}), "does not fit this model (wrong shape: wpe.weight)"),
 ])
