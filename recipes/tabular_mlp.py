@@ -83,9 +83,10 @@ ADULT_COLUMNS = [
 ]
 
 
-def read_table(path: Path, drop: list[str] | None = None) -> pa.Table:
+def read_table(path: Path, drop: list[str] | None = None, as_is: list[str] | None = None) -> pa.Table:
     """A .csv, .tsv (either also .gz) or .parquet file, read column-wise by pyarrow's multi-threaded reader, without
-    the ``drop`` columns (left out before their types are checked: a Parquet column of lists may be dropped).
+    the ``drop`` columns (left out before their types are checked: a Parquet column of lists may be dropped), and
+    with the ``as_is`` ones unchecked (new rows keep the columns their model's training dropped).
 
     CSV cells are read as dictionary-encoded text: per column, the distinct strings once and an int32 index
     per cell. Nothing is guessed at read time (what is a number is decided from the training split), and
@@ -131,11 +132,14 @@ def read_table(path: Path, drop: list[str] | None = None) -> pa.Table:
     if table.num_rows == 0:
         raise cli.RecipeError(f"{path} has a header but no data rows")
     table = without(table, drop)
-    nested = [f"{field.name!r} ({field.type})" for field in table.schema if pa.types.is_nested(field.type)]
+    nested = [f"{field.name!r} ({field.type})" for field in table.schema
+              if pa.types.is_nested(field.type) and field.name not in (as_is or [])]
     if nested:  # Parquet: lists, structs and maps are no single value per cell
         raise cli.RecipeError(f"{path}: column {', '.join(nested)} holds lists or records, not one number or word per "
                               "cell; leave it out (--drop) or flatten it")
     for i, column in enumerate(table.column_names):
+        if column in (as_is or []):
+            continue
         if isinstance(table[i].type, pa.BaseExtensionType):  # Parquet: a UUID, JSON: read as what it is stored as
             table = table.set_column(i, column, pa.chunked_array([c.storage for c in table[i].chunks],
                                                                  table[i].type.storage_type))
@@ -616,7 +620,7 @@ def predict(checkpoint_path: Path, table_path: Path, output: Path, device: torch
     checkpoint = load_checkpoint(checkpoint_path, RECIPE)
     model = model_from_checkpoint(checkpoint, checkpoint_path).to(device).eval()
     spec = checkpoint["features"]
-    table = read_table(table_path)
+    table = read_table(table_path, as_is=checkpoint["config"].get("drop"))  # an ID of bytes, a list: not read
     if taken := [name for name in output_columns(spec["task"]) if name in table.column_names]:
         raise cli.RecipeError(f"{table_path} already has a column {taken[0]!r}, which the output adds; rename it")
     numeric, categorical = (torch.from_numpy(a) for a in encode(spec, table, with_target=False)[:2])
@@ -646,6 +650,8 @@ def predict(checkpoint_path: Path, table_path: Path, output: Path, device: torch
             tmp.unlink(missing_ok=True)
         if isinstance(err, OSError):
             raise cli.RecipeError(f"cannot write {output}: {err.strerror or err}") from None
+        if isinstance(err, pa.ArrowException):  # a column of lists, kept from the input: CSV has no such cell
+            raise cli.RecipeError(f"cannot write {output}: {err}; name it .parquet") from None
         raise
     return table.num_rows
 

@@ -1037,3 +1037,17 @@ def test_drop_leaves_out_a_parquet_column_that_could_not_be_read_as_a_feature(ru
     assert result.code == 1 and "holds lists or records" in result.stderr and "leave it out (--drop)" in result.stderr
     result = run_inprocess(RECIPE, *args, "--drop", "tags", "--run-dir", tmp_path / "run")
     assert result.code == 0, result.stderr
+    # new rows shaped like the training rows: the dropped column is no feature, and rides along to the output (it
+    # was refused as unreadable, and --drop is no option of --predict)
+    best = tmp_path / "run" / "checkpoints" / "best.pt"
+    result = run_inprocess(RECIPE, "--predict", tmp_path / "t.parquet", "--resume", best, "--output",
+                           tmp_path / "out.parquet")
+    assert result.code == 0, result.stderr
+    out = pq.read_table(tmp_path / "out.parquet")
+    assert out.column("tags").to_pylist() == [[1, 2], [3]] * 20 and out.num_rows == 40
+    assert set(out.column("prediction").to_pylist()) <= {"a", "b"}
+    # CSV has no cell for a list: one line, and nothing written
+    result = run_inprocess(RECIPE, "--predict", tmp_path / "t.parquet", "--resume", best)
+    assert result.code == 1 and result.stderr.startswith(f"error: cannot write {tmp_path / 't.predictions.csv'}: ")
+    assert result.stderr.endswith("; name it .parquet\n") and result.stderr.count("\n") == 1, result.stderr
+    assert not (tmp_path / "t.predictions.csv").exists() and not list(tmp_path.glob(".*.tmp"))
