@@ -334,6 +334,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"{taken}: the range test sweeps the learning rate itself, from --from to --to")
     if taken := first_given(options, NOT_TRAINING):
         parser.error(f"{taken}: the range test measures a training run, and {taken} makes the recipe do something else")
+    if option_value(options, "--optimizer") == "lbfgs":  # its rate is only the line search's first trial step
+        parser.error("--optimizer lbfgs: LBFGS finds its step length by line search, so the loss shows no slope over "
+                     "a range of rates; the range test is for sgd, adam and adamw")
     try:
         recipe = load_recipe(args.recipe)
     except FinderError as err:  # no such recipe, or a file that is not one

@@ -134,6 +134,10 @@ RECIPES = ", ".join(sorted(p.stem for p in (find_lr.ROOT / "recipes").glob("*.py
     (["tiny_transformer", "--sample-only"], 2, "error: --sample-only: the range test measures a training run, and "
      "--sample-only makes the recipe do something else\n"),
     (["mixed_precision", "--width", "0"], 2, "error: the recipe refused its options"),  # its usage error: 2
+    # LBFGS's line search sets its step: a ramp of 100 steps ran for minutes, then "the loss did not fall"
+    (["tabular_mlp", "--csv", "{table_csv}", "--target", "label", "--optimizer=lbfgs"], 2, "error: --optimizer "
+     "lbfgs: LBFGS finds its step length by line search, so the loss shows no slope over a range of rates; the "
+     "range test is for sgd, adam and adamw\n"),
     # --patience would end the ramp early
     (["tabular_mlp", "--csv", "{table_csv}", "--target", "label", "--patience", "1"], 2,
      "error: --patience: the range test runs the recipe in a run directory of its own, for its own steps\n"),
