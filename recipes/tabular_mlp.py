@@ -251,14 +251,18 @@ def class_spellings(column: pa.ChunkedArray) -> list[str]:
 
 
 def target_task(column: pa.ChunkedArray, name: str, task: str, rows: str = "") -> str:
-    """``--task``, with ``auto`` resolved from the target column's values: a non-numeric target, or a handful of
-    integer values (a label code), is a class. A property of the column, not a statistic: no split is needed.
-    ``rows``: which rows ``column`` holds, for the message."""
+    """``--task``, with ``auto`` resolved from the target column's values: text, or a handful of integer values (a
+    label code), is a class. Numbers but for a stray 1% ("unknown", a typo) are a regression target, whose error then
+    names the rows. A property of the column, not a statistic: no split is needed. ``rows``: which rows ``column``
+    holds, for the message."""
     labels = class_names(column)[1].drop_null().unique()
     if len(labels) < 2:
         raise cli.RecipeError(f"target column {name!r} holds {len(labels)} distinct value(s) besides missing "
                               f"ones{rows}: there is nothing to learn")
     values = numbers(column, strict=True)
+    if values is None:  # numbers but for a stray few ("unknown", a typo): a regression, which then names their rows
+        loose = numbers(column, strict=False)
+        values = loose if (~np.isnan(loose)).sum() >= (1 - STRAY_WORDS) * (len(column) - column.null_count) else None
     if task == "regression" and values is None:
         raise cli.RecipeError(f"--task regression needs a numeric target, but {name!r} holds text")
     if task == "auto":
@@ -301,7 +305,7 @@ def fit_features(table: pa.Table, target: str, task: str, bins: int = 0, rows: s
     if task == "classification":
         spec["classes"] = class_spellings(table[target])
     else:
-        values = numbers(table[target], strict=True)
+        values = numbers(table[target], strict=False)  # a stray word: missing here, and encode's error
         spec["target_mean"], spec["target_std"] = mean_and_std(values[~np.isnan(values)])
     for name in table.column_names:
         values = None if name == target else numbers(table[name], strict=True)

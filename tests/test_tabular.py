@@ -1009,6 +1009,25 @@ def test_a_regression_target_with_missing_values_says_how_many_and_where(run_inp
                                                   "first in data row 41); fill them in, or remove those rows\n")
 
 
+@pytest.mark.parametrize("task", ["auto", "regression"])
+def test_a_numeric_target_with_a_stray_word_is_a_regression_that_names_its_row(task, run_inprocess, tmp_path):
+    """auto read it as text: 150 classes, every validation row one unseen in training, exit 0; --task regression
+    said "holds text", naming no row."""
+    rows = [f"{i},{100 + 2.5 * i:.2f}\n" for i in range(150)]
+    rows[17] = "17,unknown\n"  # 1 cell in 150: a typo, not a column of words
+    (tmp_path / "t.csv").write_text("x,price\n" + "".join(rows))
+    result = run_inprocess(RECIPE, "--csv", tmp_path / "t.csv", "--target", "price", "--task", task,
+                           "--max-steps", 1, "--run-dir", tmp_path / "run")
+    assert result.code == 1 and result.stderr == ("error: target column 'price' has 1 missing or non-numeric value(s) "
+                                                  "(the first in data row 18); fill them in, or remove those rows\n")
+    if task == "auto":  # a column of words with some numbers among them stays a column of classes
+        (tmp_path / "w.csv").write_text("x,label\n" + "".join(f"{i},{'yes' if i % 3 else i}\n" for i in range(60)))
+        result = run_inprocess(RECIPE, "--csv", tmp_path / "w.csv", "--target", "label", "--max-steps", 1,
+                               "--run-dir", tmp_path / "words")
+        state = torch.load(tmp_path / "words" / "checkpoints" / "last.pt", weights_only=True)
+        assert result.code == 0 and state["features"]["task"] == "classification", result.stderr
+
+
 def test_drop_leaves_a_column_out_of_the_features(run_inprocess, tmp_path):
     """An ID in a table sorted by label predicts the label in validation and nothing on new rows: --drop leaves
     it out. A name the table lacks, or the target, is a usage error that leaves no run directory."""
