@@ -337,7 +337,10 @@ def encode(spec: dict, table: pa.Table, *, with_target: bool = True):
     for j, (name, (mean, std)) in enumerate(spec["numeric"].items()):
         values = (numbers(table[name], strict=False) - mean) / std
         if np.isnan(values).all() and numbers(table[name], strict=True) is None:  # words, and not one number
-            raise cli.RecipeError(f"column {name!r} holds no numbers, but it did in training: another table's column?")
+            indices, words = distinct(table[name])
+            if pc.is_valid(words).to_numpy(zero_copy_only=False)[indices].sum() > 1:  # (one cell's word: a typo)
+                raise cli.RecipeError(f"column {name!r} holds no numbers, but it did in training: another table's "
+                                      "column?")
         if (far := np.abs(values) > FAR).any():  # (NaN is never far) 1e39 was inf in float32, then a NaN loss
             print(f"warning: column {name!r}: {far.sum():,} value(s) over {FAR:,.0f} standard deviations from its "
                   f"training mean, taken as {FAR:,.0f}", file=sys.stderr)

@@ -618,6 +618,16 @@ def test_predict_on_a_table_without_the_models_columns_is_a_one_line_error(run_i
         result = run_inprocess(RECIPE, "--predict", other, "--resume", run_dir / "checkpoints" / "last.pt")
         assert result.code == 1 and result.stderr.count("\n") == 1 and message in result.stderr, result.stderr
         assert not (tmp_path / "other.predictions.csv").exists()
+    # one row with a typo in a numeric column is that row's missing value, as among many rows (it was the error
+    # above: a row predicted alone failed where the same row among others was predicted)
+    other.write_text("age,income,colour,city\n45 yrs,1.5,red,paris\n")
+    result = run_inprocess(RECIPE, "--predict", other, "--resume", run_dir / "checkpoints" / "last.pt")
+    assert result.code == 0 and "predictions=1" in result.done_line, result.stderr
+    alone = (tmp_path / "other.predictions.csv").read_text().splitlines()[1]
+    other.write_text("age,income,colour,city\n45 yrs,1.5,red,paris\n,1.5,red,paris\n")  # its age missing outright
+    assert run_inprocess(RECIPE, "--predict", other, "--resume", run_dir / "checkpoints" / "last.pt",
+                         "--overwrite").code == 0
+    assert (tmp_path / "other.predictions.csv").read_text().splitlines()[1:] == [alone, alone.replace("45 yrs", "")]
 
 
 def test_a_parquet_id_past_2_to_the_53_trains(run_inprocess, tmp_path):
