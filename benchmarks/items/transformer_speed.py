@@ -52,12 +52,13 @@ def transformer(quick: bool) -> dict:
         torch.manual_seed(0)
         return NanoGPT(256, **shape).to(harness.DEVICE)
 
-    steps, repeats = (2, 1) if quick else (15, 5)
+    steps, repeats, batch = (2, 1, 4) if quick else (15, 5, 32)  # quick: the path, not the figures
     nanogpt_fuses = harness.DEVICE.type == "cuda"  # nanoGPT's configure_optimizers: fused only on CUDA
     side_by_side = interleaved(repeats, alternate=True,  # every other round in reverse: none always runs first
-                               ours=lambda: tokens_per_second(ours(), "fp32", steps, fused=True),
-                               nanogpt=lambda: tokens_per_second(nanogpt(), "fp32", steps, fused=True),
-                               nanogpt_own=lambda: tokens_per_second(nanogpt(), "fp32", steps, fused=nanogpt_fuses))
+                               ours=lambda: tokens_per_second(ours(), "fp32", steps, fused=True, batch=batch),
+                               nanogpt=lambda: tokens_per_second(nanogpt(), "fp32", steps, fused=True, batch=batch),
+                               nanogpt_own=lambda: tokens_per_second(nanogpt(), "fp32", steps, fused=nanogpt_fuses,
+                                                                     batch=batch))
     same = summarise([a / b for a, b in zip(side_by_side["ours"], side_by_side["nanogpt"], strict=True)])
     own = summarise([a / b for a, b in zip(side_by_side["ours"], side_by_side["nanogpt_own"], strict=True)])
     flops_per_token = ours().flops_per_token()
@@ -72,10 +73,10 @@ def transformer(quick: bool) -> dict:
     bf16_steps = 1 if measured["bf16"] < 0.2 * measured["fp32"] else steps  # emulated bf16 is very slow: one step
     # bf16 as the recipe runs it by default (--attention auto: einsum on a CPU, whose fused attention is slow in bf16)
     variants["bf16 eager"] = tokens_per_second(ours(tt.resolve_attention("auto", harness.DEVICE, "bf16")), "bf16",
-                                               bf16_steps, fused=True)
+                                               bf16_steps, fused=True, batch=batch)
     # quick mode only checks the path: Dynamo without Inductor's (slow) code generation
     variants["fp32 compiled"] = tokens_per_second(torch.compile(ours(), backend="eager" if quick else "inductor"),
-                                                  "fp32", steps, fused=True)
+                                                  "fp32", steps, fused=True, batch=batch)
     precision_of = {"fp32 eager": "fp32", "bf16 eager": "bf16", "fp32 compiled": "fp32"}
     # datasheet: each variant against its precision's peak, as MFU is usually quoted; measured: against the
     # fastest matmul measured here in either precision (emulated bf16, without native units, is slower than fp32)
@@ -91,8 +92,8 @@ def transformer(quick: bool) -> dict:
     own_line = ("the same setup on CUDA (nanoGPT fuses there too)" if nanogpt_fuses else
                 f"{own['median']:.2f}x ({own['min']:.2f}-{own['max']:.2f}) against nanoGPT as it sets itself up "
                 f"(unfused AdamW on a CPU, {statistics.median(side_by_side['nanogpt_own']):,.0f} tok/s)")
-    return {"item": "Tiny transformer (4x128, block 128, batch 32, fp32): ours vs nanoGPT's model (bias=False, its "
-                    "train.py default), same optimizer (fused AdamW)",
+    return {"item": f"Tiny transformer (4x128, block 128, batch {batch}, fp32): ours vs nanoGPT's model (bias=False, "
+                    "its train.py default), same optimizer (fused AdamW)",
             "result": f"same optimizer: {same['median']:.2f}x nanoGPT ({same['min']:.2f}-{same['max']:.2f}; "
                       f"{statistics.median(side_by_side['ours']):,.0f} vs "
                       f"{statistics.median(side_by_side['nanogpt']):,.0f} tok/s, {repeats} interleaved runs); "
