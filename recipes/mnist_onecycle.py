@@ -90,7 +90,9 @@ def load_backbone(model: DigitNet, path: Path, data_dir: Path, seed: int, val_si
     theirs = config.get("seed"), config.get("val_size")
     if type(theirs[0]) is int and type(theirs[1]) in (int, type(None)) and theirs != (seed, val_size):
         with contextlib.suppress(typer.BadParameter):  # a --val-size these digits cannot have: other digits
-            if checksum(*mnist_datasets(data_dir, theirs[1], theirs[0])[0].tensors) == checkpoint.get("data_id"):
+            train_split = {options: checksum(*mnist_datasets(data_dir, options[1], options[0])[0].tensors)
+                           for options in (theirs, (seed, val_size))}  # (the default --val-size and its number agree)
+            if train_split[theirs] == checkpoint.get("data_id") != train_split[seed, val_size]:
                 given = f"--val-size {theirs[1]}" if theirs[1] is not None else "no --val-size"
                 raise cli.RecipeError(f"--finetune {path} trained on these digits with --seed {theirs[0]} and {given}: "
                                       "pass the same, or its training digits validate this run")

@@ -306,6 +306,10 @@ def test_finetune_on_the_backbones_digits_must_hold_out_the_same_ones(run_inproc
     result = run_inprocess(RECIPE, "--finetune", backbone, "--data-dir", mnist_dir, "--width", 4, "--max-steps", 1,
                            "--run-dir", tmp_path / "tuned")
     assert result.code == 0, result.stderr
+    # the split the default made, asked for by number (42: 512 // 12), is the same split: it was refused
+    result = run_inprocess(RECIPE, "--finetune", backbone, "--data-dir", mnist_dir, "--width", 4, "--val-size", 42,
+                           "--max-steps", 1, "--run-dir", tmp_path / "tuned-42")
+    assert result.code == 0, result.stderr
 
 
 def test_a_resume_keeps_the_finetune_it_started_with(run_inprocess, mnist_dir, tmp_path):
