@@ -6,10 +6,12 @@ cannot start part-way through an epoch. ``make_loader`` fixes all three.
 """
 
 import contextlib
+import gzip
 import hashlib
 import http.client
 import itertools
 import os
+import shutil
 import signal
 import sys
 import urllib.error
@@ -112,7 +114,8 @@ def load_mnist(data_dir: Path, *, train: bool) -> tuple[torch.Tensor, torch.Tens
     try:
         raw.mkdir(parents=True, exist_ok=True)
         with contextlib.nullcontext() if there else one_at_a_time(raw):  # torchrun's ranks: one downloads, the
-            dataset = MNIST(str(data_dir), train=train, download=True)   # others wait and read what it wrote
+            gunzip_alone(raw)                                              # others wait and read what it wrote
+            dataset = MNIST(str(data_dir), train=train, download=True)
     except (OSError, RuntimeError, urllib.error.URLError) as err:
         if all((raw / name).exists() or (raw / f"{name}.gz").exists() for name in MNIST_FILES):
             raise RecipeError(f"MNIST files in {raw} are unreadable ({err}); delete them to download again") from None
@@ -137,6 +140,21 @@ def load_mnist(data_dir: Path, *, train: bool) -> tuple[torch.Tensor, torch.Tens
     # uint8 (N, 28, 28) -> float32 (N, 1, 28, 28): a channel axis for the convolutions, values standardised
     images = (data.unsqueeze(1).float() / 255 - MNIST_MEAN) / MNIST_STD
     return images, labels
+
+
+def gunzip_alone(raw: Path) -> None:
+    """Each MNIST file that is there only as its .gz, decompressed beside it (whole, then renamed). torchvision takes
+    a .gz only if it is byte for byte the official archive: another (recompressed, say) it downloads again, over
+    the files that are there, or fails offline."""
+    for name in MNIST_FILES:
+        if not (raw / name).exists() and (raw / f"{name}.gz").exists():
+            tmp = raw / f".{name}.tmp"
+            try:
+                with gzip.open(raw / f"{name}.gz") as packed, open(tmp, "wb") as out:
+                    shutil.copyfileobj(packed, out)
+                tmp.replace(raw / name)
+            finally:
+                tmp.unlink(missing_ok=True)
 
 
 @contextlib.contextmanager

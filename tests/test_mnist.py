@@ -155,6 +155,33 @@ def test_offline_without_data_names_the_files_and_folder(run_inprocess, tmp_path
     assert not (tmp_path / "rel").exists()
 
 
+def test_mnist_files_given_gzipped_by_the_user_are_read_offline(run_inprocess, mnist_dir, tmp_path, monkeypatch):
+    """torchvision takes a .gz only if it is the official archive byte for byte: these (gzipped here, the test set
+    alone, or all four) were "unreadable (Error downloading ...); delete them to download again"."""
+    import gzip
+    import shutil
+
+    def offline(*args, **kwargs):
+        raise urllib.error.URLError("no network")
+
+    monkeypatch.setattr(urllib.request, "urlopen", offline)
+    given = mnist_dir / "MNIST" / "raw"
+    for case, gzipped in (("test-set", ["t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"]), ("all", None)):
+        raw = tmp_path / case / "MNIST" / "raw"
+        shutil.copytree(given, raw)
+        for name in gzipped or [p.name for p in given.iterdir()]:
+            (raw / f"{name}.gz").write_bytes(gzip.compress((raw / name).read_bytes(), mtime=0))
+            (raw / name).unlink()
+        train_images = (raw / "train-images-idx3-ubyte").read_bytes() if gzipped else None
+        result = run_inprocess(RECIPE, "--data-dir", tmp_path / case, "--max-steps", 2, "--width", 4, "--run-dir",
+                               tmp_path / f"run-{case}")
+        assert result.code == 0, result.stderr
+        assert (raw / "t10k-images-idx3-ubyte").read_bytes() == (given / "t10k-images-idx3-ubyte").read_bytes()
+        assert not list(raw.glob(".*.tmp"))
+        if gzipped:  # the user's own uncompressed files as they were
+            assert (raw / "train-images-idx3-ubyte").read_bytes() == train_images
+
+
 def test_a_data_dir_that_is_a_file_is_said_so(run_inprocess, tmp_path):
     """It said "MNIST is not in .../raw and could not be downloaded ([Errno 20] Not a directory ...; offline?)"."""
     (tmp_path / "data").write_text("")
