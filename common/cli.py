@@ -245,6 +245,6 @@ def run_recipe(main: Callable[..., object], argv: list[str] | None = None) -> No
         threading.excepthook = excepthook
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
-    if "TORCHELASTIC_RUN_ID" in os.environ:  # a torchrun worker, done: interpreter shutdown with gloo's threads alive
-        sys.stdout.flush(), sys.stderr.flush()  # now and then aborts one (SIGABRT), which torchrun reports as failed
-        os._exit(0)
+        # a torchrun worker's exit (not a bug's traceback): shutdown with gloo's threads alive can abort it (SIGABRT)
+        if "TORCHELASTIC_RUN_ID" in os.environ and isinstance(end := sys.exc_info()[1], SystemExit | None):
+            sys.stdout.flush(), sys.stderr.flush(), os._exit(getattr(end, "code", 0) or 0)  # (each exit: an int)
