@@ -227,8 +227,7 @@ def run_recipe(main: Callable[..., object], argv: list[str] | None = None) -> No
     except (RecipeError, OSError) as err:  # OSError: a full disk, say, where no piece of the run had more to say
         message = " ".join(str(err).split()) if isinstance(err, RecipeError) else \
             f"{err.strerror or err}{f': {err.filename}' if err.filename else ''} (the checkpoints written are intact)"
-        if not quiet:
-            print(f"error: {message}", file=sys.stderr, flush=True)
+        quiet or print(f"error: {message}", file=sys.stderr, flush=True)
         tell_torchrun(message)
         sys.exit(1)
     except (KeyboardInterrupt, typer.Abort):  # Ctrl-C before training, where no StopRequest listens yet
@@ -236,8 +235,7 @@ def run_recipe(main: Callable[..., object], argv: list[str] | None = None) -> No
     except Exception as err:
         if not callable(getattr(err, "show", None)):  # not a usage error but a bug: its traceback
             raise
-        if not quiet:
-            err.show()  # the usage line and what is wrong, as Typer prints it
+        quiet or err.show()  # the usage line and what is wrong, as Typer prints it
         tell_torchrun(err.format_message())
         sys.exit(getattr(err, "exit_code", 2))
     finally:
@@ -247,4 +245,6 @@ def run_recipe(main: Callable[..., object], argv: list[str] | None = None) -> No
             dist.destroy_process_group()
         # a torchrun worker's exit (not a bug's traceback): shutdown with gloo's threads alive can abort it (SIGABRT)
         if "TORCHELASTIC_RUN_ID" in os.environ and isinstance(end := sys.exc_info()[1], SystemExit | None):
+            for worker in torch.multiprocessing.active_children():  # a DataLoader's, that shutdown would have ended
+                worker.kill()  # (SIGKILL: its SIGTERM is ignored, as the main process alone answers one)
             sys.stdout.flush(), sys.stderr.flush(), os._exit(getattr(end, "code", 0) or 0)  # (each exit: an int)

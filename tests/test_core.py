@@ -1118,3 +1118,31 @@ def test_a_torchrun_worker_leaves_without_interpreter_shutdown_whatever_its_exit
         assert result.returncode == code, result.stderr
         assert ("shutdown ran" in result.stdout) is shutdown, (env, result.stdout)
         assert line is None or line in result.stderr, result.stderr
+
+
+def test_a_torchrun_worker_that_ends_on_an_error_takes_its_loader_processes_with_it(tmp_path):
+    """Interpreter shutdown ended a DataLoader's worker processes (daemons, which a traceback kept referenced);
+    os._exit skips it: they outlived the rank (4 of them, half a minute) until it killed them."""
+    script = tmp_path / "worker.py"
+    script.write_text(f"import multiprocessing, signal, sys, time\nsys.path.insert(0, {str(ROOT)!r})\n"
+                      "from common import cli\n"
+                      "def loader_worker():  # as common.data's: the main process alone answers SIGTERM\n"
+                      "    signal.signal(signal.SIGTERM, signal.SIG_IGN)\n    time.sleep(60)\n"
+                      "def main(x: int = 0):\n    worker = multiprocessing.Process(target=loader_worker, daemon=True)\n"
+                      f"    worker.start()\n    open({str(tmp_path / 'pid')!r}, 'w').write(str(worker.pid))\n"
+                      "    raise cli.RecipeError('it went wrong')\n"
+                      "if __name__ == '__main__':\n    cli.run_recipe(main, [])\n")
+    with open(tmp_path / "err", "w") as err:  # a file, not a pipe: the loader process would hold a pipe open
+        code = subprocess.run([sys.executable, script], stdout=subprocess.DEVNULL, stderr=err, timeout=120,
+                              env=os.environ | {"TORCHELASTIC_RUN_ID": "t"}).returncode
+    assert code == 1 and (tmp_path / "err").read_text() == "error: it went wrong\n"
+    pid = int((tmp_path / "pid").read_text())
+    status = Path(f"/proc/{pid}/status")
+    deadline = time.monotonic() + 5
+    while status.exists() and "State:\tZ" not in status.read_text() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    try:
+        assert not status.exists() or "State:\tZ" in status.read_text()  # gone, or a zombie not yet reaped
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
