@@ -261,8 +261,11 @@ def target_task(column: pa.ChunkedArray, name: str, task: str, rows: str = "") -
                               f"ones{rows}: there is nothing to learn")
     values = numbers(column, strict=True)
     if values is None:  # numbers but for a stray few ("unknown", a typo): a regression, which then names their rows
-        loose = numbers(column, strict=False)
-        values = loose if (~np.isnan(loose)).sum() >= (1 - STRAY_WORDS) * (len(column) - column.null_count) else None
+        indices, words = distinct(column)
+        present, loose = pc.is_valid(words).to_numpy(zero_copy_only=False)[indices], numbers(column, strict=False)
+        stray = (present & np.isnan(loose)).sum()  # (decided already, a regression takes any column with a number)
+        values = loose if stray <= STRAY_WORDS * present.sum() or (task == "regression" and stray < present.sum()) \
+            else None
     if task == "regression" and values is None:
         raise cli.RecipeError(f"--task regression needs a numeric target, but {name!r} holds text")
     if task == "auto":
@@ -627,7 +630,10 @@ def predict(checkpoint_path: Path, table_path: Path, output: Path, device: torch
     checkpoint = load_checkpoint(checkpoint_path, RECIPE)
     model = model_from_checkpoint(checkpoint, checkpoint_path).to(device).eval()
     spec = checkpoint["features"]
-    table = read_table(table_path, as_is=checkpoint["config"].get("drop"))  # an ID of bytes, a list: not read
+    dropped = checkpoint["config"].get("drop") or []  # an ID of bytes, a column of lists: kept, not read
+    if not (isinstance(dropped, list) and all(isinstance(name, str) for name in dropped)):
+        raise cli.RecipeError(f"checkpoint {checkpoint_path} is damaged: its --drop {dropped!r} names no columns")
+    table = read_table(table_path, as_is=dropped)
     if taken := [name for name in output_columns(spec["task"]) if name in table.column_names]:
         raise cli.RecipeError(f"{table_path} already has a column {taken[0]!r}, which the output adds; rename it")
     numeric, categorical = (torch.from_numpy(a) for a in encode(spec, table, with_target=False)[:2])

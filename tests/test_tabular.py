@@ -1030,6 +1030,20 @@ def test_a_numeric_target_with_a_stray_word_is_a_regression_that_names_its_row(t
                            "--max-steps", 1, "--run-dir", tmp_path / "run")
     assert result.code == 1 and result.stderr == ("error: target column 'price' has 1 missing or non-numeric value(s) "
                                                   "(the first in data row 18); fill them in, or remove those rows\n")
+    # missing cells are not stray words (3 blanks and the word: 4 in 150, which were read as classes); and the
+    # training rows alone, with both words of 200 (1% of all rows, 1.25% of theirs), no longer "hold text"
+    for n, words, blanks, first, count in ((150, [17], [30, 60, 90], 18, 4), (200, [41, 58], [], 42, 2)):
+        cells = [f"{100 + 2.5 * i:.2f}" for i in range(n)]
+        for i in words:
+            cells[i] = "unknown"
+        for i in blanks:
+            cells[i] = ""
+        (tmp_path / "t.csv").write_text("x,price\n" + "".join(f"{i},{cell}\n" for i, cell in enumerate(cells)))
+        result = run_inprocess(RECIPE, "--csv", tmp_path / "t.csv", "--target", "price", "--task", task,
+                               "--max-steps", 1, "--run-dir", tmp_path / f"run{n}")
+        assert result.code == 1 and result.stderr == (f"error: target column 'price' has {count} missing or "
+                                                      f"non-numeric value(s) (the first in data row {first}); fill "
+                                                      "them in, or remove those rows\n"), result.stderr
     if task == "auto":  # a column of words with some numbers among them stays a column of classes
         (tmp_path / "w.csv").write_text("x,label\n" + "".join(f"{i},{'yes' if i % 3 else i}\n" for i in range(60)))
         result = run_inprocess(RECIPE, "--csv", tmp_path / "w.csv", "--target", "label", "--max-steps", 1,
@@ -1075,6 +1089,15 @@ def test_drop_leaves_out_a_parquet_column_that_could_not_be_read_as_a_feature(ru
     out = pq.read_table(tmp_path / "out.parquet")
     assert out.column("tags").to_pylist() == [[1, 2], [3]] * 20 and out.num_rows == 40
     assert set(out.column("prediction").to_pylist()) <= {"a", "b"}
+    # a damaged checkpoint's --drop (a number was a TypeError's traceback; a word was read letter by letter)
+    for damaged in (5, "tags"):
+        state = torch.load(best, weights_only=True)
+        state["config"]["drop"] = damaged
+        torch.save(state, tmp_path / "damaged.pt")
+        result = run_inprocess(RECIPE, "--predict", tmp_path / "t.parquet", "--resume", tmp_path / "damaged.pt",
+                               "--output", tmp_path / "damaged.parquet")
+        assert result.code == 1 and result.stderr == (f"error: checkpoint {tmp_path / 'damaged.pt'} is damaged: its "
+                                                      f"--drop {damaged!r} names no columns\n"), result.stderr
     # CSV has no cell for a list: one line, and nothing written
     result = run_inprocess(RECIPE, "--predict", tmp_path / "t.parquet", "--resume", best)
     assert result.code == 1 and result.stderr.startswith(f"error: cannot write {tmp_path / 't.predictions.csv'}: ")
