@@ -149,12 +149,14 @@ def gunzip_alone(raw: Path) -> None:
     for name in MNIST_FILES:
         if not (raw / name).exists() and (raw / f"{name}.gz").exists():
             tmp = raw / f".{name}.tmp"
-            try:
-                with gzip.open(raw / f"{name}.gz") as packed, open(tmp, "wb") as out:
-                    shutil.copyfileobj(packed, out)
-                tmp.replace(raw / name)
-            finally:
-                tmp.unlink(missing_ok=True)
+            # cut short (a download stopped) or not writable here: left to torchvision, which downloads it again
+            with contextlib.suppress(OSError, EOFError, zlib.error):
+                try:
+                    with gzip.open(raw / f"{name}.gz") as packed, open(tmp, "wb") as out:
+                        shutil.copyfileobj(packed, out)
+                    tmp.replace(raw / name)
+                finally:
+                    tmp.unlink(missing_ok=True)
 
 
 @contextlib.contextmanager

@@ -180,6 +180,14 @@ def test_mnist_files_given_gzipped_by_the_user_are_read_offline(run_inprocess, m
         assert not list(raw.glob(".*.tmp"))
         if gzipped:  # the user's own uncompressed files as they were
             assert (raw / "train-images-idx3-ubyte").read_bytes() == train_images
+    # a .gz cut short (a download stopped) is torchvision's to fetch again, as it was: not an EOFError's "corrupt"
+    packed = raw / "t10k-images-idx3-ubyte.gz"
+    packed.write_bytes(packed.read_bytes()[:200])
+    (raw / "t10k-images-idx3-ubyte").unlink()
+    result = run_inprocess(RECIPE, "--data-dir", tmp_path / "all", "--max-steps", 2, "--width", 4, "--run-dir",
+                           tmp_path / "run-cut")
+    assert result.code == 1 and "are unreadable (Error downloading " in result.stderr, result.stderr
+    assert not list(raw.glob(".*.tmp"))
 
 
 def test_a_data_dir_that_is_a_file_is_said_so(run_inprocess, tmp_path):
