@@ -334,15 +334,17 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"{taken}: the range test sweeps the learning rate itself, from --from to --to")
     if taken := first_given(options, NOT_TRAINING):
         parser.error(f"{taken}: the range test measures a training run, and {taken} makes the recipe do something else")
-    if option_value(options, "--optimizer") == "lbfgs":  # its rate is only the line search's first trial step
-        parser.error("--optimizer lbfgs: LBFGS finds its step length by line search, so the loss shows no slope over "
-                     "a range of rates; the range test is for sgd, adam and adamw")
     try:
         recipe = load_recipe(args.recipe)
     except FinderError as err:  # no such recipe, or a file that is not one
         parser.error(f"argument RECIPE: {err}")
     if taken := first_given(replayed(recipe, options), ("--patience", *NOT_TRAINING)):  # it passes the others itself
         parser.error(f"--config sets {taken}, which the range test cannot take: replay a copy of the file without it")
+    optimizer = option_value(options, "--optimizer") or ("--optimizer" in replayed(recipe, options) and json.loads(
+        Path(option_value(options, "--config")).read_text())["optimizer_name"])  # (given, or replayed)
+    if optimizer == "lbfgs":  # its rate is only the line search's first trial step
+        parser.error("--optimizer lbfgs: LBFGS finds its step length by line search, so the loss shows no slope over "
+                     "a range of rates; the range test is for sgd, adam and adamw")
     if why := not_replaceable(args.plot):  # found before the range test, not after it
         print(f"error: cannot write --plot {args.plot}: {why}", file=sys.stderr)
         return 1

@@ -138,6 +138,8 @@ RECIPES = ", ".join(sorted(p.stem for p in (find_lr.ROOT / "recipes").glob("*.py
     (["tabular_mlp", "--csv", "{table_csv}", "--target", "label", "--optimizer=lbfgs"], 2, "error: --optimizer "
      "lbfgs: LBFGS finds its step length by line search, so the loss shows no slope over a range of rates; the "
      "range test is for sgd, adam and adamw\n"),
+    (["tabular_mlp", "--csv", "{table_csv}", "--target", "label", "--config", "{tmp}/lbfgs.json"], 2,  # replayed
+     "error: --optimizer lbfgs: LBFGS finds its step length by line search"),
     # --patience would end the ramp early
     (["tabular_mlp", "--csv", "{table_csv}", "--target", "label", "--patience", "1"], 2,
      "error: --patience: the range test runs the recipe in a run directory of its own, for its own steps\n"),
@@ -157,6 +159,7 @@ def test_mistakes_are_one_line(args, code, message, table_csv, capsys, tmp_path,
     monkeypatch.chdir(tmp_path)
     (tmp_path / "other.py").write_text(f"open({str(tmp_path / 'ran')!r}, 'w')\n")
     (tmp_path / "broken.py").write_text("def main(:\n")
+    (tmp_path / "lbfgs.json").write_text('{"optimizer_name": "lbfgs"}')  # a config.json of an LBFGS run, in part
     try:
         result = find_lr.main([a.replace("{table_csv}", str(table_csv)).replace("{tmp}", str(tmp_path))
                                for a in args])
