@@ -341,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
     if taken := first_given(replayed(recipe, options), ("--patience", *NOT_TRAINING)):  # it passes the others itself
         parser.error(f"--config sets {taken}, which the range test cannot take: replay a copy of the file without it")
     optimizer = option_value(options, "--optimizer") or ("--optimizer" in replayed(recipe, options) and json.loads(
-        Path(option_value(options, "--config")).read_text())["optimizer_name"])  # (given, or replayed)
+        Path(option_value(options, "--config")).read_text()).get("optimizer_name"))  # (given, or replayed)
     if optimizer == "lbfgs":  # its rate is only the line search's first trial step
         parser.error("--optimizer lbfgs: LBFGS finds its step length by line search, so the loss shows no slope over "
                      "a range of rates; the range test is for sgd, adam and adamw")
