@@ -261,11 +261,9 @@ def target_task(column: pa.ChunkedArray, name: str, task: str, rows: str = "") -
                               f"ones{rows}: there is nothing to learn")
     values = numbers(column, strict=True)
     if values is None:  # numbers but for a stray few ("unknown", a typo): a regression, which then names their rows
-        indices, words = distinct(column)
-        present, loose = pc.is_valid(words).to_numpy(zero_copy_only=False)[indices], numbers(column, strict=False)
-        stray = (present & np.isnan(loose)).sum()  # (decided already, a regression takes any column with a number)
-        values = loose if stray <= STRAY_WORDS * present.sum() or (task == "regression" and stray < present.sum()) \
-            else None
+        stray, present, _ = stray_words(column)  # (decided already, a regression takes any column with a number)
+        values = numbers(column, strict=False) \
+            if stray <= STRAY_WORDS * present or (task == "regression" and stray < present) else None
     if task == "regression" and values is None:
         raise cli.RecipeError(f"--task regression needs a numeric target, but {name!r} holds text")
     if task == "auto":
@@ -286,16 +284,21 @@ def mostly_numbers(column: pa.ChunkedArray, name: str) -> np.ndarray | None:
     """A column of numbers but for a few stray cells (at most STRAY_WORDS of its present ones: "1,200", "12 kg", a
     typo) as numbers, those cells missing, with a warning; None for a column of words. Without this, one stray cell
     would make the column a category of its every value, as a new row's stray cell is already read as missing."""
-    indices, words = distinct(column)
-    stray_word = pc.invert(pc.fill_null(pc.match_substring_regex(words, NUMBER, ignore_case=True), True))
-    stray = stray_word.to_numpy(zero_copy_only=False)[indices]
-    present = int(pc.is_valid(words).to_numpy(zero_copy_only=False)[indices].sum())
-    if not stray.any() or stray.sum() > STRAY_WORDS * present:
+    stray, present, example = stray_words(column)
+    if not stray or stray > STRAY_WORDS * present:
         return None
-    example = words.filter(stray_word)[0].as_py()
-    print(f"warning: column {name!r}: {stray.sum():,} of {present:,} values are not numbers (such as {example!r}), "
+    print(f"warning: column {name!r}: {stray:,} of {present:,} values are not numbers (such as {example!r}), "
           "read as missing", file=sys.stderr)
     return numbers(column, strict=False)
+
+
+def stray_words(column: pa.ChunkedArray) -> tuple[int, int, str | None]:
+    """How many cells hold a word that is no number, of how many present ones, and the first such word."""
+    indices, words = distinct(column)
+    stray_word = pc.invert(pc.fill_null(pc.match_substring_regex(words, NUMBER, ignore_case=True), True))
+    stray = int(stray_word.to_numpy(zero_copy_only=False)[indices].sum())
+    present = int(pc.is_valid(words).to_numpy(zero_copy_only=False)[indices].sum())
+    return stray, present, words.filter(stray_word)[0].as_py() if stray else None
 
 
 def fit_features(table: pa.Table, target: str, task: str, bins: int = 0, rows: str = "") -> dict:
