@@ -191,8 +191,7 @@ def download(url: str, dest: Path, md5: str) -> Path:
     tmp = dest.with_name(f".{dest.name}.part")
     try:
         with urllib.request.urlopen(url, timeout=30) as response, open(tmp, "wb") as f:
-            while chunk := response.read(1 << 20):
-                f.write(chunk)
+            shutil.copyfileobj(response, f)
     except BaseException as err:  # Ctrl-C and SIGTERM too: no part file or new folder is left
         tmp.unlink(missing_ok=True)
         remove_empty(created)
