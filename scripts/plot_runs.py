@@ -36,7 +36,8 @@ QUANTITIES = [
     ("bits", "bits per byte, char or token", [("train/bits_per_*", "-"), ("val/bits_per_*", "--"),
                                              ("ema_val/bits_per_*", ":")]),
     ("learning rate", "lr", [("train/lr", "-")]),
-    ("throughput", "per second", [("perf/*_per_s", "-")]),  # samples or tokens: eager vs compiled, fp32 vs bf16
+    # samples or tokens (the y label and legend say which): eager vs compiled, fp32 vs bf16
+    ("throughput", "", [("perf/*_per_s", "-")]),
 ]
 
 
@@ -170,17 +171,20 @@ def plot(run_dirs: list[Path], out: Path) -> tuple[list[str], int]:
                                                          for i in range(len(runs))]
     styles = {}  # the line styles drawn, and the split each stands for (train solid, val dashed, ema_val dotted)
     for ax, (title, ylabel, tags) in zip(axes[0], present, strict=True):
+        units = set()  # throughput: samples/s, tokens/s, named apart in the legend and the y label
         for i, (label, scalars) in enumerate(runs):
             for pattern, style in tags:
                 for tag in matching(scalars, pattern):
                     steps, values = zip(*scalars[tag], strict=True)
-                    split = tag.split("/")[0]
+                    split, name = tag.split("/", 1)
+                    split = name.replace("_per_s", "/s") if split == "perf" else split
+                    units |= {split} if name.endswith("_per_s") else set()
                     ax.plot(steps, values, style, color=colours[i % len(colours)], linewidth=1.2, marker="o",
                             markersize=4, markevery=isolated(values), label=f"{label} {split}")
                     styles.setdefault(style, split)
         ax.set_title(title, fontsize=10)
         ax.set_xlabel("step", fontsize=9)
-        ax.set_ylabel(ylabel, fontsize=9)
+        ax.set_ylabel(ylabel or " or ".join(sorted(units)), fontsize=9)
         ax.tick_params(labelsize=8)
         ax.grid(alpha=0.3)
         if not many:

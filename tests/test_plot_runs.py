@@ -62,6 +62,22 @@ def drawn_figure(run_dirs, out):
     return figures[0]
 
 
+def test_throughput_in_samples_and_in_tokens_is_told_apart(tmp_path):
+    """A classifier logs samples/s and the transformer tokens/s: drawn on one axis, each curve says its unit."""
+    runs = []
+    for name, unit in [("mlp", "samples"), ("lm", "tokens")]:
+        writer = SummaryWriter(str(tmp_path / name))
+        for step in range(1, 4):
+            writer.add_scalar("train/loss", 1.0 / step, step)
+            writer.add_scalar(f"perf/{unit}_per_s", 100.0 * step, step)
+        writer.close()
+        runs.append(tmp_path / name)
+    panels = {axes.get_title(): axes for axes in drawn_figure(runs, tmp_path / "mixed.png").axes}
+    assert [line.get_label() for line in panels["throughput"].get_lines()] == ["mlp samples/s", "lm tokens/s"]
+    assert panels["throughput"].get_ylabel() == "samples/s or tokens/s"
+    assert [line.get_label() for line in panels["loss"].get_lines()] == ["mlp train", "lm train"]
+
+
 def test_many_runs_get_one_legend_beside_the_plots_and_a_colour_each(tmp_path):
     runs = [make_run(tmp_path / f"run{i:02d}", lr=0.1 / (i + 1)) for i in range(13)]
     out = tmp_path / "many.png"
