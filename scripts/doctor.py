@@ -400,7 +400,7 @@ def main(argv: list[str] | None = None) -> int:
         median = statistics.median(result)
         verdict = ("faster in every round" if name in faster else "no clear gain here" if median >= 0.95 else
                    "slower here")
-        if changes and median >= 1.1:
+        if changes and clearly_faster(result):  # the test the others pass, not the median alone
             verdict = "faster per sample, but it changes the training: retune --lr"
         table.append((name, spread(result), verdict))
     table += rows + rule_rows(observed, config, profile, options)

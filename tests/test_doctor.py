@@ -296,6 +296,19 @@ def test_what_the_doctor_recommends(alone, together, recommended, said, monkeypa
     assert json.loads(report.read_text())["recommended_options"] == recommended
 
 
+@pytest.mark.parametrize(("ratios", "verdict"), [([0.80, 1.20, 1.25], "no clear gain here"),
+                                               ([1.15, 1.20, 1.25], "faster per sample, but it changes the training")])
+def test_an_alternative_that_changes_the_training_gets_the_same_test_of_faster(ratios, verdict, monkeypatch,
+                                                                               capsys):
+    """Slower in one round is not faster, whether or not the alternative changes the training (a larger batch)."""
+    stub_measurements(monkeypatch, {"--num-workers 1": ratios, "--batch-size 64": ratios})
+    monkeypatch.setattr(doctor, "alternatives", lambda known, options, config, wanted: (
+        {"--num-workers 1": (["--num-workers", "1"], False), "--batch-size 64": (["--batch-size", "64"], True)}, []))
+    assert doctor.main(["mnist_onecycle"]) == 0
+    out = capsys.readouterr().out
+    assert f"| --batch-size 64 | 1.20x ({min(ratios):.2f}-1.25) | {verdict}" in out
+
+
 def test_a_baseline_that_fails_in_its_own_process_is_one_line(monkeypatch, tmp_path, capsys):
     def throughput(recipe_path, options, steps, window, run_dir):
         raise RuntimeError("error: out of memory")
