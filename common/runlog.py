@@ -58,6 +58,7 @@ class RunLog:
         self.skipped_steps = self.skipped_in_a_row = 0  # fp16 steps the GradScaler skipped for overflowing
         self.evals: dict[str, dict[str, float]] = {}  # the last evaluation: {"val": {"loss": ..., "acc": ...}}
         self.items, self.seconds, self.first_window = 0, 0.0, None  # throughput leaves the first window out
+        self.seconds_per_step = 0.0  # the last timed window's, for the eta
         self.earlier_wall_s = 0.0  # earlier launches', up to their last checkpoint: wall_s is the whole run's
 
     def start(self, step: int, config: dict, device: torch.device, world_size: int = 1) -> None:
@@ -133,7 +134,9 @@ class RunLog:
             raise diverged(f"the loss overflows fp16: the GradScaler skipped {self.skipped_in_a_row} steps in a row "
                            f"up to step {last.step}; try --precision bf16", self.last_good())
         if window_ends:
-            eta = (self.total_steps - last.step) * seconds / len(self.pending)
+            timed = sum(1 for p in self.pending if p.items)  # not a step of unknown start: it took no time here
+            self.seconds_per_step = seconds / timed if timed else self.seconds_per_step
+            eta = (self.total_steps - last.step) * self.seconds_per_step
             speed = f"{items / seconds:,.0f} {self.unit}/s  " if items else ""
             skipped = sum(skip == 1 for _, _, skip in rows)  # the loss shown is the last step's that counted
             loss = "n/a" if skipped == len(rows) else f"{self.train_loss:.4f}"  # none did: no earlier one as if new

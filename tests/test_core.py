@@ -594,8 +594,25 @@ def test_a_window_of_no_timed_step_shows_no_speed_rather_than_zero(tmp_path, mon
     assert lines[0].endswith("  8 samples/s  eta 0m02s")  # the first step: timed from start()
     assert lines[1].endswith("  8 samples/s")  # the throughput so far
     assert [line for line in lines[2:] if " 0 samples/s" in line] == []
-    assert lines[2] == "epoch 2/3  step 2/3  loss 1.0000  lr 1.00e-02  eta 0m00s"
+    assert lines[2] == "epoch 2/3  step 2/3  loss 1.0000  lr 1.00e-02  eta 0m01s"  # the last timed window's rate
     assert summary["samples_per_s"] == pytest.approx(8.0)
+
+
+def test_the_eta_counts_only_the_timed_steps_of_a_window(tmp_path, monkeypatch, capsys):
+    """After an evaluation (or a save) the window's first step is not timed: a window of 10 steps timed for 9 of
+    them is 9 steps' seconds, so the eta divides by 9 (it said 0m00s, or 10% too soon)."""
+    now = [0.0]
+    monkeypatch.setattr(time, "perf_counter", lambda: now[0])
+    log = RunLog(RunFolder(tmp_path, None), "t", total_steps=100, every=10)
+    log.start(0, {}, CPU)
+    for step in range(1, 21):
+        now[0] += 1.0  # a second a step
+        log.train(step, stats(1.0), lr=0.01, items=8)
+        if step == 10:
+            log.eval(step, val={"loss": 0.5})
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[1].endswith("  8 samples/s  eta 1m30s")  # 90 steps left at a second each
+    assert lines[-1].endswith("  8 samples/s  eta 1m20s")
 
 def test_spoiled_weights_are_never_saved(tmp_path):
     """A step can report a finite loss while its inf/nan gradients spoil the weights: no checkpoint of those."""
