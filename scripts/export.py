@@ -406,7 +406,8 @@ def export_checkpoint(checkpoint: Path, out_dir: Path, overwrite: bool = False, 
     # --overwrite replaces an earlier export (only files an export writes), never a run, a checkpoint or a project
     foreign = out_dir.is_dir() and next((p for p in out_dir.iterdir() if not (  # (or an export's own folder)
         p.is_file() and p.name in EXPORT_FILES or p.is_dir() and TEMPORARY.fullmatch(p.name))), None)
-    if foreign or (overwrite and out_dir.resolve() in checkpoint.resolve().parents):
+    # (realpath, not resolve(): a link that names itself is a RuntimeError there, and an error below here)
+    if foreign or (overwrite and Path(os.path.realpath(out_dir)) in Path(os.path.realpath(checkpoint)).parents):
         raise ExportError(f"OUT_DIR {out_dir} holds {foreign or checkpoint}, which no export writes: --overwrite "
                           "replaces an earlier export only; choose a new folder")
     if out_dir.is_dir() and any(out_dir.iterdir()) and not overwrite:
@@ -450,7 +451,7 @@ def export_checkpoint(checkpoint: Path, out_dir: Path, overwrite: bool = False, 
         except Exception as err:  # torch.export or the ONNX converter cannot handle the model
             first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
             raise ExportError(f"exporting the {recipe} model failed: {first}") from None
-        worst = max(differences.values())
+        worst = max(differences.values(), key=lambda d: math.inf if math.isnan(d) else d)  # (max() passes a nan by)
         if not worst <= TOLERANCE:  # also catches nan
             each = ", ".join(f"{name} {value:.3g}" for name, value in differences.items())
             raise ExportError(f"the exported {recipe} model disagrees with the checkpoint's: largest difference "
