@@ -568,6 +568,8 @@ def model_from_checkpoint(checkpoint: dict, source: Path) -> TabularMLP:
     """The model a checkpoint describes, with its weights: for --predict and scripts/export.py."""
     try:
         spec, config = checkpoint["features"], checkpoint["config"]
+        if not all(isinstance(spec.get(columns), dict) for columns in ("numeric", "categorical")):
+            raise cli.RecipeError(f"checkpoint {source} is damaged: its features name no columns as this recipe does")
         embedding = config.get("num_embedding_used", config["num_embedding"])  # what --num-embedding auto chose
         model = build_model(spec, config["hidden"], config["depth"], config["dropout"], embedding)
     except KeyError as err:
