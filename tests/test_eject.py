@@ -598,3 +598,45 @@ if __name__ == "__main__":
 
     python pretrain.py && python my_run.py --lr 0.1
 """''')
+    # a name with a backslash: escaped in the docstring, not read as a regex (a traceback: bad escape \\x)
+    assert run_subprocess(["scripts/eject.py", tmp_path / "train.py", tmp_path / "my\\x.py"]).code == 0
+    assert "python my\\\\x.py --lr 0.1" in (tmp_path / "my\\x.py").read_text()
+
+
+def test_the_recipes_own_imports_stay_and_a_path_of_its_own_is_named(tmp_path):
+    """An import read nowhere may be there for what importing it does (torchvision registers its ops in torch.ops):
+    the copy kept only the imports it read, and failed where the recipe ran. A sys.path line of the user's own (not
+    the clone's bootstrap) cannot stay above the merged imports: the copy says so rather than drop it silently."""
+    (tmp_path / "libs").mkdir()
+    (tmp_path / "libs" / "mylib.py").write_text("GREETING = 'hello from mylib'\n")
+    (tmp_path / "boxes.py").write_text(f'''"""Keep the best of overlapping boxes."""
+
+import importlib
+import sys
+
+import torch
+import torchvision  # noqa: F401  (importing it registers torch.ops.torchvision.nms)
+
+sys.path.insert(0, {str(tmp_path / "libs")!r})
+
+from common.cli import RecipeError  # noqa: E402
+
+
+def main() -> None:
+    boxes, scores = torch.tensor([[0.0, 0.0, 1.0, 1.0], [0.0, 0.0, 1.0, 1.0]]), torch.tensor([1.0, 0.5])
+    if not len(boxes):
+        raise RecipeError("no boxes")
+    print(torch.ops.torchvision.nms(boxes, scores, 0.5).tolist(), importlib.import_module("mylib").GREETING)
+
+
+if __name__ == "__main__":
+    main()
+''')
+    result = run_subprocess(["scripts/eject.py", tmp_path / "boxes.py", tmp_path / "out.py"])
+    assert result.code == 0, result.stderr
+    assert result.stderr == (f"warning: boxes.py:9: the copy leaves out sys.path.insert(0, {str(tmp_path / 'libs')!r})"
+                             " (eject writes its own imports); add it back above them if the copy needs it\n")
+    assert "\nimport torchvision\n" in (tmp_path / "out.py").read_text()
+    libs = {"PYTHONPATH": str(tmp_path / "libs")}  # as the user puts it back, or installs it
+    run = run_subprocess([sys.executable, tmp_path / "out.py"], cwd=tmp_path, env=libs)
+    assert run.code == 0 and run.stdout == "[0] hello from mylib\n", run.stdout + run.stderr
