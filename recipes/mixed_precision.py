@@ -222,7 +222,8 @@ def compare(options: dict, run_dir: Path, max_slowdown: float, repeats: int = 3)
             rows[precision]["note"] = f"unsupported here: {error}"
             continue
         if statistics.median(speedup) < 1 / max_slowdown:
-            rows[precision]["note"] = f"{1 / statistics.median(speedup):.0f}x slower than fp32 here: not trained"
+            slowdown = 1 / statistics.median(speedup)  # 1.3x, 45x: "1x" would say no slower
+            rows[precision]["note"] = f"{slowdown:.{1 if slowdown < 10 else 0}f}x slower than fp32 here: not trained"
             continue
         try:
             result = train(**options | {"precision": precision, "run_dir": run_dir / precision})
