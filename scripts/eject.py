@@ -4,15 +4,16 @@
     python scripts/eject.py path/to/recipes/NAME.py OUTPUT.py
     python scripts/eject.py mnist_onecycle my_train.py --overwrite     # replace an earlier copy
 
-Recipes import the shared core by name (``from common.loop import train_step``). To start a project of
-your own from a recipe without carrying ``common/`` along, eject writes OUTPUT: the recipe's docstring, one
-merged import block, the recipe's own code (the lesson comes first), then the core's functions, classes and
-constants that the recipe needs (directly or through each other; nothing else), one section per core module,
-and last the recipe's ``if __name__ == "__main__":`` block. Definitions are copied as written, so their
-comments and docstrings stay. ``from __future__ import annotations`` lets the recipe's annotations name core
-types defined below it; anything else the recipe runs when it is imported (a base class, a decorator, a default
-value, a function called at the top level) may not use the core. Eject runs the new script's top level once to
-make sure, and writes OUTPUT only if it imports.
+Recipes import the shared core by name (``from common.loop import train_step``). To start a project of your
+own from a recipe without carrying ``common/`` along, eject writes OUTPUT: the recipe's docstring, one merged
+import block (all of the recipe's imports, and the core's that the copied code reads), the recipe's own code
+(the lesson comes first), then the core's functions, classes and constants that the recipe needs (directly or
+through each other; nothing else), one section per core module, and last the recipe's ``if __name__ ==
+"__main__":`` block. Definitions are copied as written, so their comments and docstrings stay. ``from
+__future__ import annotations`` lets the recipe's annotations name core types defined below it; anything else
+the recipe runs when it is imported (a base class, a decorator, a default value, a function called at the top
+level) may not use the core. Eject runs the new script's top level once to make sure, and writes OUTPUT only
+if it imports.
 
 What to copy is decided on the syntax tree, never on text: a name counts as used where code reads it as a
 module-level name; annotations, decorators and default values count, a function's parameters and local
