@@ -204,7 +204,6 @@ def remove_empty(created: list[Path]) -> None:
 def write_json(path: Path, data: dict) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     try:
-        data = json.loads(json.dumps(data), parse_constant=lambda _: None)  # NaN and inf as null: JSON has neither
         tmp.write_text(json.dumps(data, indent=2) + "\n")
         os.replace(tmp, path)  # readers see the old file or the new one, never half of one
     except OSError as err:  # a full disk, say: the checkpoints already written are intact

@@ -20,6 +20,7 @@ have fp16 tensor cores only (use --precision fp16, with its GradScaler). A CPU w
 (AVX2 only) emulates them and is far slower; --compare measures that and says so instead of running for hours.
 """
 
+import json
 import math
 import statistics
 import sys
@@ -250,6 +251,8 @@ def compare(options: dict, run_dir: Path, max_slowdown: float, repeats: int = 3)
           f"{'compiled ' if options['compile'] else ''}models"
           + (f"; warning: {', '.join(wide)} varied by over 25% between rounds: the machine is busy, so compare "
              "with care or rerun" if wide else ""))
+    # a failed precision's times (inf) and a diverged fp32's loss difference (nan) are null: JSON has neither
+    rows = json.loads(json.dumps(rows), parse_constant=lambda _: None)
     write_json(run_dir / "metrics.json", {"recipe": RECIPE, "repeats": repeats, "compare": rows})
     print(f"done: compared {', '.join(rows)} run_dir={run_dir}")
 

@@ -1082,6 +1082,15 @@ def test_a_disk_turned_read_only_under_a_json_file_is_one_error(tmp_path, monkey
         write_json(tmp_path / "metrics.json", {"steps": 1})
 
 
+def test_an_infinite_option_in_config_json_replays_as_itself(tmp_path):
+    """--max-grad-norm inf (no clipping) is written as Infinity, which --config reads back as inf: as null it would
+    replay as the option's default, clipping at 1.0."""
+    from common.rundir import write_json
+
+    write_json(tmp_path / "config.json", {"max_grad_norm": math.inf})
+    assert json.loads((tmp_path / "config.json").read_text()) == {"max_grad_norm": math.inf}
+
+
 def test_sums_over_a_data_set_are_float64_except_on_mps_which_has_none():
     """evaluate's (and ddp_mlp's) totals: float64 on an MPS device raises TypeError at the first evaluation."""
     from common.loop import sum_dtype
