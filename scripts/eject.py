@@ -557,7 +557,9 @@ def main(argv: list[str] | None = None) -> int:
             raise EjectError(f"{output} exists; choose another name, or add --overwrite to replace it")
         # Python puts a script's folder first on sys.path: a typer.py would be what its own `import typer` finds
         module, places = output.name.removesuffix(".py"), [p for p in sys.path if p and Path(p).resolve() != HERE]
-        if module.isidentifier() and (module in sys.stdlib_module_names or PathFinder.find_spec(module, places)):
+        # (but test.py, a common name: the standard library's `test` is CPython's own suite, which nothing imports)
+        if module.isidentifier() and module != "test" and (module in sys.stdlib_module_names or
+                                                            PathFinder.find_spec(module, places)):
             raise EjectError(f"{output.name} would hide the {module} module from the script (Python looks in "
                              "the script's folder first); choose another name")
         ejection = Ejection(recipe)

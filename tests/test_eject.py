@@ -399,6 +399,10 @@ def test_an_output_named_like_one_of_this_repositorys_scripts_is_written(tmp_pat
     """scripts/ is first on eject's own sys.path, not on the copy's: export.py hides no module of the copy's."""
     result = run_subprocess(["scripts/eject.py", "mixed_precision", tmp_path / "export.py"])
     assert result.code == 0 and (tmp_path / "export.py").is_file(), result.stderr
+    # nor does test.py, though the standard library has a `test` (CPython's own suite, which nothing imports)
+    result = run_subprocess(["scripts/eject.py", "mixed_precision", tmp_path / "test.py"])
+    assert result.code == 0 and (tmp_path / "test.py").read_text() == (tmp_path / "export.py").read_text().replace(
+        "export.py", "test.py"), result.stderr
 
 
 def test_an_existing_output_is_replaced_only_with_overwrite(tmp_path):
