@@ -8,6 +8,7 @@ import shutil
 import numpy as np
 import onnxruntime
 import pyarrow as pa
+import pyarrow.csv
 import pytest
 import torch
 from conftest import assert_same_weights, load_recipe, load_weights, read_metrics, write_table
@@ -76,6 +77,15 @@ def test_a_column_missing_in_every_training_row_trains_and_predicts(run_inproces
     (tmp_path / "new.csv").write_text("x,empty\n0.5,\n-0.5,hello\n")
     result = run_inprocess(RECIPE, "--predict", tmp_path / "new.csv", "--resume", run_dir / "checkpoints" / "best.pt")
     assert result.code == 0, result.stderr
+    assert_predicted(tmp_path / "new.predictions.csv", ["x", "empty"], rows=2)
+
+
+def assert_predicted(path, columns, rows):
+    """A prediction per input row, after the row's own cells: a class of the training target, and its probability."""
+    predicted = pa.csv.read_csv(path)
+    assert predicted.column_names == [*columns, "prediction", "probability"] and predicted.num_rows == rows
+    assert set(predicted["prediction"].to_pylist()) <= {"a", "b"}
+    assert all(0.5 <= p <= 1 for p in predicted["probability"].to_pylist())  # the likelier of two classes
 
 
 def test_an_all_missing_parquet_column_trains_and_predicts(run_inprocess, tmp_path):
@@ -94,6 +104,7 @@ def test_an_all_missing_parquet_column_trains_and_predicts(run_inprocess, tmp_pa
     result = run_inprocess(RECIPE, "--predict", tmp_path / "new.parquet", "--resume",
                            run_dir / "checkpoints" / "best.pt")
     assert result.code == 0, result.stderr
+    assert_predicted(tmp_path / "new.predictions.csv", ["x", "nothing"], rows=5)
 
 
 @pytest.mark.parametrize("embedding", ["ple", "periodic"])
