@@ -34,7 +34,8 @@ class RunFolder:
         if self.resume_from is None:
             return False
         written = Path(os.path.abspath(self.path)) in Path(os.path.abspath(self.resume_from)).parents
-        return not written and self.path.resolve() not in self.resume_from.resolve().parents
+        resolved = self.resume_from.resolve().parents  # (checkpoints/ resolved too: --resume /bigger_disk/last.pt)
+        return not written and not {self.path.resolve(), (self.path / "checkpoints").resolve()} & set(resolved)
 
 
 def last_file(run_dir: Path) -> Path | None:
@@ -102,8 +103,11 @@ def open_run_dir(recipe: str, run_dir: Path | None, resume: str | None,
         tempfile.TemporaryFile(dir=run_dir).close()  # a folder that exists may still be read-only
     except OSError as err:
         raise RecipeError(f"cannot write to --run-dir {run_dir}: {why_not_written(run_dir, err)}") from None
-    if (run_dir / "checkpoints").exists() and not (run_dir / "checkpoints").is_dir():  # now, not at the first save
-        raise RecipeError(f"cannot write checkpoints in {run_dir}: its checkpoints is a file, not a folder")
+    checkpoints = run_dir / "checkpoints"  # now, not at the first save: a file, or a link to a disk not mounted
+    if checkpoints.exists() and not checkpoints.is_dir() or checkpoints.is_symlink() and not checkpoints.exists():
+        why = "its checkpoints is a file, not a folder" if checkpoints.exists() else why_not_written(checkpoints,
+                                                                                                    OSError())
+        raise RecipeError(f"cannot write checkpoints in {run_dir}: {why}")
     lock = hold(run_dir)
     on_exit(lambda: release(run_dir, lock, created))
     return RunFolder(run_dir, last if resume == "auto" else Path(resume) if resume else None, held)

@@ -336,17 +336,21 @@ def test_a_checkpoints_folder_linked_to_another_disk_is_still_the_runs_own(run_i
     (tmp_path / "linked").mkdir()
     (tmp_path / "bigger_disk").mkdir()
     (tmp_path / "linked" / "checkpoints").symlink_to(tmp_path / "bigger_disk")
-    for run in ("plain", "linked"):
+    (tmp_path / "by_target").mkdir()  # resumed with --resume naming the file where the link leads
+    (tmp_path / "target_disk").mkdir()
+    (tmp_path / "by_target" / "checkpoints").symlink_to(tmp_path / "target_disk")
+    for run in ("plain", "linked", "by_target"):
         assert run_inprocess("mixed_precision", *small, "--max-steps", 8, "--run-dir", tmp_path / run).code == 0
-        resumed = run_inprocess("mixed_precision", *small, "--run-dir", tmp_path / run, "--resume", "auto")
+        last = tmp_path / "target_disk" / "last.pt" if run == "by_target" else "auto"
+        resumed = run_inprocess("mixed_precision", *small, "--run-dir", tmp_path / run, "--resume", last)
         assert resumed.code == 0, resumed.stderr
     timing = {"wall_s", "samples_per_s"}
-    plain, linked = ({k: v for k, v in read_metrics(tmp_path / run).items() if k not in timing}
-                     for run in ("plain", "linked"))
-    assert linked == plain
+    plain, linked, by_target = ({k: v for k, v in read_metrics(tmp_path / run).items() if k not in timing}
+                                for run in ("plain", "linked", "by_target"))
+    assert linked == plain and by_target == plain  # by_target's best was reset: a worse best.pt, best_step 16
     steps = [torch.load(tmp_path / run / "checkpoints" / "best.pt", weights_only=True)["step"]
-             for run in ("plain", "linked")]
-    assert steps[0] == steps[1] == plain["best_step"]
+             for run in ("plain", "linked", "by_target")]
+    assert steps[0] == steps[1] == steps[2] == plain["best_step"]
     again = run_inprocess("mixed_precision", *small, "--run-dir", tmp_path / "linked", "--resume", "auto")
     assert again.code == 0 and "already finished" in again.stdout, again.stderr
 
@@ -360,6 +364,12 @@ def test_a_run_folder_that_cannot_hold_checkpoints_is_refused_before_training(ru
     assert result.code == 1 and result.stderr == f"error: cannot write checkpoints in {tmp_path / 'run'}: its " \
         "checkpoints is a file, not a folder\n" and result.stdout == ""
     assert [p.name for p in (tmp_path / "run").iterdir()] == ["checkpoints"]
+    (tmp_path / "run" / "checkpoints").unlink()  # a link to a disk not mounted: found at the first save, an epoch on
+    (tmp_path / "run" / "checkpoints").symlink_to(tmp_path / "unmounted")
+    result = run_inprocess("mixed_precision", "--run-dir", tmp_path / "run")
+    assert result.code == 1 and result.stderr == f"error: cannot write checkpoints in {tmp_path / 'run'}: " \
+        f"{tmp_path / 'run' / 'checkpoints'} is a link to {tmp_path / 'unmounted'}, which does not exist\n"
+    assert result.stdout == "" and [p.name for p in (tmp_path / "run").iterdir()] == ["checkpoints"]
     (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
     result = run_inprocess("mixed_precision", "--run-dir", tmp_path / "dangling")
     assert result.code == 1 and result.stderr == f"error: cannot write to --run-dir {tmp_path / 'dangling'}: " \
