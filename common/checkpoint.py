@@ -73,8 +73,9 @@ def load_checkpoint(path: Path, recipe: str, entry: str = "model") -> dict:
         raise RecipeError(f"{path} is not a training checkpoint of this project (no {entry!r} entry)")
     if state.get("recipe") != recipe:
         raise RecipeError(f"{path} was written by recipe {state.get('recipe')!r}, not {recipe!r}")
-    if not isinstance(state.get("config", {}), dict) or type(step := state.get("step", 0)) is not int or step < 0:
-        raise RecipeError(f"{path} is damaged: its config is not a dict, or its step not a count")
+    counts = state.get("step", 0), state.get("steps_per_epoch") or 0  # (a run of steps, not epochs: None)
+    if not isinstance(state.get("config", {}), dict) or any(type(n) is not int or n < 0 for n in counts):
+        raise RecipeError(f"{path} is damaged: its config is not a dict, or its step or epoch length not a count")
     return state
 
 
@@ -208,8 +209,7 @@ class Checkpointer:
             self.last_good, self.last_step = path, step
 
     def restore(self, checkpoint: dict) -> int:
-        """Put everything back as ``save`` found it; the step. Call it once the model is on its device (optimizer
-        state loads onto the device of the parameters)."""
+        """Put back what ``save`` saved, once the model is on its device (as its optimizer state is); the step."""
         load_model_state(self.model, checkpoint["model"], self.source)
         try:
             self.optimizer.load_state_dict(checkpoint["optimizer"])

@@ -190,8 +190,8 @@ USAGE_CASES = {  # exit 2: (extra arguments, text the error line must hold)
 }
 RUNTIME_CASES = [  # exit 1
     "missing checkpoint", "random bytes", "truncated checkpoint", "other recipe's checkpoint", "pickle payload",
-    "older version's checkpoint", "another run's checkpoint", "damaged step", "damaged optimizer",
-    "damaged scheduler", "cuda absent", "unwritable run dir", "resumed with another schedule",
+    "older version's checkpoint", "another run's checkpoint", "damaged step", "damaged epoch length",
+    "damaged optimizer", "damaged scheduler", "cuda absent", "unwritable run dir", "resumed with another schedule",
 ]
 INPUT_CASES = {  # recipe inputs, exit 1
     "tabular_mlp": ["missing csv", "empty csv", "header-only csv", "no such target", "one-class target",
@@ -279,12 +279,14 @@ def bad_arguments(recipe: str, case: str, request, tmp_path: Path, trained) -> t
         # in a new run directory: going on from it in the existing one is refused before it is restored
         return ["--resume", checkpoint, *fresh], 1, "lacks part of the training state, or holds it in another form " \
             "(KeyError"
-    if case in ("damaged step", "damaged optimizer"):  # loadable, of the recipe, and yet a traceback when used
+    if case in ("damaged step", "damaged epoch length", "damaged optimizer"):  # loadable, and yet a traceback
         state = torch.load(good, weights_only=True)
-        state |= {"step": "5"} if case == "damaged step" else {"optimizer": "x", "step": 1}
+        state |= {"damaged step": {"step": "5"}, "damaged epoch length": {"steps_per_epoch": "14"},
+                  "damaged optimizer": {"optimizer": "x", "step": 1}}[case]
         torch.save(state, checkpoint)
-        return ["--resume", checkpoint, *fresh], 1, ("is damaged: its config is not a dict, or its step not a count"
-                                                     if case == "damaged step" else "does not fit this run's optimizer")
+        return ["--resume", checkpoint, *fresh], 1, ("does not fit this run's optimizer" if case == "damaged optimizer"
+                                                     else "is damaged: its config is not a dict, or its step or epoch "
+                                                     "length not a count")
     if case == "damaged scheduler":  # a dict, but not of this schedule: it would resume at the wrong rates
         state = torch.load(good, weights_only=True)
         state |= {"scheduler": {"lr": 1}, "step": 1}
