@@ -217,8 +217,12 @@ def test_a_run_whose_event_files_hold_no_scalars_is_skipped_with_one_line(tmp_pa
 
 def test_an_existing_file_is_replaced_only_if_it_is_an_earlier_figure(tmp_path):
     good, out = make_run(tmp_path / "good"), tmp_path / "curves.png"
-    assert plot(good, "--out", out).code == 0
-    assert plot(good, "--out", out).code == 0  # an earlier figure: replaced
+    assert plot(make_run(tmp_path / "other", lr=0.5), "--out", out).code == 0
+    earlier = out.read_bytes()
+    assert plot(good, "--out", out).code == 0  # an earlier figure: replaced, by one of the other run
+    assert out.read_bytes() != earlier and list(tmp_path.glob(".curves.png*")) == []
+    assert plot(good, "--out", tmp_path / "fresh.png").code == 0
+    assert out.read_bytes() == (tmp_path / "fresh.png").read_bytes()
     write_png(torch.zeros(1, 4, 4, dtype=torch.uint8), str(tmp_path / "photo.png"))  # a PNG matplotlib did not write
     (tmp_path / "notes.png").write_text("my notes")
     for name in ("photo.png", "notes.png"):
