@@ -238,15 +238,17 @@ def test_mnist_already_there_is_read_without_a_lock_and_a_lock_that_fails_is_non
     from common.data import load_mnist, one_at_a_time
 
     def no_locks(fd, operation):
+        tried.append(fd)
         raise OSError(errno.ENOLCK, "No locks available")
 
+    tried = []
     monkeypatch.setattr(fcntl, "flock", no_locks)
     images, labels = load_mnist(mnist_dir, train=True)
-    assert len(labels) == 512
+    assert len(labels) == 512 and tried == []  # there already: no lock was even tried
     ran = []
     with one_at_a_time(tmp_path):
         ran.append(True)
-    assert ran == [True]
+    assert ran == [True] and len(tried) == 1  # tried, failed, and the block ran unlocked
 
 
 def more_labels(images, labels):
