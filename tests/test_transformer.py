@@ -61,11 +61,19 @@ def test_gradient_from_position_t_never_reaches_later_inputs(attention):
     assert torch.all(grad[:6] > 0)
 
 
-def test_einsum_and_sdpa_paths_agree():
+def test_einsum_and_sdpa_paths_agree(monkeypatch):
     einsum_model, sdpa_model = tiny_gpt("einsum"), tiny_gpt("sdpa")
     sdpa_model.load_state_dict(einsum_model.state_dict())
     idx = torch.randint(50, (3, 12))
-    torch.testing.assert_close(einsum_model(idx), sdpa_model(idx), rtol=1e-5, atol=1e-5)
+    calls = []  # each path is the one it names: else this compares a path with itself
+    for name in ("einsum", "scaled_dot_product_attention"):
+        module = torch if name == "einsum" else torch.nn.functional
+        monkeypatch.setattr(module, name, lambda *a, real=getattr(module, name), name=name, **k: calls.append(name)
+                            or real(*a, **k))
+    expected = sdpa_model(idx)
+    assert calls == ["scaled_dot_product_attention"] * 2  # a call per block
+    torch.testing.assert_close(einsum_model(idx), expected, rtol=1e-5, atol=1e-5)
+    assert calls[2:] == ["einsum"] * 4  # scores and weighted values, per block
     torch.testing.assert_close(einsum_model(idx[:, :5]), sdpa_model(idx[:, :5]), rtol=1e-5, atol=1e-5)
 
 
