@@ -276,9 +276,20 @@ def test_gpt2s_own_files_vocab_json_and_merges_txt_give_the_same_tokens(gpt2_dir
     assert read.vocab.decode(read.vocab.encode(TEXT).ids) == TEXT
 
 
-def test_sampling_straight_from_a_folder(gpt2_dir, run_inprocess):
-    result = run_inprocess(RECIPE, "--sample-only", "--init-from", gpt2_dir, "--prompt", "def ", "--sample-tokens", 8)
+def test_sampling_straight_from_a_folder(gpt2_dir, run_inprocess, monkeypatch):
+    """Greedy, the folder's model gives transformers' own tokens: the prompt echoed back alone showed nothing."""
+    sampled = []
+    generate = tt.GPT.generate
+    monkeypatch.setattr(tt.GPT, "generate", lambda self, *args, **kwargs: sampled.append(
+        generate(self, *args, **kwargs)) or sampled[-1])
+    result = run_inprocess(RECIPE, "--sample-only", "--init-from", gpt2_dir, "--prompt", "def ", "--sample-tokens", 8,
+                           "--top-k", 1)
     assert result.code == 0 and result.stdout.startswith("def "), result.stderr
+    prompt = torch.tensor([Tokenizer.from_file(str(gpt2_dir / "tokenizer.json")).encode("def ").ids])
+    theirs = GPT2LMHeadModel.from_pretrained(gpt2_dir).generate(
+        prompt, attention_mask=torch.ones_like(prompt), do_sample=False, max_new_tokens=8, min_new_tokens=8,
+        pad_token_id=0)
+    assert [s.tolist() for s in sampled] == [theirs.tolist()]
     both = run_inprocess(RECIPE, "--sample-only", "--init-from", gpt2_dir, "--resume", "x.pt")
     assert both.code == 2 and "--sample-only needs a checkpoint file, or else an --init-from folder" in both.stderr
     auto = run_inprocess(RECIPE, "--sample-only", "--init-from", gpt2_dir, "--resume", "auto")
