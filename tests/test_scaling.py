@@ -330,6 +330,16 @@ def test_parallel_none_under_torchrun_is_refused_on_every_rank(corpus_txt, tmp_p
     assert 1 <= result.stderr.count("error: --parallel none trains one process, but torchrun started 2") <= 2
 
 
+def test_parallel_none_is_refused_on_a_rank_other_than_0_before_any_folder(corpus_txt, tmp_path, monkeypatch,
+                                                                           run_inprocess):
+    """Above, rank 0's refusal alone ends the group (torchrun stops the rest): rank 1 must refuse of itself too."""
+    monkeypatch.setattr(load_recipe("tiny_transformer"), "init_distributed", lambda device: (1, 2, device))
+    result = run_inprocess("tiny_transformer", "--text", corpus_txt, *TINY, "--parallel", "none", "--run-dir",
+                           tmp_path / "run")
+    assert result.code == 1 and "error: --parallel none trains one process, but torchrun started 2" in result.stderr
+    assert not (tmp_path / "run").exists()
+
+
 def test_a_sharded_run_that_diverges_names_its_last_good_sharded_checkpoint(run_inprocess, corpus_txt, tmp_path):
     """Weights of ~1e30 are finite (step 1 saves them) but overflow in the next forward pass."""
     run_dir = tmp_path / "run"
