@@ -157,6 +157,20 @@ def test_fsdp_bf16_computes_in_bf16_reduces_in_fp32_and_keeps_fp32_weights(one_p
     assert read_metrics(run_dir)["val_loss"] == pytest.approx(read_metrics(one_process)["val_loss"], rel=0.02)
 
 
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_fsdp_shards_every_block_and_the_root_with_the_precision_policy(precision, monkeypatch):
+    """The run above cannot tell an fp32 gradient reduction from a bf16 one within its tolerances: the policy can."""
+    gpt, sharded = load_recipe("tiny_transformer"), []
+    monkeypatch.setattr(gpt, "init_device_mesh", lambda kind, shape: ("mesh", kind, shape))
+    monkeypatch.setattr(gpt, "fully_shard", lambda module, mesh, mp_policy: sharded.append((module, mesh, mp_policy)))
+    model = gpt.GPT(gpt.GPTConfig(256, block_size=16, n_layer=2, n_head=2, n_embd=32))
+    gpt.shard_model(model, torch.device("cpu"), 2, precision)
+    assert [module for module, _, _ in sharded] == [*model.blocks, model]
+    assert {mesh for _, mesh, _ in sharded} == {("mesh", "cpu", (2,))}
+    policies = {(p.param_dtype, p.reduce_dtype) for _, _, p in sharded}
+    assert policies == ({(torch.bfloat16, torch.float32)} if precision == "bf16" else {(None, None)})
+
+
 def test_sharded_checkpoint_resumes_at_another_world_size(run_inprocess, one_process, corpus_txt, tmp_path):
     """1 process to step 2, 2 ranks to step 4, 1 process to step 6: the weights of a run that never stopped."""
     run_dir = tmp_path / "run"
