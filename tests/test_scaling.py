@@ -532,15 +532,21 @@ def test_the_last_good_checkpoint_is_the_resumed_one_until_the_run_saves_its_own
     assert sharded.last_good() == step
 
 
-def test_a_compiled_fsdp_run_resumes_from_its_own_sharded_checkpoint(run_inprocess, corpus_txt, tmp_path):
+def test_a_compiled_fsdp_run_resumes_from_its_own_sharded_checkpoint(run_inprocess, corpus_txt, tmp_path,
+                                                                     monkeypatch):
     """torch.compile's wrapper prefixes parameter names (_orig_mod.); DCP's state dicts do not, and nothing here
     rebuilds them from model.state_dict(): a compiled sharded run resumes, and may change --compile on the way."""
-    args = ["--text", corpus_txt, *TINY, "--parallel", "fsdp", "--batch-size", 8, "--compile", "--run-dir",
-            tmp_path / "run", "--resume", "auto"]
-    assert run_inprocess("tiny_transformer", *args, "--max-steps", 3).code == 0
-    resumed = run_inprocess("tiny_transformer", *args)
-    assert resumed.code == 0, resumed.stderr
-    assert "resumed at step 3" in resumed.stdout and read_metrics(tmp_path / "run")["steps"] == 6
+    compiled, compile_ = [], torch.compile
+    monkeypatch.setattr(torch, "compile", lambda *a, **k: compiled.append(1) or compile_(*a, **k))
+    args = ["--text", corpus_txt, *TINY, "--parallel", "fsdp", "--batch-size", 8, "--run-dir", tmp_path / "run",
+            "--resume", "auto"]
+    launches = []
+    for options in (["--compile", "--max-steps", 2], ["--compile", "--max-steps", 4], []):  # the last one eager
+        result = run_inprocess("tiny_transformer", *args, *options)
+        assert result.code == 0, result.stderr
+        launches.append(len(compiled))
+    assert launches[0] > 0 and launches[1] > launches[0] and launches[2] == launches[1]
+    assert "resumed at step 4" in result.stdout and read_metrics(tmp_path / "run")["steps"] == 6
 
 
 @pytest.mark.parametrize("resumed", [False, True])
