@@ -702,7 +702,8 @@ def main(
     # The parallelism may change on a resume (DDP at 2 to one process, FSDP at 4 to FSDP at 2), the checkpoint
     # format may not: sharded (FSDP, common/sharded.py) or the single file last.pt (one process, DDP).
     sharded = parallel == "fsdp"
-    options.update(batch_size=batch_size, global_batch=global_batch, parallel=parallel,
+    # (--parallel as given: auto, replayed by --config under torchrun, is DDP there; world_size says what it was)
+    options.update(batch_size=batch_size, global_batch=global_batch,
                    checkpoint_format="sharded (--parallel fsdp)" if sharded else "single file")
     config = cli.as_config(options)  # every option as resolved: config.json, and what a resume must match
     last_checkpoint = last_sharded if sharded else last_file  # the last good checkpoint, which a divergence names
@@ -713,7 +714,7 @@ def main(
     run = from_rank_0(lambda: open_run_dir(RECIPE, run_dir, resume, partial(last_sharded, warn=sharded)))
     checkpoint = resume_checkpoint(run, RECIPE, config, load=load_trainer_state, may_change={
         "eval_batches", "sample_tokens", "temperature", "top_k", "prompt", "peak_flops", "batch_size", "grad_accum",
-        "parallel", "activation_checkpointing", "attention"})
+        "parallel", "activation_checkpointing", "attention", "text"})  # text: where, and data_id: what, it holds
     if already_finished(run, checkpoint, steps=steps, max_steps=max_steps):
         if dist.is_initialized():
             leave_process_group()

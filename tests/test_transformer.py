@@ -4,6 +4,7 @@ import itertools
 import json
 import math
 import os
+import shutil
 import signal
 import threading
 from pathlib import Path
@@ -340,7 +341,10 @@ def test_a_replay_with_another_batch_size_takes_it_over_the_recorded_global_batc
     """config.json records both batch sizes; a --config replay given --batch-size (only that) trains with it."""
     first = run_inprocess(RECIPE, "--text", text_file, *SMALL, "--steps", 2, "--eval-every", 2, "--warmup-steps", 1,
                           "--peak-flops", 1e11, "--run-dir", tmp_path / "first")
-    assert first.code == 0 and json.loads((tmp_path / "first" / "config.json").read_text())["global_batch"] == 8
+    recorded = json.loads((tmp_path / "first" / "config.json").read_text())
+    assert first.code == 0 and recorded["global_batch"] == 8
+    # --parallel as given, auto: replayed under torchrun it is DDP there (a recorded "none" was refused)
+    assert (recorded["parallel"], recorded["world_size"]) == ("auto", 1)
     replay = run_inprocess(RECIPE, "--config", tmp_path / "first" / "config.json", "--batch-size", 4, "--grad-accum", 2,
                            "--run-dir", tmp_path / "replay")
     assert replay.code == 0, replay.stderr
@@ -422,6 +426,8 @@ def test_resumed_run_ends_with_the_same_weights(run_inprocess, text_file, tmp_pa
     common = ["--text", text_file, *SMALL, "--steps", 10, "--eval-every", 5, "--dropout", 0.1, "--grad-accum", 2]
     assert run_inprocess(RECIPE, *common, "--run-dir", tmp_path / "full").code == 0
     assert run_inprocess(RECIPE, *common, "--max-steps", 3, "--run-dir", tmp_path / "cut").code == 0
+    moved = shutil.copy(text_file, tmp_path / "moved.txt")  # the same text by another path: refused as other options
+    common[1] = moved
     resumed = run_inprocess(RECIPE, *common, "--resume", "auto", "--run-dir", tmp_path / "cut")
     assert resumed.code == 0, resumed.stderr
     assert "resumed at step 3" in resumed.stdout
