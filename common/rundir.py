@@ -162,8 +162,10 @@ def hold(run_dir: Path) -> int | None:
         HELD_LOCKS.add(fd)
         os.register_at_fork(after_in_child=lambda: close_in_forked_child(fd))
         return fd
-    except BlockingIOError:
+    except OSError as err:  # held by another run, or a file system without flock (ENOLCK, some NFS): unlocked
         os.close(fd)
+        if not isinstance(err, BlockingIOError):
+            return None
     holder = "another process"
     try:  # Linux lists the locks in /proc/locks: "1: FLOCK  ADVISORY  WRITE PID MAJOR:MINOR:INODE 0 EOF"
         for fields in (line.split() for line in Path("/proc/locks").read_text().splitlines()):

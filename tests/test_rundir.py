@@ -52,6 +52,21 @@ def test_a_second_launch_on_a_run_directory_in_use_is_refused_naming_the_process
         first.wait()
 
 
+def test_a_file_system_without_flock_runs_unlocked(run_inprocess, tmp_path, monkeypatch):
+    """ENOLCK (NFS without lockd, some FUSE mounts): every run was refused, "No locks available" naming no path, and
+    left its new folder empty behind it."""
+    import errno
+    import fcntl
+
+    def no_locks(fd, operation):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    result = run_inprocess("mixed_precision", *MP_TINY, "--run-dir", tmp_path / "run")
+    assert result.code == 0 and result.stderr == "", result.stderr
+    assert read_metrics(tmp_path / "run")["steps"] > 0 and (tmp_path / "run" / "checkpoints" / "last.pt").is_file()
+
+
 def test_the_lock_of_a_killed_run_does_not_block_its_restart(run_inprocess, tmp_path):
     run_dir = tmp_path / "run"
     first = start_slow_run(run_dir)
