@@ -198,9 +198,9 @@ def device_peak_flops(device: torch.device, dtype: torch.dtype = torch.float32) 
     """The peak FLOP/s to judge MFU by, and where it comes from: a GPU's datasheet figure when its name is
     known (MFU's usual denominator), else ``measure_matmul_flops`` (an achievable peak: MFU reads higher
     than against a datasheet). fp32 on CUDA counts TF32 only when it is switched on (off by default)."""
-    device = torch.device(device)
-    if device.type != "cuda":
-        return measured_peak(device, dtype, device.type)
+    if device.type != "cuda":  # a CPU without bf16 units multiplies bf16 in fp32: fp32's peak bounds it (MFU < 100%)
+        return measured_peak(device, torch.float32 if device.type == "cpu" and not native_bf16(device) else dtype,
+                             device.type)
     name = torch.cuda.get_device_name(device)
     tf32 = torch.get_float32_matmul_precision() != "highest"  # also follows allow_tf32
     if (figure := datasheet_peak(name, dtype, tf32)) is None:
