@@ -831,11 +831,8 @@ def test_a_resume_on_other_rows_of_the_same_count_is_refused(run_inprocess, tmp_
     other = run_inprocess(RECIPE, *args)
     assert other.code == 1 and len(other.stderr.strip().splitlines()) == 1
     assert other.stderr.startswith("error: checkpoint ") and "was trained on other data" in other.stderr
-    table.write_bytes(original)  # the rows it started with, by another path (moved, or typed otherwise): it goes on
-    moved = tmp_path / "moved" / "t.csv"
-    moved.parent.mkdir()
-    table.rename(moved)
-    assert run_inprocess(RECIPE, *[moved if a == table else a for a in args]).code == 0
+    table.write_bytes(original)  # the rows it started with: it goes on
+    assert run_inprocess(RECIPE, *args).code == 0
     assert read_metrics(tmp_path / "run")["steps"] == 2 * 7  # 240 training rows: 7 full batches of 32 an epoch
 
 
