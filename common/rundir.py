@@ -29,13 +29,13 @@ class RunFolder:
 
     @property
     def resumes_another_run(self) -> bool:
-        """Whether it goes on from a checkpoint outside its own folder (whose best.pt stays there). Its own is inside
-        it as written or as resolved: its checkpoints/ may be a link to a bigger disk, or the folder itself."""
+        """Whether it goes on from another folder's checkpoint (whose best.pt stays there), as written or resolved."""
         if self.resume_from is None:
             return False
         written = Path(os.path.abspath(self.path)) in Path(os.path.abspath(self.resume_from)).parents
-        resolved = self.resume_from.resolve().parents  # (checkpoints/ resolved too: --resume /bigger_disk/last.pt)
-        return not written and not {self.path.resolve(), (self.path / "checkpoints").resolve()} & set(resolved)
+        resolved = self.resume_from.resolve()  # in checkpoints/ resolved: last.pt there, or dcp/step-N (not deeper)
+        return not written and self.path.resolve() not in resolved.parents and \
+            (self.path / "checkpoints").resolve() not in (resolved.parent, resolved.parent.parent)
 
 
 def last_file(run_dir: Path) -> Path | None:

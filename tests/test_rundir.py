@@ -370,6 +370,20 @@ def test_a_checkpoints_folder_linked_to_another_disk_is_still_the_runs_own(run_i
     assert again.code == 0 and "already finished" in again.stdout, again.stderr
 
 
+def test_only_the_linked_checkpoints_folder_itself_is_the_runs_own(tmp_path):
+    """The disk a checkpoints/ link leads to may hold other runs too: theirs stay another run's (whose best score a
+    resume must not take over), while last.pt and the sharded step folders in the link's own target are this run's."""
+    disk = tmp_path / "disk"
+    for folder in (disk / "B" / "checkpoints", disk / "dcp" / "step-000004"):
+        folder.mkdir(parents=True)
+    (tmp_path / "new").mkdir()
+    (tmp_path / "new" / "checkpoints").symlink_to(disk)
+    for resume, another in [(disk / "B" / "checkpoints" / "last.pt", True), (disk / "last.pt", False),
+                            (disk / "dcp" / "step-000004", False), (tmp_path / "elsewhere" / "last.pt", True),
+                            (tmp_path / "new" / "checkpoints" / "last.pt", False)]:
+        assert RunFolder(tmp_path / "new", resume).resumes_another_run is another, resume
+
+
 def test_a_run_folder_that_cannot_hold_checkpoints_is_refused_before_training(run_inprocess, tmp_path):
     """A file named checkpoints was found at the first save, an epoch later, as "File exists"; a link to nothing
     was "File exists" too."""
