@@ -157,6 +157,9 @@ def global_refs(node: ast.AST, local: frozenset[str] = frozenset()
             yield from global_refs(child, local)
 
 
+BOOTSTRAP = "sys.path.insert(0, str(Path(__file__).resolve().parents[1]))"  # the recipes' own, as ast.unparse writes it
+
+
 def is_bootstrap(node: ast.stmt) -> bool:
     """``sys.path.insert(0, ...)``: how a recipe finds common/ in a clone. An ejected file needs none."""
     call = node.value if isinstance(node, ast.Expr) else None
@@ -277,7 +280,7 @@ class Ejection:
         header = list(itertools.takewhile(is_header, self.recipe.tree.body))
         self.body = self.recipe.tree.body[len(header) :]
         self.body_start = header[-1].end_lineno if header else 0  # the recipe's own code starts below this line
-        for node in (n for n in header if is_bootstrap(n) and "__file__" not in ast.unparse(n)):  # a user's own
+        for node in (n for n in header if is_bootstrap(n) and ast.unparse(n) != BOOTSTRAP):  # a user's own path
             print(f"warning: {self.label}:{node.lineno}: the copy leaves out {ast.unparse(node)} (eject writes its "
                   "own imports); add it back above them if the copy needs it", file=sys.stderr)
         if late := next((n for n in self.body if isinstance(n, (ast.Import, ast.ImportFrom))), None):
@@ -369,7 +372,7 @@ class Ejection:
         if hidden := sorted(bound_names(self.recipe.tree.body) & self.core_builtins):
             raise EjectError(f"{self.label} defines {', '.join(hidden)}, which the core code it uses reads as Python's "
                              "builtin; rename it in the recipe")
-        for _, item in self.recipe_reads:
+        for item in [*(item for _, item in self.recipe_reads), *self.recipe.imports.values()]:  # read or not, all stay
             owners.setdefault(item.binding, (item.meaning, f"an import in {self.label}"))
         for source, definitions in self.sections:
             for definition in definitions:

@@ -613,15 +613,16 @@ def test_the_recipes_own_imports_stay_and_a_path_of_its_own_is_named(tmp_path):
     the clone's bootstrap) cannot stay above the merged imports: the copy says so rather than drop it silently."""
     (tmp_path / "libs").mkdir()
     (tmp_path / "libs" / "mylib.py").write_text("GREETING = 'hello from mylib'\n")
-    (tmp_path / "boxes.py").write_text(f'''"""Keep the best of overlapping boxes."""
+    (tmp_path / "boxes.py").write_text('''"""Keep the best of overlapping boxes."""
 
 import importlib
 import sys
+from pathlib import Path
 
 import torch
 import torchvision  # noqa: F401  (importing it registers torch.ops.torchvision.nms)
 
-sys.path.insert(0, {str(tmp_path / "libs")!r})
+sys.path.insert(0, str(Path(__file__).resolve().parent / "libs"))
 
 from common.cli import RecipeError  # noqa: E402
 
@@ -638,9 +639,39 @@ if __name__ == "__main__":
 ''')
     result = run_subprocess(["scripts/eject.py", tmp_path / "boxes.py", tmp_path / "out.py"])
     assert result.code == 0, result.stderr
-    assert result.stderr == (f"warning: boxes.py:9: the copy leaves out sys.path.insert(0, {str(tmp_path / 'libs')!r})"
-                             " (eject writes its own imports); add it back above them if the copy needs it\n")
+    assert result.stderr == ("warning: boxes.py:10: the copy leaves out sys.path.insert(0, str(Path(__file__).resolve()"
+                             ".parent / 'libs')) (eject writes its own imports); add it back above them if the copy "
+                             "needs it\n")
     assert "\nimport torchvision\n" in (tmp_path / "out.py").read_text()
     libs = {"PYTHONPATH": str(tmp_path / "libs")}  # as the user puts it back, or installs it
     run = run_subprocess([sys.executable, tmp_path / "out.py"], cwd=tmp_path, env=libs)
     assert run.code == 0 and run.stdout == "[0] hello from mylib\n", run.stdout + run.stderr
+
+
+def test_an_import_of_the_recipes_read_nowhere_still_gives_the_core_its_own_name(tmp_path):
+    """Kept in the copy, the recipe's unread `from numpy import random` took the place of the core's `import random`:
+    seed_everything seeded numpy's generator, and the copy drew other numbers each run."""
+    (tmp_path / "seeded.py").write_text('''"""A user's recipe."""
+
+import sys
+
+from numpy import random  # noqa: F401  (numpy's, for a later augmentation)
+
+from common.cli import run_recipe
+from common.runtime import seed_everything
+
+
+def main(seed: int = 0) -> None:
+    seed_everything(seed)
+    print(sys.modules["random"].random())
+
+
+if __name__ == "__main__":
+    run_recipe(main)
+''')
+    assert run_subprocess(["scripts/eject.py", tmp_path / "seeded.py", tmp_path / "out.py"]).code == 0
+    assert "import random as random_random\n" in (tmp_path / "out.py").read_text()
+    runs = [run_subprocess([sys.executable, tmp_path / script, "--seed", 3], cwd=tmp_path, env=env) for script, env in
+            [("seeded.py", {"PYTHONPATH": str(ROOT)}), ("out.py", {"PYTHONPATH": ""}), ("out.py", {"PYTHONPATH": ""})]]
+    assert [run.code for run in runs] == [0, 0, 0], [run.stderr for run in runs]
+    assert runs[0].stdout == runs[1].stdout == runs[2].stdout
