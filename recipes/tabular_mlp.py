@@ -567,9 +567,7 @@ def build_model(spec: dict, hidden: int, depth: int, dropout: float, num_embeddi
 def model_from_checkpoint(checkpoint: dict, source: Path) -> TabularMLP:
     """The model a checkpoint describes, with its weights: for --predict and scripts/export.py."""
     try:
-        spec, config = checkpoint["features"], checkpoint["config"]
-        if not all(isinstance(spec.get(columns), dict) for columns in ("numeric", "categorical")):
-            raise cli.RecipeError(f"checkpoint {source} is damaged: its features name no columns as this recipe does")
+        config, spec = checkpoint["config"], saved_features(checkpoint, source)
         embedding = config.get("num_embedding_used", config["num_embedding"])  # what --num-embedding auto chose
         model = build_model(spec, config["hidden"], config["depth"], config["dropout"], embedding)
     except KeyError as err:
@@ -628,13 +626,21 @@ def output_columns(task: str) -> tuple[str, ...]:
     return ("prediction", "probability") if task == "classification" else ("prediction",)
 
 
+def saved_features(checkpoint: dict, source: Path) -> dict:
+    """The preprocessing a checkpoint holds (``fit_features``'), its columns where this recipe puts them."""
+    spec = checkpoint["features"]
+    if not (isinstance(spec, dict) and all(isinstance(spec.get(part), dict) for part in ("numeric", "categorical"))):
+        raise cli.RecipeError(f"checkpoint {source} is damaged: its features name no columns as this recipe does")
+    return spec
+
+
 @torch.no_grad()
 def predict(checkpoint_path: Path, table_path: Path, output: Path, device: torch.device) -> int:
     """Write ``output`` (CSV, or Parquet if so named): the rows of ``table_path`` with the model's prediction appended
     to each."""
     checkpoint = load_checkpoint(checkpoint_path, RECIPE)
     model = model_from_checkpoint(checkpoint, checkpoint_path).to(device).eval()
-    spec = checkpoint["features"]
+    spec = saved_features(checkpoint, checkpoint_path)
     dropped = checkpoint["config"].get("drop") or []  # an ID of bytes, a column of lists: kept, not read
     if not (isinstance(dropped, list) and all(isinstance(name, str) for name in dropped)):
         raise cli.RecipeError(f"checkpoint {checkpoint_path} is damaged: its --drop {dropped!r} names no columns")
@@ -918,7 +924,7 @@ def train(csv_path: Path | None, target: str, task: str, drop: list[str] | None,
             raise cli.RecipeError(f"{table.num_rows} rows are too few for {cv} folds (--cv)")
         folds = fold_of_each_row(table, target, task, cv, seed)
         train_rows, val_rows = np.flatnonzero(folds != fold), np.flatnonzero(folds == fold)
-    spec = checkpoint["features"] if checkpoint else fit_features(
+    spec = saved_features(checkpoint, run.resume_from) if checkpoint else fit_features(
         table.take(train_rows), target, task, bins=PLE_BINS if num_embedding == "ple" else 0,
         rows=f" in fold {fold}'s training rows (--cv {cv})" if cv else " in the training split (--val-frac)")
     classification = spec["task"] == "classification"

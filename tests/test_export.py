@@ -480,10 +480,13 @@ def bad_case(case: str, checkpoints: dict, tmp_path: Path) -> tuple[list, str]:
         state["model"]["wpe.weight"] = state["model"]["wpe.weight"][:1]
         torch.save(state, bad)
         return [bad, out], "make no model (whole numbers, n_head dividing n_embd, block_size >= 2)"
-    if case in ("tabular columns in a list", "tabular columns in a list, numeric"):  # were a traceback, and an
-        state = torch.load(checkpoints["tabular_mlp"], weights_only=True)           # export without the means
-        part = "numeric" if case.endswith("numeric") else "categorical"
-        state["features"][part] = list(state["features"][part])
+    if case.startswith("tabular columns in a list") or case == "tabular features in a list":  # were a traceback,
+        state = torch.load(checkpoints["tabular_mlp"], weights_only=True)                    # or no means exported
+        if case == "tabular features in a list":
+            state["features"] = list(state["features"])
+        else:
+            part = "numeric" if case.endswith("numeric") else "categorical"
+            state["features"][part] = list(state["features"][part])
         torch.save(state, bad)
         return [bad, out], "is damaged: its features name no columns as this recipe does"
     if case == "out dir a link to itself, --overwrite":  # was RuntimeError: Symlink loop (Path.resolve)
@@ -500,7 +503,8 @@ BAD_CASES = ["missing checkpoint", "random bytes", "truncated checkpoint", "anot
              "a negative width", "weights that are not a dict", "a weight that is no tensor",
              "a recipe named in a list", "out dir is a file", "out dir under a file", "checkpoint is a folder",
              "a damaged tokenizer", "a one-token block", "tabular columns in a list",
-             "tabular columns in a list, numeric", "out dir a link to itself, --overwrite"]
+             "tabular columns in a list, numeric", "tabular features in a list",
+             "out dir a link to itself, --overwrite"]
 
 
 @pytest.mark.parametrize("case", BAD_CASES)

@@ -832,6 +832,14 @@ def test_a_resume_on_other_rows_of_the_same_count_is_refused(run_inprocess, tmp_
     assert other.code == 1 and len(other.stderr.strip().splitlines()) == 1
     assert other.stderr.startswith("error: checkpoint ") and "was trained on other data" in other.stderr
     table.write_bytes(original)  # the rows it started with: it goes on
+    last = tmp_path / "run" / "checkpoints" / "last.pt"
+    good = last.read_bytes()
+    state = torch.load(last, weights_only=True)
+    torch.save(state | {"features": list(state["features"])}, last)  # damaged: was an AttributeError traceback
+    damaged = run_inprocess(RECIPE, *args)
+    assert damaged.code == 1 and damaged.stderr == f"error: checkpoint {last} is damaged: its features name no " \
+        "columns as this recipe does\n"
+    last.write_bytes(good)
     assert run_inprocess(RECIPE, *args).code == 0
     assert read_metrics(tmp_path / "run")["steps"] == 2 * 7  # 240 training rows: 7 full batches of 32 an epoch
 
