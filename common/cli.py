@@ -225,8 +225,8 @@ def run_recipe(main: Callable[..., object], argv: list[str] | None = None) -> No
         if type(status) is int and status:  # typer returns (not raises) an Exit's status, Ctrl-C's 130 among them
             sys.exit(status)
     except (RecipeError, OSError) as err:  # OSError: a full disk, say, where no piece of the run had more to say
-        message = " ".join(str(err).split()) if isinstance(err, RecipeError) else f"{err.strerror or err}" \
-            f"{f': {os.fsdecode(err.filename)}' if err.filename else ''} (the checkpoints written are intact)"
+        message = " ".join(str(err).split()) if isinstance(err, RecipeError) else \
+            f"{err.strerror or err}{f': {err.filename}' if err.filename else ''} (the checkpoints written are intact)"
         quiet or print(f"error: {message}", file=sys.stderr, flush=True)
         tell_torchrun(message)
         sys.exit(1)

@@ -24,7 +24,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from common import checkpoint as ckpt
-from common.cli import RecipeError, run_recipe
+from common.cli import RecipeError
 from common.data import checksum, download, make_loader
 from common.loop import StepStats, evaluate, train_step
 from common.rundir import RunFolder, open_run_dir
@@ -980,18 +980,6 @@ def test_a_collective_whose_peer_died_is_one_line_and_any_other_runtime_error_a_
     assert capsys.readouterr().err == ("error: another process of this run stopped (Connection closed by peer "
                                        "[127.0.0.1]:21633): torchrun's report names it; with --max-restarts the group "
                                        "resumes from the last checkpoint\n")
-
-
-def test_an_os_error_that_names_its_file_in_bytes_is_shown_as_text(capsys):
-    """TensorBoard's writer names its event file in bytes: the line said "Read-only file system: b'runs/...'"."""
-    def main(run_dir: Path = Path("unused")):
-        raise OSError(errno.EROFS, "Read-only file system", b"runs/a/events.out.tfevents.1")
-
-    with pytest.raises(SystemExit) as exit_:
-        run_recipe(main, [])
-    assert exit_.value.code == 1
-    assert capsys.readouterr().err == ("error: Read-only file system: runs/a/events.out.tfevents.1 (the checkpoints "
-                                       "written are intact)\n")
 
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
