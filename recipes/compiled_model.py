@@ -106,7 +106,7 @@ def train(epochs: int, max_steps: int | None, batch_size: int, lr: float, sample
     config = cli.as_config({k: v for k, v in locals().items() if k != "compare_compiled"})
     run = open_run_dir(RECIPE, run_dir, resume)  # never over another run's checkpoints; one run at a time in it
     # how it compiles (or whether) changes the speed, and the training only by float rounding (fused kernels round
-    # otherwise): a resume may change it, and is exact to the bit when it compiles as the run started
+    # otherwise): a resume may change it, and compiled as the run started it is exact (to ~1e-8 on several threads)
     checkpoint = resume_checkpoint(run, RECIPE, config, may_change={"mode", "dynamic", "fullgraph", "backend"})
     if already_finished(run, checkpoint, epochs=epochs, max_steps=max_steps):
         return {}
