@@ -9,6 +9,7 @@ enabled=p != "fp32")`` around the forward pass, and ``torch.amp.GradScaler(devic
 always built: disabled, its calls pass the loss and the step straight through.
 """
 
+import contextlib
 import datetime
 import json
 import logging
@@ -198,9 +199,10 @@ def device_peak_flops(device: torch.device, dtype: torch.dtype = torch.float32) 
     """The peak FLOP/s to judge MFU by, and where it comes from: a GPU's datasheet figure when its name is
     known (MFU's usual denominator), else ``measure_matmul_flops`` (an achievable peak: MFU reads higher
     than against a datasheet). fp32 on CUDA counts TF32 only when it is switched on (off by default)."""
-    if device.type != "cuda":  # a CPU without bf16 units multiplies bf16 in fp32: fp32's peak bounds it (MFU < 100%)
-        return measured_peak(device, torch.float32 if device.type == "cpu" and not native_bf16(device) else dtype,
-                             device.type)
+    device = torch.device(device)
+    if device.type != "cuda":  # a CPU multiplies fp16, and bf16 without bf16 units, in fp32: fp32's peak bounds it
+        emulated = dtype == torch.float16 or dtype == torch.bfloat16 and not native_bf16(device)
+        return measured_peak(device, torch.float32 if device.type == "cpu" and emulated else dtype, device.type)
     name = torch.cuda.get_device_name(device)
     tf32 = torch.get_float32_matmul_precision() != "highest"  # also follows allow_tf32
     if (figure := datasheet_peak(name, dtype, tf32)) is None:
@@ -234,11 +236,9 @@ def measured_peak(device: torch.device, dtype: torch.dtype, where: str) -> tuple
     while len(readings) < 5 and (not readings or time.perf_counter() - started < 3.0):
         readings.append(measure_matmul_flops(device, dtype))
     flops = max(readings)
-    try:
+    with contextlib.suppress(OSError, RecipeError):  # write_json's, of a read-only or full disk: measured next time
         cache.parent.mkdir(parents=True, exist_ok=True)
         write_json(cache, {**known, key: {"flops": flops, "date": datetime.date.today().isoformat()}})
-    except (OSError, RecipeError):  # write_json's, of a read-only or full disk: measured again next time
-        pass
     return flops, source
 
 

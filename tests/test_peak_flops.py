@@ -109,6 +109,11 @@ def test_a_cpu_with_other_vector_units_under_the_same_name_is_measured_anew(monk
     # bf16 emulated (converted, multiplied in fp32): fp32's peak is its yardstick; its own 1 GFLOP/s gave an MFU of 185%
     assert flops == 1e11 and "torch.float32 matmuls" in source and "(AVX2; no native bf16)" in source
     assert "cached" not in source
+    monkeypatch.setattr(runtime, "cpu_flags", lambda: {"avx2", "avx512f", "avx512_bf16"})  # bf16 units, and fp16?
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    monkeypatch.setattr(runtime, "measure_matmul_flops", lambda device, dtype: {torch.float32: 2e11}.get(dtype, 1e9))
+    flops, source = device_peak_flops("cpu", torch.float16)  # a device's name will do
+    assert flops == 2e11 and "torch.float32 matmuls" in source  # fp16 is converted there too: 5x MFU against its own
     monkeypatch.setattr(runtime, "cpu_flags", lambda: {"avx2", "avx512f", "avx512_bf16"})
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
     assert device_peak_flops(torch.device("cpu"), torch.bfloat16)[0] == 4.0e11  # each machine's figure kept
