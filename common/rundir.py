@@ -34,8 +34,8 @@ class RunFolder:
             return False
         written = Path(os.path.abspath(self.path)) in Path(os.path.abspath(self.resume_from)).parents
         resolved = self.resume_from.resolve()  # in checkpoints/ resolved: last.pt there, or dcp/step-N (not deeper)
-        return not written and self.path.resolve() not in resolved.parents and \
-            (self.path / "checkpoints").resolve() not in (resolved.parent, resolved.parent.parent)
+        return not written and self.path.resolve() not in resolved.parents and (self.path / "checkpoints").resolve() \
+            not in (resolved.parent, resolved.parents[resolved.parent.name == "dcp"])  # dcp/step-N: its grandparent
 
 
 def last_file(run_dir: Path) -> Path | None:

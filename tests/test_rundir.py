@@ -374,13 +374,13 @@ def test_only_the_linked_checkpoints_folder_itself_is_the_runs_own(tmp_path):
     """The disk a checkpoints/ link leads to may hold other runs too: theirs stay another run's (whose best score a
     resume must not take over), while last.pt and the sharded step folders in the link's own target are this run's."""
     disk = tmp_path / "disk"
-    for folder in (disk / "B" / "checkpoints", disk / "dcp" / "step-000004"):
-        folder.mkdir(parents=True)
+    for folder in (disk / "B" / "checkpoints", disk / "dcp" / "step-000004", disk / "C"):
+        folder.mkdir(parents=True)  # C: another run's checkpoints/ linked here (a link to disk/C)
     (tmp_path / "new").mkdir()
     (tmp_path / "new" / "checkpoints").symlink_to(disk)
     for resume, another in [(disk / "B" / "checkpoints" / "last.pt", True), (disk / "last.pt", False),
                             (disk / "dcp" / "step-000004", False), (tmp_path / "elsewhere" / "last.pt", True),
-                            (tmp_path / "new" / "checkpoints" / "last.pt", False)]:
+                            (tmp_path / "new" / "checkpoints" / "last.pt", False), (disk / "C" / "last.pt", True)]:
         assert RunFolder(tmp_path / "new", resume).resumes_another_run is another, resume
 
 
