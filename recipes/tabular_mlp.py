@@ -628,8 +628,12 @@ def output_columns(task: str) -> tuple[str, ...]:
 
 def saved_features(checkpoint: dict, source: Path) -> dict:
     """The preprocessing a checkpoint holds (``fit_features``'), its columns where this recipe puts them."""
+    if "features" not in checkpoint:  # (a training resume reads it before any try that would say so)
+        raise cli.RecipeError(f"checkpoint {source} lacks 'features' in its options or features: another version of "
+                              "this recipe wrote it")
     spec = checkpoint["features"]
-    if not (isinstance(spec, dict) and all(isinstance(spec.get(part), dict) for part in ("numeric", "categorical"))):
+    if not (isinstance(spec, dict) and all(isinstance(spec.get(part), dict) for part in ("numeric", "categorical"))
+            and spec.get("task") in ("classification", "regression")):
         raise cli.RecipeError(f"checkpoint {source} is damaged: its features name no columns as this recipe does")
     return spec
 

@@ -839,6 +839,10 @@ def test_a_resume_on_other_rows_of_the_same_count_is_refused(run_inprocess, tmp_
     damaged = run_inprocess(RECIPE, *args)
     assert damaged.code == 1 and damaged.stderr == f"error: checkpoint {last} is damaged: its features name no " \
         "columns as this recipe does\n"
+    torch.save({key: value for key, value in state.items() if key != "features"}, last)  # was a KeyError traceback
+    damaged = run_inprocess(RECIPE, *args)
+    assert damaged.code == 1 and damaged.stderr == f"error: checkpoint {last} lacks 'features' in its options or " \
+        "features: another version of this recipe wrote it\n"
     last.write_bytes(good)
     assert run_inprocess(RECIPE, *args).code == 0
     assert read_metrics(tmp_path / "run")["steps"] == 2 * 7  # 240 training rows: 7 full batches of 32 an epoch
