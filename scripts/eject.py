@@ -567,18 +567,14 @@ def main(argv: list[str] | None = None) -> int:
                              "the script's folder first); choose another name")
         ejection = Ejection(recipe)
         target = output.resolve()  # through a symbolic link: the file it points to is replaced
-        handle, name = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name[:100]}.", suffix=".tmp")
-        draft = Path(name)
-        with os.fdopen(handle, "w", encoding="utf-8", newline="\n") as f:
+        # named before it is made (mkstemp names it after): a SIGTERM at any moment from here finds it to remove
+        draft = target.with_name(f".{target.name[:100]}.{os.getpid()}.{os.urandom(6).hex()}.tmp")
+        with open(draft, "x", encoding="utf-8", newline="\n") as f:  # "x": made new, with the usual mode
             f.write(ejection.text(output.name))
         if failure := check_imports(draft, output):
             raise EjectError(ejection.import_failure(*failure))
         if target.exists():
             shutil.copymode(target, draft)  # an executable copy stays executable
-        else:
-            umask = os.umask(0)
-            os.umask(umask)
-            draft.chmod(0o666 & ~umask)  # mkstemp's file is private; a new script gets the usual mode
         os.replace(draft, target)  # only a script that imports replaces OUTPUT, whole
         draft = None
     except EjectError as err:
