@@ -274,26 +274,26 @@ def test_compare_times_the_precisions_interleaved_and_warns_of_a_busy_machine(ru
     assert "warning: fp32 varied by over 25% between rounds: the machine is busy" in result.stdout
 
 
+def compare_with(probes: dict, max_slowdown: float, run_inprocess, tmp_path, monkeypatch):
+    """mixed_precision --compare given fixed (seconds per step, error) for each precision: its output, its rows."""
+    monkeypatch.setattr(load_recipe("mixed_precision"), "seconds_per_step",
+                        lambda device, precision, *sizes, **kwargs: probes[precision])
+    result = run_inprocess("mixed_precision", "--compare", *MP_SMALL, "--epochs", 1, "--max-slowdown", max_slowdown,
+                           "--run-dir", tmp_path / "cmp")
+    assert result.code == 0, result.stderr
+    return result, json.loads((tmp_path / "cmp" / "metrics.json").read_text())["compare"]
+
+
 def test_a_slowdown_under_10x_keeps_its_tenth(run_inprocess, tmp_path, monkeypatch):
     """--max-slowdown 1.2 and bf16 1.3x slower: the note said "1x slower", as if it were not."""
     probes = {"fp32": (0.010, ""), "bf16": (0.013, ""), "fp16": (0.010, "")}
-    monkeypatch.setattr(load_recipe("mixed_precision"), "seconds_per_step",
-                        lambda device, precision, *sizes, **kwargs: probes[precision])
-    result = run_inprocess("mixed_precision", "--compare", *MP_SMALL, "--epochs", 1, "--max-slowdown", 1.2,
-                           "--run-dir", tmp_path / "cmp")
-    assert result.code == 0, result.stderr
-    rows = json.loads((tmp_path / "cmp" / "metrics.json").read_text())["compare"]
+    _, rows = compare_with(probes, 1.2, run_inprocess, tmp_path, monkeypatch)
     assert rows["bf16"]["note"] == "1.3x slower than fp32 here: not trained"
 
 
 def test_compare_says_when_a_precision_is_too_slow_or_unsupported(run_inprocess, tmp_path, monkeypatch):
     probes = {"fp32": (0.01, ""), "bf16": (0.5, ""), "fp16": (float("inf"), "no fp16 kernel for Linear")}
-    monkeypatch.setattr(load_recipe("mixed_precision"), "seconds_per_step",
-                        lambda device, precision, *sizes, **kwargs: probes[precision])
-    result = run_inprocess("mixed_precision", "--compare", *MP_SMALL, "--epochs", 1, "--max-slowdown", 4,
-                           "--run-dir", tmp_path / "cmp")
-    assert result.code == 0, result.stderr
-    rows = json.loads((tmp_path / "cmp" / "metrics.json").read_text())["compare"]
+    result, rows = compare_with(probes, 4, run_inprocess, tmp_path, monkeypatch)
     assert rows["bf16"]["note"] == "50x slower than fp32 here: not trained"
     assert rows["fp16"]["note"] == "unsupported here: no fp16 kernel for Linear"
     # its infinite times are null: Infinity, Python's, is no JSON (jq and strict parsers refuse the file)
