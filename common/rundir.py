@@ -32,10 +32,13 @@ class RunFolder:
         """Whether it goes on from another folder's checkpoint (whose best.pt stays there), as written or resolved."""
         if self.resume_from is None:
             return False
-        written = Path(os.path.abspath(self.path)) in Path(os.path.abspath(self.resume_from)).parents
-        resolved = self.resume_from.resolve()  # in checkpoints/ resolved: last.pt there, or dcp/step-N (not deeper)
-        return not written and self.path.resolve() not in resolved.parents and (self.path / "checkpoints").resolve() \
-            not in (resolved.parent, resolved.parents[resolved.parent.name == "dcp"])  # dcp/step-N: its grandparent
+        resolved = self.resume_from.resolve()
+        if Path(os.path.abspath(self.path)) in Path(os.path.abspath(self.resume_from)).parents or \
+                self.path.resolve() in resolved.parents:
+            return False  # in this folder, as written or once links are followed
+        # checkpoints/ may be a link to another disk: last.pt directly in its target, or dcp/step-N (not deeper)
+        holder = resolved.parent.parent if resolved.parent.name == "dcp" else resolved.parent
+        return holder != (self.path / "checkpoints").resolve()
 
 
 def last_file(run_dir: Path) -> Path | None:
@@ -71,9 +74,10 @@ def open_run_dir(recipe: str, run_dir: Path | None, resume: str | None,
     if held is None and foreign:
         raise RecipeError(f"{run_dir} holds a {' and a '.join(foreign)} that no {recipe} run wrote, which this run "
                           "would overwrite: choose another --run-dir")
-    own = held and next((run_dir / "checkpoints").rglob("*.pt"), held if held.suffix == ".distcp" else None)  # its
-    # own, whole or not (best.pt first; shards alone)
-    other = (own if holds_runs else None if own else held) if held else None  # the other kind of run's checkpoints
+    own = None  # a single run's checkpoints, in checkpoints/: whole or not (best.pt first; shards alone)
+    if held is not None:
+        own = next((run_dir / "checkpoints").rglob("*.pt"), held if held.suffix == ".distcp" else None)
+    other = own if holds_runs else held if own is None else None  # the other kind of run's checkpoints
     best = next(run_dir.glob("checkpoints/best*.pt"), None) if last is None and not holds_runs else None
     if resume is None and best is not None and resumable:  # killed before its first last.pt, or it was deleted
         raise RecipeError(f"{run_dir} holds checkpoints/{best.name} but no checkpoints/last.pt to continue from: a "
@@ -104,10 +108,10 @@ def open_run_dir(recipe: str, run_dir: Path | None, resume: str | None,
     except OSError as err:
         raise RecipeError(f"cannot write to --run-dir {run_dir}: {why_not_written(run_dir, err)}") from None
     checkpoints = run_dir / "checkpoints"  # now, not at the first save: a file, or a link to a disk not mounted
-    if checkpoints.exists() and not checkpoints.is_dir() or checkpoints.is_symlink() and not checkpoints.exists():
-        why = "its checkpoints is a file, not a folder" if checkpoints.exists() else why_not_written(checkpoints,
-                                                                                                    OSError())
-        raise RecipeError(f"cannot write checkpoints in {run_dir}: {why}")
+    if checkpoints.is_symlink() and not checkpoints.exists():
+        raise RecipeError(f"cannot write checkpoints in {run_dir}: {why_not_written(checkpoints, OSError())}")
+    if checkpoints.exists() and not checkpoints.is_dir():
+        raise RecipeError(f"cannot write checkpoints in {run_dir}: its checkpoints is a file, not a folder")
     lock = hold(run_dir)
     on_exit(lambda: release(run_dir, lock, created))
     return RunFolder(run_dir, last if resume == "auto" else Path(resume) if resume else None, held)
@@ -141,8 +145,7 @@ def recorded_recipe(path: Path) -> str | None:
 
 
 def why_not_written(path: Path, err: OSError) -> str:
-    """What stopped a write to ``path``: a file where a folder on its way should be ("File exists" would say
-    nothing), or the system's reason."""
+    """What stopped a write to ``path``: a link to nothing, a file in a folder's place, or the system's reason."""
     if dangling := next((p for p in [path, *path.parents] if p.is_symlink() and not p.exists()), None):
         return f"{dangling} is a link to {os.readlink(dangling)}, which does not exist"
     in_the_way = next((p for p in [path, *path.parents] if p.exists() and not p.is_dir()), None)
@@ -167,13 +170,11 @@ def hold(run_dir: Path) -> int | None:
         if not isinstance(err, BlockingIOError):
             return None
     holder = "another process"
-    try:  # Linux lists the locks in /proc/locks: "1: FLOCK  ADVISORY  WRITE PID MAJOR:MINOR:INODE 0 EOF"
+    with contextlib.suppress(OSError, IndexError):  # /proc/locks: "1: FLOCK  ADVISORY  WRITE PID MAJ:MIN:INODE 0 EOF"
         for fields in (line.split() for line in Path("/proc/locks").read_text().splitlines()):
             if fields[1] == "FLOCK" and fields[5].endswith(f":{run_dir.stat().st_ino}"):
                 command = Path(f"/proc/{fields[4]}/cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
                 holder = f"process {fields[4]}: {command}"
-    except (OSError, IndexError):
-        pass
     raise RecipeError(f"{run_dir} is in use by another run ({holder}); wait for it to end, or choose another "
                       "--run-dir")
 
@@ -221,9 +222,8 @@ def write_json(path: Path, data: dict) -> None:
 def already_finished(run: RunFolder, checkpoint: dict | None, *, max_steps: int | None, epochs: int | None = None,
                      steps: int | None = None) -> bool:
     """Whether metrics.json says the run ended at the checkpoint's step: where its schedule ends (``epochs`` of the
-    checkpoint's epoch length, or ``steps``), or ``--max-steps``, or early (``--patience``). Relaunched so, the
-    same command on every restart, a run says so before loading any data and leaves its results as they are. A
-    checkpoint past where this run ends, of a run not finished there, is a RecipeError: nothing to train."""
+    checkpoint's epoch length, or ``steps``), ``--max-steps``, or early (``--patience``); then a relaunch (the same
+    command) says so and leaves the results as they are. A checkpoint past the end of an unfinished run: RecipeError."""
     try:
         step, schedule = checkpoint["step"], steps or epochs * checkpoint["steps_per_epoch"]
     except (KeyError, TypeError):  # no checkpoint, or not ours
