@@ -91,10 +91,10 @@ def open_run_dir(recipe: str, run_dir: Path | None, resume: str | None,
         raise RecipeError(f"{run_dir} holds {what}, which this command would not continue but start afresh beside: "
                           "choose another --run-dir, or to continue it, give the options it was started with")
     partial = next(run_dir.glob("checkpoints/dcp/step-*/"), None) if last is None and run_dir.is_dir() else None
-    if resume == "auto" and partial is not None:  # sharded, and none complete (its trainer.pt or .metadata missing)
-        raise RecipeError(f"{run_dir}'s only checkpoints are incomplete ({partial.name} lacks its trainer.pt or "
-                          ".metadata: a copy in progress?), which this run would start afresh over and delete: "
-                          "complete them, or remove them")
+    if resume == "auto" and partial is not None:  # sharded, and none complete (a file missing, or cut short)
+        raise RecipeError(f"{run_dir}'s only checkpoints are incomplete ({partial.name} lacks its trainer.pt, "
+                          ".metadata or a shard: a copy in progress?), which this run would start afresh over and "
+                          "delete: complete them, or remove them")
     if last is None and not holds_runs and recorded_recipe(run_dir / "metrics.json") == recipe:
         raise RecipeError(f"{run_dir} holds a finished run (its metrics.json) but not its checkpoints/last.pt: nothing "
                           "to continue, and a new run there would overwrite its records; choose another --run-dir")

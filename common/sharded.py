@@ -8,15 +8,11 @@
     checkpoints/dcp/.step-000130.tmp a save in progress, or one a crash cut short: never resumed from
     checkpoints/last.pt, best.pt     at the end of the run, the usual single files (--sample-only, export.py)
 
-Every rank writes its own shards into the ``.tmp`` folder; once all have finished (DCP's ``.metadata`` is
-written last, by rank 0, after the others report), rank 0 adds ``trainer.pt`` and renames the folder to
-``step-N``. A rename is atomic: a crash at any moment leaves the folder either absent or complete. The last
-``KEEP`` complete checkpoints and the best one are kept, older ones deleted.
-
-``get_state_dict`` gives the model and optimizer state keyed by parameter name (not by an optimizer's
-parameter index), with DTensor shards under FSDP and plain tensors in one process; ``dcp.load`` reads into
-whatever layout the loading run has, so a checkpoint written at 2 ranks loads at 1 (or 4): resharding is a
-property of the format. Without a process group, DCP reads and writes in one process.
+Every rank writes its shards into the ``.tmp`` folder; once all have (DCP writes ``.metadata`` last, on rank 0),
+rank 0 adds ``trainer.pt`` and renames the folder to ``step-N``: atomic, so a crash leaves it absent or complete.
+The last ``KEEP`` complete checkpoints and the best one are kept. ``get_state_dict`` keys the model and optimizer
+state by parameter name (DTensor shards under FSDP); ``dcp.load`` reads into whatever layout the loading run has
+(a checkpoint written at 2 ranks loads at 1 or 4; without a process group, DCP reads and writes in one process).
 """
 
 import logging
@@ -39,7 +35,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from common.best import BestScore
 from common.checkpoint import Checkpointer, diverged, fsync_dir, load_checkpoint, not_written, save_checkpoint
 from common.cli import RecipeError
-from common.dcp_metadata import check_dcp_metadata
+from common.dcp_check import check_dcp_folder, incomplete
 from common.resources import local
 from common.rundir import RunFolder, last_file
 from common.runtime import from_rank_0
@@ -67,10 +63,10 @@ def complete_checkpoints(folder: Path, warn: bool = False) -> list[Path]:
     found = []
     steps = [path for path in folder.glob("step-*") if STEP_DIR.fullmatch(path.name) and path.is_dir()]
     for path in sorted(steps, key=lambda path: int(path.name.removeprefix("step-"))):
-        if (path / ".metadata").is_file() and (path / "trainer.pt").is_file():
+        if (why := incomplete(path)) is None:
             found.append(path)
         elif warn:  # copied in part, or damaged
-            print(f"warning: {path} is incomplete (no .metadata or trainer.pt); not resuming from it", file=sys.stderr)
+            print(f"warning: {path} is incomplete ({why}); not resuming from it", file=sys.stderr)
     if warn:
         for tmp in folder.glob(".step-*.tmp"):
             print(f"warning: {tmp} is a save that never finished; ignored", file=sys.stderr)
@@ -83,7 +79,7 @@ def load_trainer_state(path: Path, recipe: str) -> dict:
         return load_checkpoint(path, recipe)
     if not (path / ".metadata").is_file() or not (path / "trainer.pt").is_file():
         raise RecipeError(f"{path} is not a complete sharded checkpoint (no .metadata or trainer.pt)")
-    check_dcp_metadata(path / ".metadata")  # before DCP unpickles it, running what it names
+    check_dcp_folder(path)  # before DCP unpickles its .metadata and its non-tensor values, running what they name
     return {**load_checkpoint(path / "trainer.pt", recipe, entry="step"), "sharded": True}
 
 
@@ -209,6 +205,10 @@ class ShardedCheckpointer:
             to_single_file(final, self.files.folder / "last.pt", self.files.recipe)
             if best.is_dir():  # the same folder as last.pt's: converted again, cheap
                 to_single_file(best, self.files.folder / "best.pt", self.files.recipe)
+        except CheckpointException as err:  # DCP's BaseException: a shard damaged since it was written
+            reason = (str(failure(err)).strip().splitlines() or ["unreadable"])[-1][:300]  # a Ctrl-C in it: raised
+            raise RecipeError(f"could not write the single-file checkpoints in {self.files.folder}: a step folder in "
+                              f"{self.dcp_dir} is damaged ({reason})") from None
         except (OSError, RuntimeError) as err:  # a full disk, say (which torch.save to a path raises as RuntimeError)
             err = err.__context__ if isinstance(err.__context__, OSError) else err
             why = err.strerror if isinstance(err, OSError) and err.strerror else f"the write failed ({err})"

@@ -527,11 +527,16 @@ def test_a_sharded_checkpoint_folder_exports_as_a_gpt2_folder(gpt2_dir, text_fil
     files = {"torch.export": "model.pt2", "onnx": "model.onnx", "tokenizer": "tokenizer.json"}  # it was left out
     assert json.loads((tmp_path / "graph" / "model.json").read_text())["files"] == files
     assert capsys.readouterr().out.strip().endswith("(model.pt2, model.onnx, tokenizer.json, model.json)")
-    (step / "__0_0.distcp").unlink()  # a damaged sharded checkpoint: one line, no export
+    shard = step / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:-64] + b"\0" * 64)  # a damaged sharded checkpoint: one line, no export
     capsys.readouterr()
     assert export.main([str(step), str(tmp_path / "damaged")]) == 1
     err = capsys.readouterr().err
     assert err.startswith(f"error: cannot read the sharded checkpoint {step}: ") and err.count("\n") == 1, err
+    shard.unlink()  # one that is missing: named before DCP reads the folder
+    assert export.main([str(step), str(tmp_path / "damaged")]) == 1
+    assert capsys.readouterr().err == f"error: checkpoint {step} is incomplete: its __0_0.distcp is missing (a copy " \
+                                      "in progress, or a lost file)\n"
     assert not (tmp_path / "damaged").exists()
     (step / ".metadata").write_bytes(b"")  # and without DCP's logged tracebacks (a process's stderr, not capsys's)
     result = run_subprocess(["scripts/export.py", step, tmp_path / "damaged"], timeout=120)

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from conftest import (
     ROOT,
     TORCHRUN,
@@ -199,13 +200,13 @@ def test_sharded_checkpoint_resumes_at_another_world_size(run_inprocess, one_pro
     # A save cut short (never renamed) and a step folder copied in part are both passed over, with a warning.
     (dcp_dir / ".step-000005.tmp").mkdir()
     (dcp_dir / ".step-000005.tmp" / "__0_0.distcp").write_bytes(b"half")
-    (dcp_dir / "step-000005").mkdir()
-    (dcp_dir / "step-000005" / "__0_0.distcp").write_bytes(b"half")
+    shutil.copytree(dcp_dir / "step-000004", dcp_dir / "step-000005")  # all but a shard (it was taken as complete)
+    (dcp_dir / "step-000005" / "__1_0.distcp").unlink()
     third = run_inprocess("tiny_transformer", *args)
     assert third.code == 0, third.stderr
     assert "resumed at step 4" in third.stdout
-    assert "step-000005 is incomplete" in third.stderr and ".step-000005.tmp is a save that never finished" in \
-        third.stderr
+    assert "step-000005 is incomplete (its __1_0.distcp is missing)" in third.stderr
+    assert ".step-000005.tmp is a save that never finished" in third.stderr
     assert read_metrics(run_dir)["steps"] == 6
     assert_close_weights(load_weights(one_process / "checkpoints" / "last.pt"),
                          load_weights(run_dir / "checkpoints" / "last.pt"))
@@ -262,12 +263,17 @@ def test_bad_input_to_a_sharded_run(run_inprocess, corpus_txt, tmp_path, capsys)
     # a shard that is damaged (DCP raises a BaseException for it): still one line
     damaged = tmp_path / "damaged" / "step-000003"
     shutil.copytree(step, damaged)
-    (damaged / "__0_0.distcp").write_bytes(b"\0" * 64)
+    shard = damaged / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:-64] + b"\0" * 64)  # its last tensor, at the same size
     going_on = args[:-2]  # without --max-steps 3: a finished checkpoint is refused before its shards are read
     broken = run_inprocess("tiny_transformer", *going_on, "--run-dir", tmp_path / "broken", "--resume", damaged)
     assert broken.code == 1 and len(broken.stderr.strip().splitlines()) == 1, broken.stderr
     assert broken.stderr.startswith(f"error: checkpoint {damaged} does not fit this model or optimizer, or is "
                                     "damaged: ")
+    shard.write_bytes(b"\0" * 64)  # shorter than its .metadata says: named so before DCP reads it
+    broken = run_inprocess("tiny_transformer", *going_on, "--run-dir", tmp_path / "broken", "--resume", damaged)
+    assert broken.code == 1 and broken.stderr == f"error: checkpoint {damaged} is incomplete: its __0_0.distcp is " \
+                                                 "cut short (a copy in progress, or a lost file)\n"
     (damaged / ".metadata").write_bytes(b"junk")  # DCP logged tracebacks of its own for this one (to the root logger,
     from conftest import run_subprocess  # whose last-resort handler a process of its own shows on stderr)
 
@@ -285,6 +291,23 @@ def test_bad_input_to_a_sharded_run(run_inprocess, corpus_txt, tmp_path, capsys)
             "metadata holds): refused before DCP loads it, which would run any code in it (a checkpoint from "
             "elsewhere, or damaged)\n"), result.stderr
         assert not (tmp_path / "ran").exists()
+    # the values DCP keeps as pickles (the optimizer's lr, betas) it unpickles with weights_only=False: code there ran
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(step, tmp_path / "whole.pt")
+    whole = torch.load(tmp_path / "whole.pt", weights_only=True)
+    whole["optimizer"]["param_groups"][0]["initial_lr"] = RunsCode(tmp_path / "ran")
+    hostile = tmp_path / "hostile" / "step-000003"
+    dcp.save(whole, checkpoint_id=hostile)
+    shutil.copy(step / "trainer.pt", hostile / "trainer.pt")
+    for command in ([RECIPE, *going_on, "--run-dir", tmp_path / "hostile_run", "--resume", hostile],
+                    [RECIPE, "--sample-only", "--resume", hostile], ["scripts/export.py", hostile, tmp_path / "ex"]):
+        result = run_subprocess(command)
+        assert result.code == 1 and result.stderr == (
+            f"error: {hostile / '__0_0.distcp'} holds optimizer.param_groups.0.initial_lr as a pickle of more than "
+            "data (it refers to Python code (posix.system)): refused before DCP loads it, which would run any code in "
+            "it (a checkpoint from elsewhere, or damaged)\n"), result.stderr
+        assert not (tmp_path / "ran").exists() and not (tmp_path / "hostile_run").exists()
     # a run folder whose only step folder is incomplete (copied by rsync, trainer.pt last): --resume auto trained
     # from step 0 over it and deleted it when it reached that step; a fresh run started there too
     copying = tmp_path / "copying"
@@ -293,8 +316,9 @@ def test_bad_input_to_a_sharded_run(run_inprocess, corpus_txt, tmp_path, capsys)
     before = sorted(p.name for p in copying.rglob("*"))
     again = run_inprocess("tiny_transformer", *going_on, "--run-dir", copying, "--resume", "auto")
     assert again.code == 1 and again.stderr.splitlines()[-1] == (
-        f"error: {copying}'s only checkpoints are incomplete (step-000003 lacks its trainer.pt or .metadata: a copy in "
-        "progress?), which this run would start afresh over and delete: complete them, or remove them"), again.stderr
+        f"error: {copying}'s only checkpoints are incomplete (step-000003 lacks its trainer.pt, .metadata or a "
+        "shard: a copy in progress?), which this run would start afresh over and delete: complete them, or remove "
+        "them"), again.stderr
     fresh = run_inprocess("tiny_transformer", *going_on, "--run-dir", copying)
     assert fresh.code == 1 and "already holds checkpoints" in fresh.stderr, fresh.stderr
     assert sorted(p.name for p in copying.rglob("*")) == before
@@ -469,6 +493,47 @@ def test_pruning_keeps_the_last_complete_checkpoints_and_the_best_one(tmp_path):
     assert KEEP == 3
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000002", "step-000004", "step-000005", "step-000006",
                                                           "step-000007"]
+
+
+def test_a_step_folder_counts_only_with_every_shard_its_metadata_names_whole(tmp_path):
+    from common.dcp_check import incomplete
+
+    step = tmp_path / "step-000001"
+    dcp.save({"w": torch.ones(4), "lr": 0.1}, checkpoint_id=step, no_dist=True)
+    (step / "trainer.pt").write_bytes(b"")
+    assert incomplete(step) is None
+    shard = step / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:-1])
+    assert incomplete(step) == "its __0_0.distcp is cut short"
+    shard.unlink()
+    assert incomplete(step) == "its __0_0.distcp is missing"
+    (step / ".metadata").write_bytes(b"junk")  # counted, and refused with the reason when loaded
+    assert incomplete(step) is None
+    (step / "trainer.pt").unlink()
+    assert incomplete(step) == "no .metadata or trainer.pt"
+
+
+def test_a_step_folder_damaged_after_its_save_is_one_line_at_the_single_files(run_inprocess, corpus_txt, tmp_path,
+                                                                              monkeypatch):
+    """DCP raises its CheckpointException, a BaseException, for a shard it cannot read: it was a traceback."""
+    from torch.distributed.checkpoint.api import CheckpointException, _wrap_exception
+
+    import common.sharded
+
+    def damaged(*args, **kwargs):
+        try:
+            raise RuntimeError("PytorchStreamReader failed reading zip archive: failed finding central directory")
+        except RuntimeError as err:
+            raise CheckpointException("CheckpointException ranks", {0: _wrap_exception(err)}) from None
+
+    monkeypatch.setattr(common.sharded, "dcp_to_torch_save", damaged)
+    run_dir = tmp_path / "run"
+    result = run_inprocess("tiny_transformer", "--text", corpus_txt, *TINY, "--parallel", "fsdp", "--batch-size", 8,
+                           "--run-dir", run_dir)
+    assert result.code == 1 and result.stderr.strip().splitlines() == [
+        f"error: could not write the single-file checkpoints in {run_dir / 'checkpoints'}: a step folder in "
+        f"{run_dir / 'checkpoints' / 'dcp'} is damaged (PytorchStreamReader failed reading zip archive: failed "
+        "finding central directory)"]
 
 
 TORCH_WRITE_FAILED = "[enforce fail at inline_container.cc:672] . unexpected pos 64 vs 0"
