@@ -212,7 +212,7 @@ def range_test(recipe, options: list[str], rates: list[float], work: Path) -> tu
     if not steps and not code:
         raise FinderError(f"the recipe logged no train/loss to TensorBoard in {run_dir.name}/: the range test reads "
                           "each step's loss there")
-    ran = max(scalars.get("train/lr", losses), default=0)  # train/lr: logged for every step, a skipped one too
+    ran = len(scalars.get("train/lr", losses))  # train/lr: logged for every step, a skipped one too
     if not code and ran < len(rates):  # early stopping, say: the rest of the ramp was never tried
         raise FinderError(f"the recipe stopped after {ran} of the {len(rates)} steps, at {applied[-1]:.1e}: leave "
                           "out what ends it early (--patience, a --config that sets it)")
@@ -234,13 +234,33 @@ def long_enough(known: set[str], steps: int) -> list[str]:
     return []
 
 
-def recipe_parameters(recipe) -> list:
-    """The recipe's command-line parameters (click's: ``name``, ``opts``, ``default``)."""
+def recipe_command(recipe):
+    """The recipe's command line, as click's command (``params``: its parameters' ``name``, ``opts``, ``default``)."""
     import typer
 
     app = typer.Typer()
     app.command()(recipe.main)
-    return typer.main.get_command(app).params
+    return typer.main.get_command(app)
+
+
+def recipe_parameters(recipe) -> list:
+    return recipe_command(recipe).params
+
+
+def refused_options(recipe, options: list[str]) -> str | None:
+    """What the recipe's command line says of the user's ``options`` alone (a bad --epochs, a value left out), or
+    None: in the range test, find_lr's own options come after them and would hide it."""
+    import typer
+
+    try:
+        recipe_command(recipe).make_context(Path(recipe.__file__).name, list(options))
+    except typer.Exit:  # --help: the recipe's, printed
+        pass
+    except Exception as err:  # a usage error of Typer's (its own copy of click's): one that can say what is wrong
+        if not callable(getattr(err, "format_message", None)):
+            raise
+        return err.format_message()
+    return None
 
 
 def recipe_options(recipe) -> set[str]:
@@ -349,8 +369,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: cannot write --plot {args.plot}: {why}", file=sys.stderr)
         return 1
     try:
+        if refused := refused_options(recipe, options):
+            raise FinderError(f"the recipe refused its options: {refused}", exit_code=2)
         known = recipe_options(recipe)
         option = "--max-lr" if "--max-lr" in known else "--lr"
+        if option not in known:  # the ramp sets its optimizer's rate; the suggestion is given as this option
+            raise FinderError(f"{args.recipe} has no --lr or --max-lr option to suggest a rate for", exit_code=2)
         with tempfile.TemporaryDirectory(prefix="find_lr.") as work:
             rates, losses, ending = range_test(recipe, options, ramp(args.start, args.end, args.ramp_steps),
                                                Path(work))

@@ -7,6 +7,7 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 
@@ -42,8 +43,14 @@ def main(lr: float = 0.1, epochs: int = 1, max_steps: int = 100, log_every: int 
 '''
 
 
+def left_in(folder) -> list[str]:
+    """What is in ``folder``, less the compiler cache torch makes in the temporary folder (set to it here)."""
+    return sorted(p.name for p in folder.iterdir() if not p.name.startswith("torchinductor_"))
+
+
 def test_the_suggestion_on_a_problem_whose_good_rates_are_known(tmp_path, capsys, monkeypatch):
     (tmp_path / "least_squares.py").write_text(textwrap.dedent(LEAST_SQUARES))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # its run folder: the last assert sees it (left_in)
     monkeypatch.chdir(tmp_path)
     assert find_lr.main([str(tmp_path / "least_squares.py"), "--plot", str(tmp_path / "lr.png")]) == 0
     out = capsys.readouterr().out
@@ -51,7 +58,7 @@ def test_the_suggestion_on_a_problem_whose_good_rates_are_known(tmp_path, capsys
     assert 0.05 <= rate <= 0.70, out  # converges, and well within the stable range
     assert (tmp_path / "lr.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert f"--lr {rate:g}" in out.splitlines()[-1]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["least_squares.py", "lr.png"]  # no run left behind
+    assert left_in(tmp_path) == ["least_squares.py", "lr.png"]  # no run left behind
 
 
 def test_the_pieces_of_the_range_test():
@@ -134,6 +141,13 @@ RECIPES = ", ".join(sorted(p.stem for p in (find_lr.ROOT / "recipes").glob("*.py
     (["tiny_transformer", "--sample-only"], 2, "error: --sample-only: the range test measures a training run, and "
      "--sample-only makes the recipe do something else\n"),
     (["mixed_precision", "--width", "0"], 2, "error: the recipe refused its options"),  # its usage error: 2
+    # find_lr's own --epochs (or --steps, --warmup-steps) came after these, and took the recipe's last word: a bad
+    # value passed, and the printed command failed; a value left out took find_lr's as its own
+    (["mixed_precision", "--epochs", "0"], 2, "error: the recipe refused its options: Invalid value for '--epochs': "),
+    (["tiny_transformer", "--warmup-steps", "-3"], 2, "error: the recipe refused its options: Invalid value for "
+     "'--warmup-steps': "),
+    (["mixed_precision", "--samples"], 2, "error: the recipe refused its options: Option '--samples' requires an "
+     "argument.\n"),
     # LBFGS's line search sets its step: a ramp of 100 steps ran for minutes, then "the loss did not fall"
     (["tabular_mlp", "--csv", "{table_csv}", "--target", "label", "--optimizer=lbfgs"], 2, "error: --optimizer "
      "lbfgs: LBFGS finds its step length by line search, so the loss shows no slope over a range of rates; the "
@@ -212,6 +226,7 @@ def test_a_loss_that_diverges_before_the_smoothing_settles_says_so(tmp_path, cap
     """From 0.3 the ramp passes 0.70, where gradient descent diverges here, within a few steps: too few points for a
     slope, and the advice is a lower start, not a wider range (which was the message, and made it worse)."""
     (tmp_path / "least_squares.py").write_text(textwrap.dedent(LEAST_SQUARES))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # its run folder: the last assert sees it (left_in)
     monkeypatch.chdir(tmp_path)
     args = [str(tmp_path / "least_squares.py"), "--from", "0.3", "--to", "1e6", "--ramp-steps", "20",
             "--plot", str(tmp_path / "lr.png")]
@@ -219,13 +234,31 @@ def test_a_loss_that_diverges_before_the_smoothing_settles_says_so(tmp_path, cap
     err = capsys.readouterr().err
     assert re.fullmatch(r"error: the loss diverged after \d steps, at [\d.e+]+: too few to find its slope; start lower "
                         r"\(--from\) or give more --ramp-steps\n", err), err
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["least_squares.py"]  # no plot, no run left behind
+    assert left_in(tmp_path) == ["least_squares.py"]  # no plot, no run left behind
+
+
+def test_a_recipe_counting_steps_from_0_ran_every_step_and_one_without_lr_is_refused(tmp_path, capsys,
+                                                                                     monkeypatch):
+    """Steps logged from 0 ran all 100 steps, which the largest step (99) took for an early stop; a recipe whose
+    rate option is not --lr was told to take --lr, which it refused."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "from0.py").write_text(textwrap.dedent(LEAST_SQUARES).replace("loss.item(), step)",
+                                                                            "loss.item(), step - 1)"))
+    assert find_lr.main([str(tmp_path / "from0.py"), "--plot", str(tmp_path / "a.png")]) == 0, capsys.readouterr()
+    assert re.search(r"suggested: --lr [\d.e-]+", capsys.readouterr().out)
+    (tmp_path / "rate.py").write_text(textwrap.dedent(LEAST_SQUARES).replace("lr: float", "rate: float").replace(
+        "lr=lr", "lr=rate"))
+    assert find_lr.main([str(tmp_path / "rate.py"), "--plot", str(tmp_path / "b.png")]) == 2
+    assert capsys.readouterr().err == f"error: {tmp_path / 'rate.py'} has no --lr or --max-lr option to suggest a " \
+                                      "rate for\n"
+    assert not (tmp_path / "b.png").exists()
 
 
 def test_a_recipe_that_stops_early_or_logs_no_loss_is_one_line(tmp_path, capsys, monkeypatch):
     """Early stopping (a replayed --patience, say) ended the ramp at step 30 of 100: the rates past it were never
     tried, and the suggestion from the first 30 was reported as from a whole ramp. A recipe that logs no
     train/loss was said to have diverged after 0 steps."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # its run folder: the last assert sees it (left_in)
     monkeypatch.chdir(tmp_path)
     short = LEAST_SQUARES.replace("min(epochs, max_steps)", "min(epochs, max_steps, 30)")
     (tmp_path / "short.py").write_text(textwrap.dedent(short))
@@ -237,7 +270,7 @@ def test_a_recipe_that_stops_early_or_logs_no_loss_is_one_line(tmp_path, capsys,
     assert find_lr.main([str(tmp_path / "silent.py"), "--plot", str(tmp_path / "s.png")]) == 1
     assert capsys.readouterr().err == "error: the recipe logged no train/loss to TensorBoard in run/: the range " \
                                       "test reads each step's loss there\n"
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["short.py", "silent.py"]
+    assert left_in(tmp_path) == ["short.py", "silent.py"]
 
 
 def test_options_a_config_replays_are_refused_as_if_given(table_csv, tmp_path, capsys):
