@@ -159,7 +159,7 @@ def from_hf(tensors: dict[str, torch.Tensor], shape: dict, source: Path) -> tupl
         raise RecipeError(f"{source}'s weights are not those of its config.json's GPT-2: it {'; '.join(problems)}")
     if head is not None and not (head.shape == state["wte.weight"].shape and torch.equal(head, state["wte.weight"])):
         raise RecipeError(f"{source}'s lm_head.weight differs from wte.weight: the recipe's GPT ties them")
-    if spoiled := [key for key, value in tensors.items() if value.is_floating_point() and not value.isfinite().all()]:
+    if spoiled := [k for k, v in tensors.items() if v.is_floating_point() and not v.float().isfinite().all()]:
         raise RecipeError(f"{source} holds inf or nan weights ({', '.join(spoiled[:4])}): a damaged or diverged model")
     state["lm_head.weight"] = state["wte.weight"]
     bias = any(b.any() for b in biases)
@@ -173,9 +173,9 @@ def read_folder(path: Path) -> Folder:
     RecipeError naming the file and what is wrong with it."""
     shape = read_shape(path)
     tokenizer = read_tokenizer(path)
-    if tokenizer.get_vocab_size() > shape["vocab_size"]:
-        raise RecipeError(f"{path}'s tokenizer has {tokenizer.get_vocab_size()} tokens, more than config.json's "
-                          f"vocab_size {shape['vocab_size']}")
+    if (top := max(tokenizer.get_vocab().values(), default=0)) >= shape["vocab_size"]:  # ids index wte's rows
+        raise RecipeError(f"{path}'s tokenizer has token ids up to {top}, past config.json's vocab_size "
+                          f"{shape['vocab_size']}")
     kind, vocab = recipe_vocab(tokenizer)
     weights, shape["bias"] = from_hf(read_tensors(path), shape, path)
     return Folder(path, shape, weights, vocab, kind)

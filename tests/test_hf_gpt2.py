@@ -355,6 +355,13 @@ def damage(case: str, folder: Path) -> str:
         tensors["transformer.h.0.mlp.c_fc.weight"][0, 0] = float("inf")
         save_file(tensors, weights, metadata={"format": "pt"})
         return "holds inf or nan weights (transformer.h.0.mlp.c_fc.weight): a damaged or diverged model"
+    if case == "token ids past vocab_size":  # fewer tokens than rows, one id past them: an IndexError traceback
+        vocab_size = json.loads((folder / "config.json").read_text())["vocab_size"]
+        tokens = json.loads((folder / "tokenizer.json").read_text())
+        end = tokens["added_tokens"][0]
+        end["id"] = tokens["model"]["vocab"][end["content"]] = vocab_size + 10
+        (folder / "tokenizer.json").write_text(json.dumps(tokens))
+        return f"tokenizer has token ids up to {vocab_size + 10}, past config.json's vocab_size {vocab_size}"
     if case == "an index naming no file":  # sharded weights whose index maps a weight to a number
         tensors = load_file(weights)
         weights.unlink()
@@ -392,7 +399,7 @@ def damage(case: str, folder: Path) -> str:
                                   "no such folder", "an index naming no file", "a classifier's head",
                                   "a config.json its weights disagree with", "an activation in a list",
                                   "a size past float64", "a fractional size", "a size in a string", "an inf weight",
-                                  "a shard missing"])
+                                  "a shard missing", "token ids past vocab_size"])
 def test_a_folder_that_is_not_gpt2_is_one_line(case, gpt2_dir, text_file, run_inprocess, tmp_path):
     folder = copy_of(gpt2_dir, tmp_path / "gpt2")
     message = damage(case, folder)
@@ -401,6 +408,17 @@ def test_a_folder_that_is_not_gpt2_is_one_line(case, gpt2_dir, text_file, run_in
     assert result.code == 1 and result.stderr.startswith("error: ") and result.stderr.count("\n") == 1, result.stderr
     assert message in result.stderr and "Traceback" not in result.stderr
     assert not (tmp_path / "run").exists()  # nothing left behind
+
+
+def test_a_weight_in_float8_is_read_as_float_like_every_other(gpt2_dir, tmp_path):
+    """The inf/nan check called isfinite, which float8 lacks: a NotImplementedError traceback."""
+    folder = copy_of(gpt2_dir, tmp_path / "gpt2")
+    tensors = load_file(folder / "model.safetensors")
+    tensors["transformer.h.0.ln_1.weight"] = tensors["transformer.h.0.ln_1.weight"].to(torch.float8_e4m3fn)
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    weights = hf_gpt2.read_folder(folder).weights
+    assert weights["blocks.0.ln_1.weight"].dtype == torch.float32
+    assert torch.equal(weights["blocks.0.ln_1.weight"], tensors["transformer.h.0.ln_1.weight"].float())
 
 
 def test_a_tokenizer_saved_with_truncation_or_padding_encodes_the_whole_text(gpt2_dir, text_file, run_inprocess,
