@@ -7,7 +7,8 @@ Each variant runs once per seed (the seed also draws the split), in this process
 plus NAME=VALUE words that set one of the recipe's module constants for that variant (PLE_BINS, PERIODIC_SIGMA,
 ...). Printed per variant: the final validation score of each seed (accuracy, or RMSE for a regression; no
 checkpoint chosen on it) and their mean, and the mean seconds per run. ``--cv K`` scores each seed by K-fold
-cross-validation instead. Seeds 100 and up are for tuning; benchmark item 13 reports on seeds 0-4.
+cross-validation instead. Seeds 100 and up are for tuning; benchmark item 13 reports on seeds 0-4 (of the same
+rows, though: half of each Adult validation set, and with --cv every row, was validated on in tuning too).
 """
 
 import argparse
