@@ -44,11 +44,12 @@ def ddp(quick: bool, work: Path) -> dict:
         return float(re.search(r"samples_per_s=([\d.]+)", out)[1])
 
     runs = {"one": [], "two": [], "one_process_all_threads": []}
-    for i in range(1 if quick else 2):  # interleaved: one, two, all threads, one, two, ...
-        runs["one"].append(throughput(1, f"one{i}"))
-        runs["two"].append(throughput(2, f"two{i}"))
-        if harness.DEVICE.type == "cpu":  # on GPUs each process drives its own device: threads are beside the point
-            runs["one_process_all_threads"].append(throughput(1, f"all{i}", all_threads))
+    setups = [("one", 1, one_thread), ("two", 2, one_thread)]
+    if harness.DEVICE.type == "cpu":  # on GPUs each process drives its own device: threads are beside the point
+        setups.append(("one_process_all_threads", 1, all_threads))
+    for i in range(1 if quick else 2):  # interleaved, every other round in reverse: none always runs first
+        for name, world, env in setups[::-1] if i % 2 else setups:
+            runs[name].append(throughput(world, f"{name}{i}", env))
     ratio = summarise([b / a for a, b in zip(runs["one"], runs["two"], strict=True)])
     backend = "nccl" if harness.DEVICE.type == "cuda" else "gloo"
     result = f"{ratio['median']:.2f}x ({ratio['min']:.2f}-{ratio['max']:.2f})"

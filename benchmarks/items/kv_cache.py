@@ -25,8 +25,8 @@ def kv_cache(quick: bool) -> dict:
             model.generate(prompt, new_tokens, top_k=1, use_cache=use_cache).tolist()  # (a GPU's: waited for)
         return new_tokens / (time.perf_counter() - started)
 
-    tokens_per_s(True)  # warm-up
-    runs = interleaved(repeats, cache=lambda: tokens_per_s(True), recompute=lambda: tokens_per_s(False))
+    tokens_per_s(True), tokens_per_s(False)  # warm-up, both: neither side's first round runs cold
+    runs = interleaved(repeats, alternate=True, cache=lambda: tokens_per_s(True), recompute=lambda: tokens_per_s(False))
     speedup = summarise([a / b for a, b in zip(runs["cache"], runs["recompute"], strict=True)])
     # every token, past the block too: the recompute takes the cache's contexts (it jumps where the cache refills)
     same = torch.equal(model.generate(prompt, new_tokens, top_k=1),
