@@ -471,6 +471,17 @@ def saved_model_config(checkpoint: dict, path: Path) -> GPTConfig:
     return config
 
 
+def not_for_sampling(ctx: typer.Context, from_folder: bool) -> str | None:
+    """The first option given on the command line that --sample-only would ignore, or None. A folder's shape
+    options are checked against it (hf_gpt2.check_options); a checkpoint's shape is its own."""
+    sampling = {"sample_only", "resume", "init_from", "prompt", "sample_tokens", "temperature", "top_k", "seed",
+                "device", "config"}
+    if from_folder:
+        sampling |= {"vocab_kind", "n_layer", "n_head", "n_embd", "block_size"}
+    return next((param.opts[0] for param in ctx.command.params if param.name not in sampling
+                 and ctx.get_parameter_source(param.name).name == "COMMANDLINE"), None)
+
+
 def trained_model(checkpoint_path: Path | None, folder: hf_gpt2.Folder | None,
                   device: torch.device) -> tuple[GPT, object]:
     """--sample-only: the model and its vocabulary from a checkpoint (a single file, last.pt, or a sharded folder,
@@ -665,6 +676,10 @@ def main(
         if resume == "auto" or (resume is None) == (init_from is None):
             raise typer.BadParameter("--sample-only needs a checkpoint file, or else an --init-from folder (one of "
                                      "them)", param_hint="--resume")
+        if ignored := not_for_sampling(ctx, from_folder=init_from is not None):
+            raise typer.BadParameter(f"does nothing with --sample-only, which samples from the "
+                                     f"{'folder' if init_from else 'checkpoint'} as it is: leave it out",
+                                     param_hint=ignored)
         folder = hf_gpt2.read_folder(init_from) if init_from else None
         if folder:  # it samples from the folder as it is: an option that contradicts it is refused, as in training
             hf_gpt2.check_options(folder, vocab=vocab_kind, n_layer=n_layer, n_head=n_head, n_embd=n_embd,

@@ -294,6 +294,9 @@ def test_sampling_straight_from_a_folder(gpt2_dir, run_inprocess, monkeypatch):
     assert both.code == 2 and "--sample-only needs a checkpoint file, or else an --init-from folder" in both.stderr
     auto = run_inprocess(RECIPE, "--sample-only", "--init-from", gpt2_dir, "--resume", "auto")
     assert auto.code == 2 and "--sample-only needs a checkpoint file" in auto.stderr
+    steps = run_inprocess(RECIPE, "--sample-only", "--init-from", gpt2_dir, "--steps", 5)  # it sampled, ignoring it
+    assert steps.code == 2 and "Invalid value for --steps: does nothing with --sample-only, which samples from the " \
+        "folder as it is" in steps.stderr, steps.stderr
 
 
 def damage(case: str, folder: Path) -> str:

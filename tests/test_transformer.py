@@ -329,6 +329,10 @@ def test_smoke_run_and_sampling_from_the_checkpoint(run_inprocess, text_file, tm
     assert every.code == 0 and every.stdout.startswith("def ") and every.stdout != sample.stdout, every.stderr
     negative = run_inprocess(RECIPE, "--sample-only", "--resume", run_dir / "checkpoints" / "last.pt", "--top-k", -1)
     assert negative.code == 2 and "--top-k" in negative.stderr and "0" in negative.stderr
+    for ignored in (["--n-layer", 7], ["--vocab", "chars"], ["--lr", 5]):  # were ignored: it sampled as it was
+        refused = run_inprocess(RECIPE, "--sample-only", "--resume", run_dir / "checkpoints" / "last.pt", *ignored)
+        assert refused.code == 2 and f"Invalid value for {ignored[0]}: does nothing with --sample-only, which " \
+            "samples from the checkpoint as it is: leave it out" in refused.stderr, refused.stderr
     monkeypatch.setenv("RANK", "1")  # as torchrun starts the second process: the same text, not printed twice
     monkeypatch.setenv("WORLD_SIZE", "2")
     again = run_inprocess(RECIPE, "--sample-only", "--resume", run_dir / "checkpoints" / "last.pt",
