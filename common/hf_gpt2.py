@@ -10,10 +10,8 @@ adds. The weights differ only in names and layout: GPT-2's ``Conv1D`` stores (in
 nothing), and an import whose biases are all zero (an export of a model without them) gives the recipe's model
 without biases, exactly as it was.
 
-Tokens: ``common/hf_tokens.py``.
-
-transformers, tokenizers and safetensors are imported inside the functions that use them: a recipe run that
-neither reads nor writes a folder never loads them.
+Tokens: ``common/hf_tokens.py``. transformers, tokenizers and safetensors are imported inside the functions that
+use them: a recipe run that neither reads nor writes a folder never loads them.
 """
 
 import json
@@ -169,8 +167,7 @@ def from_hf(tensors: dict[str, torch.Tensor], shape: dict, source: Path) -> tupl
 
 
 def read_folder(path: Path) -> Folder:
-    """A GPT-2 folder, checked and converted: its shape, the recipe's weights, its tokens. Any problem is one
-    RecipeError naming the file and what is wrong with it."""
+    """A GPT-2 folder, checked and converted (shape, weights, tokens); any problem is one RecipeError saying what."""
     shape = read_shape(path)
     tokenizer = read_tokenizer(path)
     if (top := max(tokenizer.get_vocab().values(), default=0)) >= shape["vocab_size"]:  # ids index wte's rows
@@ -178,6 +175,9 @@ def read_folder(path: Path) -> Folder:
                           f"{shape['vocab_size']}")
     kind, vocab = recipe_vocab(tokenizer)
     weights, shape["bias"] = from_hf(read_tensors(path), shape, path)
+    rows = {"wte.weight": shape["vocab_size"], "wpe.weight": shape["block_size"]}  # before a model of that size
+    if wrong := [name for name, n in rows.items() if tuple(weights[name].shape) != (n, shape["n_embd"])]:
+        raise RecipeError(f"GPT-2 folder {path} does not fit this model (wrong shape: {wrong[0]})")
     return Folder(path, shape, weights, vocab, kind)
 
 

@@ -332,6 +332,10 @@ def damage(case: str, folder: Path) -> str:
         config["n_positions"] += 8
         (folder / "config.json").write_text(json.dumps(config))
         return f"error: GPT-2 folder {folder} does not fit this model (wrong shape: wpe.weight)\n"
+    if case == "a vocab_size its weights disagree with":  # "out of memory (allocating 119,209.3 GiB more)"
+        config = json.loads((folder / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps(config | {"vocab_size": 10**12}))
+        return f"error: GPT-2 folder {folder} does not fit this model (wrong shape: wte.weight)\n"
     if case == "no tokenizer":
         (folder / "tokenizer.json").unlink()
         return "has no tokenizer"
@@ -402,7 +406,8 @@ def damage(case: str, folder: Path) -> str:
                                   "no such folder", "an index naming no file", "a classifier's head",
                                   "a config.json its weights disagree with", "an activation in a list",
                                   "a size past float64", "a fractional size", "a size in a string", "an inf weight",
-                                  "a shard missing", "token ids past vocab_size"])
+                                  "a shard missing", "token ids past vocab_size",
+                                  "a vocab_size its weights disagree with"])
 def test_a_folder_that_is_not_gpt2_is_one_line(case, gpt2_dir, text_file, run_inprocess, tmp_path):
     folder = copy_of(gpt2_dir, tmp_path / "gpt2")
     message = damage(case, folder)
