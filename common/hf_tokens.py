@@ -19,11 +19,16 @@ use it: a recipe run that neither reads nor writes a folder never loads it.
 """
 
 import json
+import re
 from pathlib import Path
+
+import torch
 
 from common.cli import RecipeError
 
 END_OF_TEXT = "<|endoftext|>"  # GPT-2's one special token: bos, eos and unk
+PIECE = 1 << 16  # characters of a text encoded at a time (encode_text: some 50 MB at the peak)
+LINE_START = re.compile(r"\n(?=\S)")  # a newline before a non-space character: where a piece may end
 
 
 def whole(tokenizer):
@@ -32,6 +37,22 @@ def whole(tokenizer):
     tokenizer.no_truncation()
     tokenizer.no_padding()
     return tokenizer
+
+
+def encode_text(tokenizer, text: str) -> torch.Tensor:
+    """``text``'s token ids (int32), without special tokens. A whole text's Encoding keeps every token's string and
+    offsets (some 300 bytes a token: gigabytes for a 100 MB text), so a long one is encoded a piece of about
+    ``PIECE`` characters at a time, each ending at a newline before a non-space character, where a pre-tokenizer
+    that splits as GPT-2's does always ends a pre-token: the ids are the whole text's (one that does not, whole)."""
+    start, ids = 0, []
+    cuts = [offsets[0] for _, offsets in tokenizer.pre_tokenizer.pre_tokenize_str("a\nb")] \
+        if tokenizer.pre_tokenizer is not None and tokenizer.normalizer is None else []
+    while start < len(text):
+        cut = LINE_START.search(text, start + PIECE) if 2 in cuts else None
+        end = cut.end() if cut else len(text)
+        ids.append(torch.tensor(tokenizer.encode(text[start:end], add_special_tokens=False).ids, dtype=torch.int32))
+        start = end
+    return torch.cat(ids) if ids else torch.zeros(0, dtype=torch.int32)
 
 
 def read_tokenizer(path: Path):

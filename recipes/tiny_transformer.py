@@ -324,7 +324,7 @@ def encode(data: bytes, vocab: str | object | None) -> torch.Tensor:
         return torch.frombuffer(bytearray(data), dtype=torch.uint8)  # 1 byte per token: 8x less than int64
     if not isinstance(vocab, str):
         try:
-            return torch.tensor(vocab.encode(data.decode("utf-8")).ids, dtype=torch.int32)
+            return hf_tokens.encode_text(vocab, data.decode("utf-8"))
         except Exception as err:  # a tokenizer without byte fallback meets a character it does not know
             raise cli.RecipeError(f"the folder's tokenizer cannot encode the text: {err}") from None
     index = {ch: i for i, ch in enumerate(vocab)}

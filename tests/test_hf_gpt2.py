@@ -27,7 +27,7 @@ from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer
 from transformers import AutoTokenizer, GPT2LMHeadModel
 
-from common import hf_gpt2
+from common import hf_gpt2, hf_tokens
 from common.checkpoint import load_model_state
 from common.cli import RecipeError, run_recipe
 from scripts import export
@@ -264,6 +264,27 @@ def test_init_from_trains_resumes_exactly_without_the_folder_and_exports_back(gp
     end = bpe_tokenizer().token_to_id("<|endoftext|>")
     assert config["activation_function"] == "gelu_new" and config["eos_token_id"] == config["bos_token_id"] == end
     assert AutoTokenizer.from_pretrained(tmp_path / "out")(TEXT)["input_ids"] == bpe_tokenizer().encode(TEXT).ids
+
+
+class Counted:
+    """A tokenizer whose ``encode`` calls are counted (the library's own class takes no new attributes)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.calls = tokenizer, 0
+        self.pre_tokenizer, self.normalizer = tokenizer.pre_tokenizer, tokenizer.normalizer
+
+    def encode(self, text, **kwargs):
+        self.calls += 1
+        return self.tokenizer.encode(text, **kwargs)
+
+
+def test_a_long_text_is_encoded_in_pieces_to_the_whole_texts_ids(gpt2_dir, monkeypatch):
+    """One Encoding of a whole text kept some 300 bytes a token (1.1 GB for the 4.7 MB default corpus)."""
+    tokenizer = Counted(hf_gpt2.read_folder(gpt2_dir).vocab)
+    monkeypatch.setattr(hf_tokens, "PIECE", 100)
+    ids = hf_tokens.encode_text(tokenizer, TEXT)
+    assert ids.dtype == torch.int32 and ids.tolist() == tokenizer.tokenizer.encode(TEXT).ids
+    assert tokenizer.calls >= len(TEXT) // 200  # in pieces, not whole
 
 
 def test_gpt2s_own_files_vocab_json_and_merges_txt_give_the_same_tokens(gpt2_dir, tmp_path):
