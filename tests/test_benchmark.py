@@ -222,15 +222,18 @@ def test_interleaved_rounds_alternate_which_runs_first_when_asked():
     assert order == ["a", "b", "a", "b"]
 
 
-@pytest.mark.parametrize(("first_step_s", "met"), [(4.4, True), (6.0, False)])
-def test_tabular_scale_is_judged_net_of_torchs_start_up(first_step_s, met, monkeypatch, tmp_path):
+@pytest.mark.parametrize(("first_step_s", "at_3m_s", "met"), [(4.4, 7.6, True), (6.0, 6.0, False),
+                                                             (4.4, 9.0, False)])  # 3M rows: not linear
+def test_tabular_scale_is_judged_net_of_torchs_start_up(first_step_s, at_3m_s, met, monkeypatch, tmp_path):
     """Item 10's 3 s for a million rows counts what reading the table costs, not what starting torch costs any
-    script (2.6-3.0 s on a 2-core CPU). The runs are stand-ins: only the verdict is under test."""
+    script (2.6-3.0 s on a 2-core CPU); "linear in rows" was in its target, but not in its verdict. The runs are
+    stand-ins: only the verdict is under test."""
     from benchmarks.items import tabular_scale as item
 
     monkeypatch.setattr(item, "adult_like_table", lambda path, rows: path.write_text("a\n1\n") and path)
     monkeypatch.setattr(item, "first_step", lambda recipe, args, run_dir: {
-        "first_step_s": first_step_s, "peak_rss_gb": 1.07, "samples_per_s": 30000.0})
+        "first_step_s": at_3m_s if "table_3000000" in str(args[1]) else first_step_s, "peak_rss_gb": 1.07,
+        "samples_per_s": 30000.0})
     monkeypatch.setattr(item, "torch_floor", lambda runs: {"seconds": 2.8, "peak_rss_gb": 0.4})
     result = item.tabular_scale(False, tmp_path)
     assert result["met"] is met
