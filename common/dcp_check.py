@@ -36,10 +36,11 @@ def read_dcp_metadata(path: Path) -> Metadata:
     try:
         with open(path, "rb") as f:
             metadata = MetadataUnpickler(f).load()
+        if not isinstance(metadata, Metadata):
+            raise pickle.UnpicklingError("it holds no DCP Metadata")
         files = [(where.relative_path, where.offset, where.length) for where in metadata.storage_data.values()]
-        if not isinstance(metadata, Metadata) or not all(isinstance(path, str) and offset >= 0 and length >= 0
-                                                         for path, offset, length in files):
-            raise pickle.UnpicklingError("it is not DCP's Metadata of files")  # what the checks below read
+        if not all(isinstance(path, str) and offset >= 0 and length >= 0 for path, offset, length in files):
+            raise pickle.UnpicklingError("its storage_data names no files")  # what the checks below read
         return metadata
     except Exception as err:  # noqa: BLE001 - whatever a damaged or foreign file raises, it is refused alike
         raise RecipeError(f"{path} is not DCP checkpoint metadata ({err}): {REFUSED}") from None

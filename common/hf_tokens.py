@@ -42,17 +42,26 @@ def whole(tokenizer):
 def encode_text(tokenizer, text: str) -> torch.Tensor:
     """``text``'s token ids (int32), without special tokens. A whole text's Encoding keeps every token's string and
     offsets (some 300 bytes a token: gigabytes for a 100 MB text), so a long one is encoded a piece of about
-    ``PIECE`` characters at a time, each ending at a newline before a non-space character, where a pre-tokenizer
-    that splits as GPT-2's does always ends a pre-token: the ids are the whole text's (one that does not, whole)."""
-    start, ids = 0, []
-    cuts = [offsets[0] for _, offsets in tokenizer.pre_tokenizer.pre_tokenize_str("a\nb")] \
-        if tokenizer.pre_tokenizer is not None and tokenizer.normalizer is None else []
+    ``PIECE`` characters at a time, each ending at a newline before a non-space character where the tokenizer
+    allows it (``cuts_at_line_starts``): the ids are the whole text's."""
+    start, ids, cuts = 0, [], cuts_at_line_starts(tokenizer)
     while start < len(text):
-        cut = LINE_START.search(text, start + PIECE) if 2 in cuts else None
+        cut = LINE_START.search(text, start + PIECE) if cuts else None
         end = cut.end() if cut else len(text)
         ids.append(torch.tensor(tokenizer.encode(text[start:end], add_special_tokens=False).ids, dtype=torch.int32))
         start = end
     return torch.cat(ids) if ids else torch.zeros(0, dtype=torch.int32)
+
+
+def cuts_at_line_starts(tokenizer) -> bool:
+    """Whether a text cut at a newline before a non-space character encodes to the whole text's ids, as GPT-2's
+    does: no normalizer, a pre-tokenizer that ends a pre-token there and reads what follows as it would a text's
+    start (no prefix space added), and no added token that takes in the whitespace beside it."""
+    if tokenizer.pre_tokenizer is None or tokenizer.normalizer is not None or any(
+            token.lstrip or token.rstrip for token in tokenizer.get_added_tokens_decoder().values()):
+        return False
+    last = tokenizer.pre_tokenizer.pre_tokenize_str("a\nb")[-1]
+    return last == (tokenizer.pre_tokenizer.pre_tokenize_str("b")[0][0], (2, 3))
 
 
 def read_tokenizer(path: Path):

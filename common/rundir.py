@@ -37,8 +37,8 @@ class RunFolder:
                 self.path.resolve() in resolved.parents:
             return False  # in this folder, as written or once links are followed
         # checkpoints/ may be a link to another disk: last.pt directly in its target, or dcp/step-N (not deeper)
-        holder = resolved.parent.parent if resolved.parent.name == "dcp" else resolved.parent
-        return holder != (self.path / "checkpoints").resolve()
+        holders = [resolved.parent, *([resolved.parent.parent] if resolved.parent.name == "dcp" else [])]
+        return (self.path / "checkpoints").resolve() not in holders
 
 
 def last_file(run_dir: Path) -> Path | None:

@@ -475,11 +475,11 @@ def not_for_sampling(ctx: typer.Context, from_folder: bool) -> str | None:
     """The first option given on the command line that --sample-only would ignore, or None. A folder's shape
     options are checked against it (hf_gpt2.check_options); a checkpoint's shape is its own."""
     sampling = {"sample_only", "resume", "init_from", "prompt", "sample_tokens", "temperature", "top_k", "seed",
-                "device", "config"}
+                "device", "config_file"}
     if from_folder:
         sampling |= {"vocab_kind", "n_layer", "n_head", "n_embd", "block_size"}
-    return next((param.opts[0] for param in ctx.command.params if param.name not in sampling
-                 and ctx.get_parameter_source(param.name).name == "COMMANDLINE"), None)
+    return next(("/".join(param.opts + param.secondary_opts) for param in ctx.command.params  # --compile/--no-compile
+                 if param.name not in sampling and ctx.get_parameter_source(param.name).name == "COMMANDLINE"), None)
 
 
 def trained_model(checkpoint_path: Path | None, folder: hf_gpt2.Folder | None,

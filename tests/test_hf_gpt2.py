@@ -272,6 +272,7 @@ class Counted:
     def __init__(self, tokenizer):
         self.tokenizer, self.calls = tokenizer, 0
         self.pre_tokenizer, self.normalizer = tokenizer.pre_tokenizer, tokenizer.normalizer
+        self.get_added_tokens_decoder = tokenizer.get_added_tokens_decoder
 
     def encode(self, text, **kwargs):
         self.calls += 1
@@ -285,6 +286,17 @@ def test_a_long_text_is_encoded_in_pieces_to_the_whole_texts_ids(gpt2_dir, monke
     ids = hf_tokens.encode_text(tokenizer, TEXT)
     assert ids.dtype == torch.int32 and ids.tolist() == tokenizer.tokenizer.encode(TEXT).ids
     assert tokenizer.calls >= len(TEXT) // 200  # in pieces, not whole
+    # a tokenizer that reads a piece's start otherwise than the same text inside a line: whole (the ids differed)
+    from tokenizers import AddedToken, pre_tokenizers
+
+    prefixed = Tokenizer.from_str(tokenizer.tokenizer.to_str())
+    prefixed.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=True)
+    stripping = Tokenizer.from_str(tokenizer.tokenizer.to_str())
+    stripping.add_special_tokens([AddedToken("<mask>", lstrip=True)])
+    for other, text in ((prefixed, TEXT), (stripping, TEXT.replace("naïve", "<mask> naïve"))):
+        counted = Counted(other)
+        assert hf_tokens.encode_text(counted, text).tolist() == other.encode(text, add_special_tokens=False).ids
+        assert counted.calls == 1
 
 
 def test_gpt2s_own_files_vocab_json_and_merges_txt_give_the_same_tokens(gpt2_dir, tmp_path):

@@ -382,6 +382,10 @@ def test_only_the_linked_checkpoints_folder_itself_is_the_runs_own(tmp_path):
                             (disk / "dcp" / "step-000004", False), (tmp_path / "elsewhere" / "last.pt", True),
                             (tmp_path / "new" / "checkpoints" / "last.pt", False), (disk / "C" / "last.pt", True)]:
         assert RunFolder(tmp_path / "new", resume).resumes_another_run is another, resume
+    (tmp_path / "dcp").mkdir()  # a link to a folder that happens to be named dcp: its last.pt is still the run's
+    (tmp_path / "named" / "checkpoints").parent.mkdir()
+    (tmp_path / "named" / "checkpoints").symlink_to(tmp_path / "dcp")
+    assert RunFolder(tmp_path / "named", tmp_path / "dcp" / "last.pt").resumes_another_run is False
 
 
 def test_a_run_folder_that_cannot_hold_checkpoints_is_refused_before_training(run_inprocess, tmp_path):

@@ -509,6 +509,12 @@ def test_a_step_folder_counts_only_with_every_shard_its_metadata_names_whole(tmp
     assert incomplete(step) == "its __0_0.distcp is missing"
     (step / ".metadata").write_bytes(b"junk")  # counted, and refused with the reason when loaded
     assert incomplete(step) is None
+    from common.cli import RecipeError
+    from common.dcp_check import read_dcp_metadata
+
+    (step / ".metadata").write_bytes(pickle.dumps({}))  # a pickle of data, but no Metadata: said so
+    with pytest.raises(RecipeError, match=r"is not DCP checkpoint metadata \(it holds no DCP Metadata\)"):
+        read_dcp_metadata(step / ".metadata")
     (step / "trainer.pt").unlink()
     assert incomplete(step) == "no .metadata or trainer.pt"
 

@@ -329,10 +329,14 @@ def test_smoke_run_and_sampling_from_the_checkpoint(run_inprocess, text_file, tm
     assert every.code == 0 and every.stdout.startswith("def ") and every.stdout != sample.stdout, every.stderr
     negative = run_inprocess(RECIPE, "--sample-only", "--resume", run_dir / "checkpoints" / "last.pt", "--top-k", -1)
     assert negative.code == 2 and "--top-k" in negative.stderr and "0" in negative.stderr
-    for ignored in (["--n-layer", 7], ["--vocab", "chars"], ["--lr", 5]):  # were ignored: it sampled as it was
+    for ignored, named in ((["--n-layer", 7], "--n-layer"), (["--vocab", "chars"], "--vocab"), (["--lr", 5], "--lr"),
+                           (["--no-compile"], "--compile/--no-compile")):  # were ignored: it sampled as it was
         refused = run_inprocess(RECIPE, "--sample-only", "--resume", run_dir / "checkpoints" / "last.pt", *ignored)
-        assert refused.code == 2 and f"Invalid value for {ignored[0]}: does nothing with --sample-only, which " \
+        assert refused.code == 2 and f"Invalid value for {named}: does nothing with --sample-only, which " \
             "samples from the checkpoint as it is: leave it out" in refused.stderr, refused.stderr
+    replayed = run_inprocess(RECIPE, "--sample-only", "--resume", run_dir / "checkpoints" / "last.pt", "--config",
+                             run_dir / "config.json", "--prompt", "def ", "--sample-tokens", 30)  # its temperature...
+    assert replayed.code == 0 and replayed.stdout == sample.stdout, replayed.stderr
     monkeypatch.setenv("RANK", "1")  # as torchrun starts the second process: the same text, not printed twice
     monkeypatch.setenv("WORLD_SIZE", "2")
     again = run_inprocess(RECIPE, "--sample-only", "--resume", run_dir / "checkpoints" / "last.pt",
