@@ -28,7 +28,7 @@ from common.cli import RecipeError
 
 END_OF_TEXT = "<|endoftext|>"  # GPT-2's one special token: bos, eos and unk
 PIECE = 1 << 16  # characters of a text encoded at a time (encode_text: some 50 MB at the peak)
-LINE_START = re.compile(r"\n(?=\S)")  # a newline before a non-space character: where a piece may end
+LINE_START = re.compile(r"(?<=\S)\n(?=\S)")  # a newline between non-space characters: where a piece may end
 
 
 def whole(tokenizer):
@@ -42,8 +42,9 @@ def whole(tokenizer):
 def encode_text(tokenizer, text: str) -> torch.Tensor:
     """``text``'s token ids (int32), without special tokens. A whole text's Encoding keeps every token's string and
     offsets (some 300 bytes a token: gigabytes for a 100 MB text), so a long one is encoded a piece of about
-    ``PIECE`` characters at a time, each ending at a newline before a non-space character where the tokenizer
-    allows it (``cuts_at_line_starts``): the ids are the whole text's."""
+    ``PIECE`` characters at a time, each ending at a newline between non-space characters where the tokenizer
+    allows it (``cuts_at_line_starts``): the ids are the whole text's. (Not after other whitespace: GPT-2's
+    pre-tokenizer keeps "\n\n" or "\r\n" whole at a text's end, where inside it they part.)"""
     start, ids, cuts = 0, [], cuts_at_line_starts(tokenizer)
     while start < len(text):
         cut = LINE_START.search(text, start + PIECE) if cuts else None
@@ -54,11 +55,13 @@ def encode_text(tokenizer, text: str) -> torch.Tensor:
 
 
 def cuts_at_line_starts(tokenizer) -> bool:
-    """Whether a text cut at a newline before a non-space character encodes to the whole text's ids, as GPT-2's
+    """Whether a text cut at a newline between non-space characters encodes to the whole text's ids, as GPT-2's
     does: no normalizer, a pre-tokenizer that ends a pre-token there and reads what follows as it would a text's
-    start (no prefix space added), and no added token that takes in the whitespace beside it."""
+    start (no prefix space added), and no added token that holds a newline, takes in the whitespace beside it, or
+    matches only as a whole word."""
     if tokenizer.pre_tokenizer is None or tokenizer.normalizer is not None or any(
-            token.lstrip or token.rstrip for token in tokenizer.get_added_tokens_decoder().values()):
+            token.lstrip or token.rstrip or token.single_word or "\n" in token.content
+            for token in tokenizer.get_added_tokens_decoder().values()):
         return False
     last = tokenizer.pre_tokenizer.pre_tokenize_str("a\nb")[-1]
     return last == (tokenizer.pre_tokenizer.pre_tokenize_str("b")[0][0], (2, 3))

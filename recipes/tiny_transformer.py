@@ -673,6 +673,8 @@ def main(
             raise typer.BadParameter("--global-batch sets it for you (to the global batch / (processes x "
                                      "--grad-accum)): give one of the two", param_hint="--batch-size")
     if sample_only:
+        if resume is not None and ctx.get_parameter_source("init_from").name == "DEFAULT_MAP":
+            init_from = None  # a --config replay's folder, which the checkpoint given was trained from
         if resume == "auto" or (resume is None) == (init_from is None):
             raise typer.BadParameter("--sample-only needs a checkpoint file, or else an --init-from folder (one of "
                                      "them)", param_hint="--resume")

@@ -253,6 +253,10 @@ def test_init_from_trains_resumes_exactly_without_the_folder_and_exports_back(gp
 
     sample = run_inprocess(RECIPE, "--sample-only", "--resume", last, "--prompt", "def ", "--sample-tokens", 10)
     assert sample.code == 0 and sample.stdout.startswith("def "), sample.stderr
+    # the run's options replayed: its --init-from (a folder now gone) gives way to the checkpoint given
+    replayed = run_inprocess(RECIPE, "--sample-only", "--config", tmp_path / "cut" / "config.json", "--resume", last,
+                             "--prompt", "def ", "--sample-tokens", 10)
+    assert replayed.code == 0 and replayed.stdout == sample.stdout, replayed.stderr
 
     assert export.main([str(last), str(tmp_path / "out"), "--format", "hf"]) == 0
     ours, theirs = recipe_model(last), hf_model(tmp_path / "out")
@@ -293,10 +297,17 @@ def test_a_long_text_is_encoded_in_pieces_to_the_whole_texts_ids(gpt2_dir, monke
     prefixed.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=True)
     stripping = Tokenizer.from_str(tokenizer.tokenizer.to_str())
     stripping.add_special_tokens([AddedToken("<mask>", lstrip=True)])
-    for other, text in ((prefixed, TEXT), (stripping, TEXT.replace("naïve", "<mask> naïve"))):
+    spanning = Tokenizer.from_str(tokenizer.tokenizer.to_str())
+    spanning.add_tokens([AddedToken("\nnaïve")])  # a token across the newline a cut would part
+    for other, text in ((prefixed, TEXT), (stripping, TEXT.replace("naïve", "<mask> naïve")), (spanning, TEXT)):
         counted = Counted(other)
         assert hf_tokens.encode_text(counted, text).tolist() == other.encode(text, add_special_tokens=False).ids
         assert counted.calls == 1
+    # "\n\n" and "\r\n" are one pre-token at a text's end, two inside it: no cut after whitespace (GPT-2 has "\n\n")
+    blank_lines = tiny_bpe_tokenizer("class A:\n\n    def f(self):\r\n \r\n        return 1\n\n\nx = A()\n" * 50)
+    monkeypatch.setattr(hf_tokens, "PIECE", 3)
+    for text in ["x = A()\n\nprint(x)", "x = A()\r\nprint(x)", "x = A() \nprint(x)", "\n\n\nx = A()\n\nprint(x)"]:
+        assert hf_tokens.encode_text(blank_lines, text).tolist() == blank_lines.encode(text).ids, text
 
 
 def test_gpt2s_own_files_vocab_json_and_merges_txt_give_the_same_tokens(gpt2_dir, tmp_path):
