@@ -168,6 +168,7 @@ def train(epochs: int, max_steps: int | None, batch_size: int, lr: float, sample
                 checkpoints.save(step)
                 if stop.requested:
                     stop.exit(step, resume_dir)
+        log.flush()  # the training steps' time ends here: evaluating is not training
         started = time.perf_counter()  # the first evaluation compiles again: no_grad is another graph
         val = evaluate(model, val_loader, loss_fn, device=device, precision=precision)
         eval_seconds.append(time.perf_counter() - started)

@@ -255,6 +255,7 @@ def main(
                 from_rank_0(partial(checkpoints.save, step))  # every rank waits for it, and shares its error
                 if stopping:
                     stop.exit(step, run.path)
+        log.flush()  # the training steps' time ends here: evaluating is not training
         val = evaluate(model, val_loader, device, precision)  # every rank scores its shard; the sums are all-reduced
         log.eval(step, val=val)
         if best.improved(val["acc"], step):  # every rank decides alike: the figures are the whole group's

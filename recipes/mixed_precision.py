@@ -152,6 +152,7 @@ def train(epochs: int, max_steps: int | None, batch_size: int, lr: float, sample
                 checkpoints.save(step)
                 if stop.requested:
                     stop.exit(step, resume_dir)
+        log.flush()  # the training steps' time ends here: evaluating is not training
         val = evaluate(model, val_loader, nn.CrossEntropyLoss(), device=device, precision=precision)
         log.eval(step, val=val, note=precision)
         if best.improved(val["loss"], step):

@@ -488,6 +488,7 @@ def main(
                 checkpoints.save(step)
                 if stop.requested:
                     stop.exit(step, run.path)
+        log.flush()  # the training steps' time ends here: evaluating is not training
         val = evaluate(model, val_loader, eval_loss_fn, device=device, precision=precision)
         ema_val = evaluate(ema.module, val_loader, eval_loss_fn, device=device, precision=precision) if ema else None
         log.eval(step, val=val, **({"ema_val": ema_val} if ema else {}))

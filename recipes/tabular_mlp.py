@@ -1019,6 +1019,7 @@ def train(csv_path: Path | None, target: str, task: str, drop: list[str] | None,
                 checkpoints.save(step)
                 if stop.requested:
                     stop.exit(step, resume_dir)
+        log.flush()  # the training steps' time ends here: evaluating is not training
         val = validate(model)
         log.eval(step, val=val)
         score = val["acc"] if classification else val["rmse"]

@@ -899,6 +899,7 @@ def main(
             log.print(format_account(memory, type(optimizer).__name__))
 
         if step % eval_every == 0 or step == total_steps:  # evaluate, sample, keep the best, save
+            log.flush()  # the training steps' time ends here: evaluating is not training
             # MFU: the model FLOPs of every rank's tokens over the peak of every rank's device
             mfu = flops_per_token * log.throughput / (peak_flops * world_size)
             val = validate(model)

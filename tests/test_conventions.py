@@ -4,11 +4,14 @@ import json
 import os
 import re
 import subprocess
+import time
+from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import RECIPES, ROOT, read_metrics, smoke_args
+from conftest import RECIPES, ROOT, load_recipe, read_metrics, read_scalars, smoke_args
 
+from common import runlog
 from common.runtime import native_bf16
 
 COMMON = ["--max-steps", "--batch-size", "--lr", "--seed", "--device", "--precision", "--compile", "--num-workers",
@@ -163,3 +166,44 @@ def test_every_recipe_steps_its_learning_rate_schedule_in_its_own_loop():
     for recipe in RECIPES:
         source = (ROOT / "recipes" / f"{recipe}.py").read_text()
         assert "scheduler = " in source and "scheduler.step()" in source, recipe
+
+
+
+# Two evaluations, the first in the middle of a --log-every window of 3 steps
+MID_WINDOW_EVALUATIONS = {
+    "mnist_onecycle": ["--data-dir", "{mnist_dir}", "--epochs", "2", "--batch-size", "64"],
+    "tabular_mlp": ["--csv", "{table_csv}", "--target", "label", "--epochs", "2", "--batch-size", "32"],
+    "tiny_transformer": ["--text", "{corpus_txt}", "--steps", "10", "--eval-every", "5", "--n-layer", "1",
+                         "--n-head", "2", "--n-embd", "16", "--block-size", "16", "--batch-size", "8",
+                         "--eval-batches", "1", "--sample-tokens", "2", "--peak-flops", "1e11"],
+    "mixed_precision": ["--epochs", "2", "--samples", "256", "--batch-size", "32", "--width", "16", "--depth", "2"],
+    "compiled_model": ["--epochs", "2", "--samples", "512", "--batch-size", "64", "--width", "16", "--depth", "2"],
+    "ddp_mlp": ["--data-dir", "{mnist_dir}", "--epochs", "2", "--batch-size", "64", "--hidden", "32"],
+}
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_evaluation_time_is_not_counted_as_training_time(recipe, run_inprocess, request, tmp_path, monkeypatch):
+    """Each evaluation takes a million seconds on the run log's clock: the throughput a run reports is its training
+    steps' alone only if the steps left in a window are timed before evaluating."""
+    clock = {"offset": 0.0}
+    clock_time = SimpleNamespace(perf_counter=lambda: time.perf_counter() + clock["offset"], time=time.time)
+    monkeypatch.setattr(runlog, "time", clock_time)
+    module, evaluated = load_recipe(recipe), []
+
+    def slow_evaluate(*args, **kwargs):
+        clock["offset"] += 1e6
+        evaluated.append(1)
+        return real_evaluate(*args, **kwargs)
+
+    real_evaluate = module.evaluate
+    monkeypatch.setattr(module, "evaluate", slow_evaluate)
+    args = [str(request.getfixturevalue(a[1:-1])) if a.startswith("{") else a for a in MID_WINDOW_EVALUATIONS[recipe]]
+    result = run_inprocess(recipe, *args, "--log-every", 3, "--run-dir", tmp_path)
+    assert result.code == 0, result.stderr
+    scalars, metrics = read_scalars(tmp_path), read_metrics(tmp_path)
+    first = min(step for step, _ in scalars["val/loss"])
+    assert len(scalars["val/loss"]) == 2 and first % 3 and len(evaluated) >= 2  # mid-window, and timed as slow
+    unit = "tokens" if recipe == "tiny_transformer" else "samples"
+    # a window holding an evaluation would be under 0.01 items a second; these models train thousands
+    assert metrics[f"{unit}_per_s"] > 100 and all(value > 100 for _, value in scalars[f"perf/{unit}_per_s"])
