@@ -68,8 +68,9 @@ class RunLog:
                        "world_size": world_size, "tf32": tf32, "torch_version": torch.__version__}
         if self.write:
             write_json(self.run.path / "config.json", self.config)
-            # purge_step hides events a killed run logged after its checkpoint's step, so curves stay single
-            self.writer = SummaryWriter(str(self.run.path), purge_step=step + 1 if step else None)
+            # purge_step hides the events a killed run logged past its checkpoint's step (all of them, when it
+            # saved none and this run starts afresh in its folder), so that curves stay single
+            self.writer = SummaryWriter(str(self.run.path), purge_step=step + 1 if step else 0)
             on_exit(self.writer.close)  # an error that ends the run still flushes what was logged
         self.started = self.window_start = time.perf_counter()
         resumed = f" | resumed at step {step}" if step else ""

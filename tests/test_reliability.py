@@ -8,6 +8,7 @@ import math
 import os
 import random
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -22,6 +23,7 @@ from conftest import (
     assert_same_weights,
     load_weights,
     read_metrics,
+    read_scalars,
     run_subprocess,
     smoke_args,
     synthetic_digits,
@@ -95,6 +97,17 @@ def test_sigkill_at_random_moments_then_resume_auto_gives_the_same_weights(recip
     assert read_metrics(run_dir)["steps"] == steps
     assert read_metrics(run_dir)["train_loss"] == read_metrics(reference)["train_loss"]
     assert_same_weights(load_weights(reference / "checkpoints" / "last.pt"), load_weights(checkpoint))
+
+
+def test_a_fresh_start_in_the_folder_of_a_run_killed_before_its_first_save_logs_its_own_curve_alone(
+        run_inprocess, tmp_path):
+    common = ["--epochs", 1, "--samples", 256, "--batch-size", 32, "--width", 16, "--depth", 2, "--run-dir", tmp_path]
+    assert run_inprocess("mixed_precision", *common).code == 0  # 7 steps logged
+    shutil.rmtree(tmp_path / "checkpoints")  # as a run killed before it saved leaves its folder: config and events
+    (tmp_path / "metrics.json").unlink()
+    result = run_inprocess("mixed_precision", *common, "--max-steps", 3, "--resume", "auto")
+    assert result.code == 0 and "resumed" not in result.stdout, result.stderr
+    assert [step for step, _ in read_scalars(tmp_path)["train/loss"]] == [1, 2, 3]  # not 1, 2, 3, 4, 5, 6, 7
 
 
 def test_a_save_torn_by_a_crash_is_ignored(run_inprocess, table_csv, tmp_path):
