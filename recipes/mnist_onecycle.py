@@ -47,6 +47,8 @@ from common.stop import StopRequest
 
 RECIPE = "mnist_onecycle"
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg")
+# an interlaced PNG's 7 passes: the first column and row, and the steps between the pixels each pass holds
+ADAM7_PASSES = [(0, 0, 8, 8), (4, 0, 8, 8), (0, 4, 4, 8), (2, 0, 4, 4), (0, 2, 2, 4), (1, 0, 2, 2), (0, 1, 1, 2)]
 MAX_PIXELS = 64_000_000  # 8,000 x 8,000: 1.5 GB to decode and shrink; Pillow warns from 89M
 
 
@@ -243,6 +245,8 @@ def read_digit(path: Path) -> torch.Tensor:
         png = data.startswith(b"\x89PNG\r\n\x1a\n") and len(data) > 25
         chunks = data[: data.find(b"IDAT")] if png else b""
         alpha = png and (data[25] in (4, 6) or data[25] == 3 and b"tRNS" in chunks)
+        if png and png_pixels_cut_short(data):  # libpng's error on it ends the process in torchvision's decoder
+            raise ValueError("its image data ends early")
         # (grey, alpha) or (grey,), uint8 (uint16: a 16-bit PNG), turned upright as a phone's EXIF tag says
         image = decode(data, ImageReadMode.GRAY_ALPHA if alpha else ImageReadMode.GRAY)
         # a grey or RGB PNG with one see-through colour (a tRNS chunk, as optipng writes them): torchvision ignores it
@@ -253,6 +257,26 @@ def read_digit(path: Path) -> torch.Tensor:
     if image is None or image.shape[0] != 1 + alpha:  # a GIF or WebP decodes, but in colour whatever was asked
         raise cli.RecipeError(f"{path} is not a readable PNG or JPEG image")
     return to_mnist_format(flatten_alpha(image) if alpha else image)
+
+
+def png_pixels_cut_short(data: bytes) -> bool:
+    """Whether a PNG's image data (its IDAT chunks, inflated) is shorter than its header's size needs, or corrupt."""
+    width, height = int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+    bits = data[24] * {2: 3, 4: 2, 6: 4}.get(data[25], 1)  # per pixel: bit depth x channels
+    need = 0  # a filter byte and the pixels, per row of each pass
+    for x, y, dx, dy in ADAM7_PASSES if data[28] == 1 else [(0, 0, 1, 1)]:
+        columns, rows = max(0, (width - x + dx - 1) // dx), max(0, (height - y + dy - 1) // dy)
+        need += rows * (1 + (columns * bits + 7) // 8) if columns else 0
+    inflate, found, at = zlib.decompressobj(), 0, 8
+    while at + 8 <= len(data) and found < need:  # chunks: length, kind, data, CRC
+        length, kind = int.from_bytes(data[at : at + 4], "big"), data[at + 4 : at + 8]
+        if kind == b"IDAT":
+            try:
+                found += len(inflate.decompress(data[at + 8 : at + 8 + length], need - found))
+            except zlib.error:
+                return True
+        at += 12 + length
+    return found < need
 
 
 def decode(data: bytes, mode: ImageReadMode) -> torch.Tensor:

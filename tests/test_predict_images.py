@@ -243,8 +243,9 @@ def test_an_extra_argument_without_predict_is_named_not_blamed_on_predict(run_in
     assert not (tmp_path / "run").exists()
 
 
-def png_header(width: int, height: int) -> bytes:
-    """A PNG's signature and header chunk, saying its size, and no pixels: a picture too big to build here."""
+def png_header(width: int, height: int, pixels: bytes = b"") -> bytes:
+    """A grey PNG saying its size, with ``pixels`` (rows of a filter byte and the pixels) as its image data, or none
+    at all: a picture too big to build here."""
     import struct
     import zlib
 
@@ -252,11 +253,11 @@ def png_header(width: int, height: int) -> bytes:
         return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
 
     return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0)) + \
-        chunk(b"IDAT", b"") + chunk(b"IEND", b"")
+        chunk(b"IDAT", zlib.compress(pixels) if pixels else b"") + chunk(b"IEND", b"")
 
 
 @pytest.mark.parametrize("case", ["not an image", "empty file", "empty folder", "missing file", "text only folder",
-                                  "gif", "too many pixels", "a decompression bomb"])
+                                  "gif", "too many pixels", "a decompression bomb", "pixels cut short"])
 def test_bad_images_are_one_line_errors(case, checkpoint, run_inprocess, tmp_path):
     if case == "gif":  # torchvision decodes it, but in colour whatever mode is asked: the model wants one channel
         from PIL import Image
@@ -268,6 +269,9 @@ def test_bad_images_are_one_line_errors(case, checkpoint, run_inprocess, tmp_pat
         (tmp_path / "huge.png").write_bytes(png_header(*size))
         target, text = tmp_path / "huge.png", ("huge.png is 9000 x 9000 pixels, over 64,000,000: scale it down"
                                                if case == "too many pixels" else "is not a readable PNG or JPEG image")
+    elif case == "pixels cut short":  # whole chunks, 10 of 28 rows: libpng's error was a segfault in torchvision
+        (tmp_path / "short.png").write_bytes(png_header(28, 28, bytes(29) * 10))
+        target, text = tmp_path / "short.png", "short.png is not a readable PNG or JPEG image"
     elif case == "not an image":
         (tmp_path / "digit.png").write_text("this is text, not a PNG")
         target, text = tmp_path / "digit.png", "digit.png is not a readable PNG or JPEG image"
