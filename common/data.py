@@ -114,8 +114,11 @@ def load_mnist(data_dir: Path, *, train: bool) -> tuple[torch.Tensor, torch.Tens
     try:
         raw.mkdir(parents=True, exist_ok=True)
         with contextlib.nullcontext() if there else one_at_a_time(raw):  # torchrun's ranks: one downloads, the
-            gunzip_alone(raw)                                              # others wait and read what it wrote
-            dataset = MNIST(str(data_dir), train=train, download=True)
+            fetch_mnist(raw)                                               # others wait and read what it wrote
+        dataset = MNIST(str(data_dir), train=train)
+    except RecipeError:
+        remove_empty(created)
+        raise
     except (OSError, RuntimeError, urllib.error.URLError) as err:
         if all((raw / name).exists() or (raw / f"{name}.gz").exists() for name in MNIST_FILES):
             raise RecipeError(f"MNIST files in {raw} are unreadable ({err}); delete them to download again") from None
@@ -142,21 +145,33 @@ def load_mnist(data_dir: Path, *, train: bool) -> tuple[torch.Tensor, torch.Tens
     return images, labels
 
 
-def gunzip_alone(raw: Path) -> None:
-    """Each MNIST file that is there only as its .gz, decompressed beside it (whole, then renamed). torchvision takes
-    a .gz only if it is byte for byte the official archive: another (recompressed, say) it downloads again, over
-    the files that are there, or fails offline."""
+def fetch_mnist(raw: Path) -> None:
+    """Each MNIST file missing from ``raw``: decompressed from its .gz there, else from one downloaded (checked
+    against its published MD5). Nothing there is written over: torchvision's ``download=True`` would download all
+    four files again over a folder that lacks one, the user's own files too."""
+    from torchvision.datasets import MNIST
+
     for name in MNIST_FILES:
-        if not (raw / name).exists() and (raw / f"{name}.gz").exists():
-            tmp = raw / f".{name}.tmp"
-            # cut short (a download stopped) or not writable here: left to torchvision, which downloads it again
-            with contextlib.suppress(OSError, EOFError, zlib.error):
-                try:
-                    with gzip.open(raw / f"{name}.gz") as packed, open(tmp, "wb") as out:
-                        shutil.copyfileobj(packed, out)
-                    tmp.replace(raw / name)
-                finally:
-                    tmp.unlink(missing_ok=True)
+        packed = raw / f"{name}.gz"
+        if (raw / name).exists():
+            continue
+        if not packed.exists():
+            try:
+                download(MNIST.mirrors[0] + packed.name, packed, dict(MNIST.resources)[packed.name])
+            except RecipeError as err:
+                raise RecipeError(f"MNIST is not in {raw} and {err}; or put {', '.join(MNIST_FILES)} (or their .gz) "
+                                  "there") from None
+        tmp = raw / f".{name}.tmp"
+        try:
+            with gzip.open(packed) as source, open(tmp, "wb") as out:
+                shutil.copyfileobj(source, out)
+            tmp.replace(raw / name)  # whole, or not there
+        except (EOFError, zlib.error, gzip.BadGzipFile) as err:
+            raise RecipeError(f"{packed} is not a whole gzip file ({err}); delete it to download it again") from None
+        except OSError as err:  # a full disk, a read-only folder
+            raise RecipeError(f"cannot decompress {packed}: {why_not_written(raw, err)}") from None
+        finally:
+            tmp.unlink(missing_ok=True)
 
 
 @contextlib.contextmanager

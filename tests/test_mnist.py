@@ -14,6 +14,8 @@ import torch
 from conftest import assert_same_weights, load_recipe, load_weights, read_hparams, read_metrics, read_scalars
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from common.data import MNIST_FILES
+
 RECIPE = "mnist_onecycle"
 TRAIN_DIGITS = 512 - 512 // 12  # the fixture's 512 training digits less the validation split
 
@@ -146,7 +148,7 @@ def test_offline_without_data_names_the_files_and_folder(run_inprocess, tmp_path
     assert result.code == 1
     assert result.stderr.count("\n") == 1 and result.stderr.startswith("error: ")
     assert "train-images-idx3-ubyte" in result.stderr and "t10k-labels-idx1-ubyte" in result.stderr
-    assert "(<urlopen error no network>; offline?)" in result.stderr  # the reason, not a guess alone
+    assert "(no network); offline?" in result.stderr  # the reason, not a guess alone
     assert str(tmp_path / "data" / "MNIST" / "raw") in result.stderr
     assert not (tmp_path / "data").exists()  # the folders made for the download are gone with it
     monkeypatch.chdir(tmp_path)  # a relative --data-dir is named in full
@@ -180,14 +182,16 @@ def test_mnist_files_given_gzipped_by_the_user_are_read_offline(run_inprocess, m
         assert not list(raw.glob(".*.tmp"))
         if gzipped:  # the user's own uncompressed files as they were
             assert (raw / "train-images-idx3-ubyte").read_bytes() == train_images
-    # a .gz cut short (a download stopped) is torchvision's to fetch again, as it was: not an EOFError's "corrupt"
+    # a .gz cut short (a download stopped) is named, and left as it is: not downloaded again over the user's file
     packed = raw / "t10k-images-idx3-ubyte.gz"
     packed.write_bytes(packed.read_bytes()[:200])
     (raw / "t10k-images-idx3-ubyte").unlink()
     result = run_inprocess(RECIPE, "--data-dir", tmp_path / "all", "--max-steps", 2, "--width", 4, "--run-dir",
                            tmp_path / "run-cut")
-    assert result.code == 1 and "are unreadable (Error downloading " in result.stderr, result.stderr
-    assert not list(raw.glob(".*.tmp"))
+    assert (result.code, result.stderr) == (1, f"error: {packed} is not a whole gzip file (Compressed file ended "
+                                               "before the end-of-stream marker was reached); delete it to download "
+                                               "it again\n")
+    assert len(packed.read_bytes()) == 200 and not list(raw.glob(".*.tmp")) and not (tmp_path / "run-cut").exists()
 
 
 def test_a_data_dir_that_is_a_file_is_said_so(run_inprocess, tmp_path):
@@ -200,32 +204,64 @@ def test_a_data_dir_that_is_a_file_is_said_so(run_inprocess, tmp_path):
 
 
 @pytest.mark.skipif(sys.platform == "win32", reason="no flock on Windows")
-def test_ranks_download_mnist_one_at_a_time(tmp_path, monkeypatch):
-    """torchrun's ranks all call load_mnist: torchvision truncates and rewrites the files in place, so a rank that
-    checked a file while another wrote it failed the launch. The download runs under a lock on the raw folder."""
+def test_ranks_download_mnist_one_at_a_time(mnist_dir, tmp_path, monkeypatch):
+    """torchrun's ranks all call load_mnist: a rank that checked a file while another wrote it failed the launch.
+    The download runs under a lock on the raw folder, one file at a time."""
     import fcntl
+    import gzip
 
-    import torchvision.datasets
-
+    import common.data
     from common.data import load_mnist
 
     held = []
 
-    class FakeMNIST:
-        def __init__(self, root, train, download):
-            fd = os.open(Path(root).resolve() / "MNIST" / "raw", os.O_RDONLY)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                held.append(False)
-            except BlockingIOError:
-                held.append(True)
-            finally:
-                os.close(fd)
-            self.data, self.targets = torch.zeros(4, 28, 28, dtype=torch.uint8), torch.tensor([0, 1, 2, 3])
+    def fake_download(url: str, dest: Path, md5: str) -> Path:
+        fd = os.open(dest.parent, os.O_RDONLY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            held.append(False)
+        except BlockingIOError:
+            held.append(True)
+        finally:
+            os.close(fd)
+        dest.write_bytes(gzip.compress((mnist_dir / "MNIST" / "raw" / dest.name.removesuffix(".gz")).read_bytes()))
+        return dest
 
-    monkeypatch.setattr(torchvision.datasets, "MNIST", FakeMNIST)
+    monkeypatch.setattr(common.data, "download", fake_download)
     images, labels = load_mnist(tmp_path / "data", train=True)
-    assert held == [True] and labels.tolist() == [0, 1, 2, 3]
+    assert held == [True] * 4 and torch.equal(labels, load_mnist(mnist_dir, train=True)[1])
+
+
+def test_a_folder_missing_one_file_gets_that_file_alone_and_keeps_the_users_own(mnist_dir, tmp_path, monkeypatch):
+    """torchvision's download=True, called on a folder lacking one file, downloaded all four over the user's own
+    (their Fashion-MNIST, say) and trained on MNIST without a word."""
+    import gzip
+    import shutil
+
+    import common.data
+    from common.data import load_mnist
+
+    def offline(*args, **kwargs):
+        raise urllib.error.URLError("no network")
+
+    def fake_download(url: str, dest: Path, md5: str) -> Path:
+        asked.append(dest.name)
+        dest.write_bytes(gzip.compress((mnist_dir / "MNIST" / "raw" / dest.name.removesuffix(".gz")).read_bytes()))
+        return dest
+
+    asked = []
+    monkeypatch.setattr(urllib.request, "urlopen", offline)  # what torchvision's download would have used
+    monkeypatch.setattr(common.data, "download", fake_download)
+    raw = tmp_path / "own" / "MNIST" / "raw"
+    shutil.copytree(mnist_dir / "MNIST" / "raw", raw)
+    given = (raw / "train-images-idx3-ubyte").read_bytes()
+    own = given[:16] + bytes(len(given) - 16)  # the user's own images: all black
+    (raw / "train-images-idx3-ubyte").write_bytes(own)
+    (raw / "t10k-labels-idx1-ubyte").unlink()
+    images, _ = load_mnist(tmp_path / "own", train=True)
+    assert asked == ["t10k-labels-idx1-ubyte.gz"] and (raw / "t10k-labels-idx1-ubyte").is_file()
+    assert (raw / "train-images-idx3-ubyte").read_bytes() == own
+    assert torch.unique(images).numel() == 1  # trained on the user's images, not downloaded ones
 
 
 @pytest.mark.skipif(sys.platform == "win32", reason="no flock on Windows")
@@ -485,3 +521,20 @@ def test_a_launch_from_another_folder_says_which_folders_it_uses(run_inprocess, 
                            "--n-head", 2, "--block-size", 8, "--batch-size", 2, "--eval-batches", 1,
                            "--sample-tokens", 2, "--peak-flops", 1e11, "--run-dir", "r2")
     assert result.code == 0 and f"val tokens of {(elsewhere / 't.txt').resolve()} | " in result.stdout, result.stderr
+
+
+def test_a_full_disk_while_decompressing_says_so_and_keeps_the_users_gz(run_inprocess, mnist_dir, small_disk, tmp_path):
+    """It said the files were "unreadable (Error downloading ...); delete them to download again"."""
+    import gzip
+
+    raw = small_disk / "MNIST" / "raw"
+    raw.mkdir(parents=True)
+    for name in MNIST_FILES:  # black images: the .gz files fit, the 400 KB of training images they hold do not
+        given = (mnist_dir / "MNIST" / "raw" / name).read_bytes()
+        content = given[:16] + bytes(len(given) - 16) if "images" in name else given
+        (raw / f"{name}.gz").write_bytes(gzip.compress(content, mtime=0))
+    packed = {path.name: path.read_bytes() for path in raw.iterdir()}
+    result = run_inprocess(RECIPE, "--data-dir", small_disk, "--run-dir", tmp_path / "run")
+    assert (result.code, result.stderr) == (1, f"error: cannot decompress {raw / 'train-images-idx3-ubyte.gz'}: No "
+                                               "space left on device\n")
+    assert {path.name: path.read_bytes() for path in raw.iterdir()} == packed and not (tmp_path / "run").exists()
