@@ -83,10 +83,10 @@ ADULT_COLUMNS = [
 ]
 
 
-def read_table(path: Path, drop: list[str] | None = None, as_is: list[str] | None = None) -> pa.Table:
+def read_table(path: Path, drop: list[str] | None = None, checked: list[str] | None = None) -> pa.Table:
     """A .csv, .tsv (either also .gz) or .parquet file, read column-wise by pyarrow's multi-threaded reader, without
     the ``drop`` columns (left out before their types are checked: a Parquet column of lists may be dropped), and
-    with the ``as_is`` ones unchecked (new rows keep the columns their model's training dropped).
+    with the types of the ``checked`` columns alone checked, if given (new rows: the model's; the others ride along).
 
     CSV cells are read as dictionary-encoded text: per column, the distinct strings once and an int32 index
     per cell. Nothing is guessed at read time (what is a number is decided from the training split), and
@@ -133,18 +133,21 @@ def read_table(path: Path, drop: list[str] | None = None, as_is: list[str] | Non
         raise cli.RecipeError(f"{path} has a header but no data rows")
     table = without(table, drop)
     nested = [f"{field.name!r} ({field.type})" for field in table.schema
-              if pa.types.is_nested(field.type) and field.name not in (as_is or [])]
+              if pa.types.is_nested(field.type) and (checked is None or field.name in checked)]
     if nested:  # Parquet: lists, structs and maps are no single value per cell
         raise cli.RecipeError(f"{path}: column {', '.join(nested)} holds lists or records, not one number or word per "
                               "cell; leave it out (--drop) or flatten it")
     for i, column in enumerate(table.column_names):
-        if column in (as_is or []):
+        if checked is not None and column not in checked:
             continue
         if isinstance(table[i].type, pa.BaseExtensionType):  # Parquet: a UUID, JSON: read as what it is stored as
             table = table.set_column(i, column, pa.chunked_array([c.storage for c in table[i].chunks],
                                                                  table[i].type.storage_type))
         dictionary = pa.types.is_dictionary(table[i].type)
         values = table[i].type.value_type if dictionary else table[i].type
+        if pa.types.is_string_view(values):  # Parquet: Arrow's newer string layout, which some kernels lack
+            table = table.set_column(i, column, table[i].cast(pa.dictionary(table[i].type.index_type, pa.string())
+                                                              if dictionary else pa.string()))
         if any(is_bytes(values) for is_bytes in (pa.types.is_binary, pa.types.is_large_binary,  # words only
                                                  pa.types.is_fixed_size_binary, pa.types.is_binary_view)):  # in UTF-8
             try:
@@ -358,8 +361,10 @@ def encode(spec: dict, table: pa.Table, *, with_target: bool = True):
         codes = pc.fill_null(pc.add(pc.index_in(words, value_set=known), 2), 0)  # unseen: 0
         categorical[:, j] = pc.if_else(pc.is_null(words), 1, codes).to_numpy()[indices]  # missing: 1
         unseen = int((categorical[:, j] == 0).sum())
-        if unseen >= 10 and unseen > table.num_rows // 2 and len(vocabulary) > 2:  # "True" where training had "true"
-            example = words.filter(pc.and_(pc.equal(codes, 0), pc.is_valid(words)))[0].as_py()  # not a missing one
+        new = words.filter(pc.and_(pc.equal(codes, 0), pc.is_valid(words)))  # the values unseen (not missing)
+        respelled = new.filter(pc.is_in(pc.utf8_lower(new), value_set=pc.utf8_lower(known)))  # "True" for "true"
+        if len(respelled) or unseen >= 10 and unseen > table.num_rows // 2 and len(vocabulary) > 2:
+            example = (respelled if len(respelled) else new)[0].as_py()
             seen = ", ".join(map(repr, vocabulary[2:5])) + (", ..." if len(vocabulary) > 5 else "")
             print(f"warning: column {name!r}: {unseen:,} of {table.num_rows:,} values never seen in training (such "
                   f"as {example!r}; training's: {seen}), read as unseen", file=sys.stderr)
@@ -645,10 +650,8 @@ def predict(checkpoint_path: Path, table_path: Path, output: Path, device: torch
     checkpoint = load_checkpoint(checkpoint_path, RECIPE)
     model = model_from_checkpoint(checkpoint, checkpoint_path).to(device).eval()
     spec = saved_features(checkpoint, checkpoint_path)
-    dropped = checkpoint["config"].get("drop") or []  # an ID of bytes, a column of lists: kept, not read
-    if not (isinstance(dropped, list) and all(isinstance(name, str) for name in dropped)):
-        raise cli.RecipeError(f"checkpoint {checkpoint_path} is damaged: its --drop {dropped!r} names no columns")
-    table = read_table(table_path, as_is=dropped)
+    # the model's columns are read as features; any other (an ID of bytes, a column of lists) is kept as it is
+    table = read_table(table_path, checked=[*spec["numeric"], *spec["categorical"]])
     if taken := [name for name in output_columns(spec["task"]) if name in table.column_names]:
         raise cli.RecipeError(f"{table_path} already has a column {taken[0]!r}, which the output adds; rename it")
     numeric, categorical = (torch.from_numpy(a) for a in encode(spec, table, with_target=False)[:2])
@@ -732,6 +735,11 @@ def load_tables(csv_path: Path | None, target: str, data_dir: Path,
         print(f"note: the first column, {table.column_names[0]!r}, left out: a row index, as pandas writes it "
               "without a name", file=sys.stderr)
         table = table.drop_columns([table.column_names[0]])
+    if index := [name for name in table.column_names if re.fullmatch(r"__index_level_\d+__", name) and name != target]:
+        # pandas' to_parquet() stores a row index it made (after a filter or a sort) as a column: no feature either
+        print(f"note: column(s) {', '.join(index)} left out: a row index pandas stored in the Parquet file",
+              file=sys.stderr)
+        table = table.drop_columns(index)
     if table.num_columns == 1:  # an MLP of no inputs: nothing to learn the target from
         raise cli.RecipeError(f"{csv_path} has no feature columns besides the target {target!r}: add the columns "
                               "to predict it from")
@@ -940,6 +948,9 @@ def train(csv_path: Path | None, target: str, task: str, drop: list[str] | None,
     if classification and (arrays[2].take(val_rows) < 0).all():  # every class unseen in training: no score to take
         raise cli.RecipeError(f"no validation row's {target!r} is a class seen in training ({len(spec['classes'])} "
                               "classes): an ID column? choose another --target")
+    if classification and (no_class := int((arrays[2] == MISSING_CLASS).sum())):  # "None" may be a class to you
+        print(f"note: {no_class:,} of {len(arrays[2]):,} rows have no {target!r} (empty, or a word such as NA, null "
+              "or None) and are left out of training and validation", file=sys.stderr)
     unseen = int(unseen_as_missing(arrays[2], classification).take(val_rows).sum())  # wrong in val_acc, below
     train_set = TabularDataset(*(a.take(train_rows, axis=0) for a in arrays))  # take: 4x faster than a[rows]
     val_set = TabularDataset(*(a.take(val_rows, axis=0) for a in arrays))

@@ -969,8 +969,8 @@ def test_a_first_column_without_a_name_that_is_the_target_is_trained_on(run_inpr
 
 
 def test_parquet_extension_and_dictionary_columns_train_or_are_one_line(tmp_path):
-    """Column types that were tracebacks: UUIDs and JSON (extension types), dictionary-encoded bytes, and a
-    dictionary of 128 words with int8 indices (a missing cell's index, 128, does not fit an int8)."""
+    """Column types that were tracebacks: string views, UUIDs and JSON (extension types), dictionary-encoded bytes,
+    and a dictionary of 128 words with int8 indices (a missing cell's index, 128, does not fit an int8)."""
     import uuid
 
     def table_of(column):
@@ -978,6 +978,8 @@ def test_parquet_extension_and_dictionary_columns_train_or_are_one_line(tmp_path
         pq.write_table(pa.table({"c": column, "label": ["a", "b"] * (len(column) // 2)}), path)
         return tabular.read_table(path)
 
+    views = table_of(pa.array(["cat", "dog", "cat", None], pa.string_view()))  # a traceback where rows were taken
+    assert views["c"].type == pa.string() and views.take([1, 0])["c"].to_pylist() == ["dog", "cat"]
     words = pa.DictionaryArray.from_arrays(pa.array([*range(128), None, 0], pa.int8()),
                                            pa.array([f"w{i}" for i in range(128)]))
     spec = tabular.fit_features(table_of(words), "label", "classification")
@@ -1007,6 +1009,48 @@ def test_a_column_spelled_otherwise_than_in_training_is_warned_of(tmp_path, caps
                                        "'True'; training's: 'false', 'true'), read as unseen\n")
     tabular.encode(spec, tabular.read_table(tmp_path / "train.parquet"), with_target=False)
     assert capsys.readouterr().err == ""
+    # one row to predict, the commonest case: said too (it was said only from 10 unseen values on)
+    (tmp_path / "one.csv").write_text("member\nFalse\n")
+    tabular.encode(spec, tabular.read_table(tmp_path / "one.csv"), with_target=False)
+    assert capsys.readouterr().err == ("warning: column 'member': 1 of 1 values never seen in training (such as "
+                                       "'False'; training's: 'false', 'true'), read as unseen\n")
+    (tmp_path / "new_word.csv").write_text("member\nmaybe\n")  # a value new in any spelling: one row says nothing
+    tabular.encode(spec, tabular.read_table(tmp_path / "new_word.csv"), with_target=False)
+    assert capsys.readouterr().err == ""
+
+
+def test_a_row_index_pandas_stored_in_a_parquet_file_is_left_out_with_a_note(run_inprocess, tmp_path):
+    """pandas' to_parquet() keeps a made index (after a sort and a filter) as __index_level_0__: in a file sorted by
+    label it predicted the label (validation accuracy 1 instead of 0.69), and a new file without it was refused."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(200, 2))
+    label = np.where(x[:, 0] + 0.5 * rng.normal(size=200) > 0, "yes", "no")
+    order = np.argsort(label, kind="stable")  # sorted by label: the row number says the label
+    table = pa.table({"x0": x[order, 0], "x1": x[order, 1], "label": label[order],
+                      "__index_level_0__": np.arange(200)})
+    pq.write_table(table, tmp_path / "t.parquet")
+    result = run_inprocess(RECIPE, "--csv", tmp_path / "t.parquet", "--target", "label", "--max-steps", 5,
+                           "--run-dir", tmp_path / "run")
+    assert result.code == 0, result.stderr
+    assert "note: column(s) __index_level_0__ left out: a row index pandas stored in the Parquet file\n" in \
+        result.stderr
+    assert "2 numeric" in result.stdout
+    (tmp_path / "new.csv").write_text("x0,x1\n0.5,0.1\n")  # a new row, without the index column
+    result = run_inprocess(RECIPE, "--predict", tmp_path / "new.csv", "--resume", tmp_path / "run" / "checkpoints" /
+                           "best.pt", "--output", tmp_path / "p.csv")
+    assert result.code == 0, result.stderr
+    assert (tmp_path / "p.csv").read_text().splitlines()[0] == '"x0","x1","prediction","probability"'
+
+
+def test_rows_whose_class_reads_as_missing_are_counted_in_a_note(run_inprocess, tmp_path):
+    """A class spelled "None" (no damage) is a missing value: 82 of 300 rows were left out without a word."""
+    rows = [f"{i % 7},{['Minor', 'Major', 'None'][i % 3]}" for i in range(300)]
+    (tmp_path / "t.csv").write_text("x,damage\n" + "\n".join(rows) + "\n")
+    result = run_inprocess(RECIPE, "--csv", tmp_path / "t.csv", "--target", "damage", "--max-steps", 1, "--run-dir",
+                           tmp_path / "run")
+    assert result.code == 0 and "2 classes" in result.stdout, result.stderr
+    assert "note: 100 of 300 rows have no 'damage' (empty, or a word such as NA, null or None) and are left out of " \
+           "training and validation\n" in result.stderr
 
 
 def test_cross_validation_embeds_the_numbers_alike_in_every_fold(run_inprocess, tmp_path):
@@ -1101,15 +1145,17 @@ def test_drop_leaves_out_a_parquet_column_that_could_not_be_read_as_a_feature(ru
     out = pq.read_table(tmp_path / "out.parquet")
     assert out.column("tags").to_pylist() == [[1, 2], [3]] * 20 and out.num_rows == 40
     assert set(out.column("prediction").to_pylist()) <= {"a", "b"}
-    # a damaged checkpoint's --drop (a number was a TypeError's traceback; a word was read letter by letter)
-    for damaged in (5, "tags"):
-        state = torch.load(best, weights_only=True)
-        state["config"]["drop"] = damaged
-        torch.save(state, tmp_path / "damaged.pt")
-        result = run_inprocess(RECIPE, "--predict", tmp_path / "t.parquet", "--resume", tmp_path / "damaged.pt",
-                               "--output", tmp_path / "damaged.parquet")
-        assert result.code == 1 and result.stderr == (f"error: checkpoint {tmp_path / 'damaged.pt'} is damaged: its "
-                                                      f"--drop {damaged!r} names no columns\n"), result.stderr
+    # a column new to the model, of any type, rides along as well (a column of lists, bytes that are no text)
+    pq.write_table(pa.table({"blob": [b"\xff\xfe"] * 40, "x": [0.0, 1.0] * 20, "tags": [[1]] * 40}),
+                   tmp_path / "new.parquet")
+    result = run_inprocess(RECIPE, "--predict", tmp_path / "new.parquet", "--resume", best, "--output",
+                           tmp_path / "new_out.parquet")
+    assert result.code == 0, result.stderr
+    assert pq.read_table(tmp_path / "new_out.parquet").column("blob").to_pylist() == [b"\xff\xfe"] * 40
+    # a model's own column is still checked: lists where it was trained on numbers
+    pq.write_table(pa.table({"x": [[1.0]] * 4}), tmp_path / "lists.parquet")
+    result = run_inprocess(RECIPE, "--predict", tmp_path / "lists.parquet", "--resume", best)
+    assert result.code == 1 and "column 'x' (list<element: double>) holds lists or records" in result.stderr
     # CSV has no cell for a list: one line, and nothing written
     result = run_inprocess(RECIPE, "--predict", tmp_path / "t.parquet", "--resume", best)
     assert result.code == 1 and result.stderr.startswith(f"error: cannot write {tmp_path / 't.predictions.csv'}: ")
