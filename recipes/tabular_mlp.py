@@ -288,6 +288,10 @@ def mostly_numbers(column: pa.ChunkedArray, name: str) -> np.ndarray | None:
     typo) as numbers, those cells missing, with a warning; None for a column of words. Without this, one stray cell
     would make the column a category of its every value, as a new row's stray cell is already read as missing."""
     stray, present, example = stray_words(column)
+    if stray > STRAY_WORDS * present and stray < present / 2:  # a placeholder ("-") in more cells than a typo is in
+        print(f"warning: column {name!r}: {stray:,} of {present:,} values are not numbers (such as {example!r}), too "
+              "many to read as missing: it is read as a category of its every value; clean them to read numbers",
+              file=sys.stderr)
     if not stray or stray > STRAY_WORDS * present:
         return None
     print(f"warning: column {name!r}: {stray:,} of {present:,} values are not numbers (such as {example!r}), "

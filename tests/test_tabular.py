@@ -110,8 +110,11 @@ def test_a_numeric_column_with_a_few_stray_cells_stays_numeric(capsys):
     assert list(spec["numeric"]) == ["x"] and list(spec["categorical"]) == ["m"]
     present = np.array([i * 1.5 for i in range(300) if i not in (7, 100)])
     assert spec["numeric"]["x"] == pytest.approx((present.mean(), present.std()))
-    assert "warning: column 'x': 2 of 300 values are not numbers (such as '12 kg'), read as missing" in (
-        capsys.readouterr().err)
+    said = capsys.readouterr().err
+    assert "warning: column 'x': 2 of 300 values are not numbers (such as '12 kg'), read as missing" in said
+    # more, but still a minority: the category that column becomes is said too (it was silent)
+    assert said.count("\n") == 2 and "warning: column 'm': 15 of 300 values are not numbers (such as 'many'), too " \
+        "many to read as missing: it is read as a category of its every value; clean them to read numbers\n" in said
     numeric = tabular.encode(spec, table)[0]
     assert numeric[[7, 100], 0].tolist() == [0.0, 0.0]  # missing: the training mean
     assert numeric[8, 0] == pytest.approx((12.0 - present.mean()) / present.std())
