@@ -17,6 +17,7 @@ time (see the README's Performance table).
 
 import contextlib
 import io
+import itertools
 import math
 import sys
 import zlib
@@ -245,8 +246,8 @@ def read_digit(path: Path) -> torch.Tensor:
         png = data.startswith(b"\x89PNG\r\n\x1a\n") and len(data) > 25
         chunks = data[: data.find(b"IDAT")] if png else b""
         alpha = png and (data[25] in (4, 6) or data[25] == 3 and b"tRNS" in chunks)
-        if png and png_pixels_cut_short(data):  # libpng's error on it ends the process in torchvision's decoder
-            raise ValueError("its image data ends early")
+        if png and png_damaged(data):
+            raise ValueError("a damaged PNG")
         # (grey, alpha) or (grey,), uint8 (uint16: a 16-bit PNG), turned upright as a phone's EXIF tag says
         image = decode(data, ImageReadMode.GRAY_ALPHA if alpha else ImageReadMode.GRAY)
         # a grey or RGB PNG with one see-through colour (a tRNS chunk, as optipng writes them): torchvision ignores it
@@ -259,24 +260,33 @@ def read_digit(path: Path) -> torch.Tensor:
     return to_mnist_format(flatten_alpha(image) if alpha else image)
 
 
-def png_pixels_cut_short(data: bytes) -> bool:
-    """Whether a PNG's image data (its IDAT chunks, inflated) is shorter than its header's size needs, or corrupt."""
+def png_damaged(data: bytes) -> bool:
+    """Whether a critical chunk of a PNG fails its CRC, or its image data (the IDAT chunks, inflated) is corrupt, ends
+    early or holds a row filter that PNG has not: libpng's error on any of these ends the process (a segfault) in
+    torchvision's decoder, so such a file is refused before it is decoded."""
     width, height = int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
     bits = data[24] * {2: 3, 4: 2, 6: 4}.get(data[25], 1)  # per pixel: bit depth x channels
-    need = 0  # a filter byte and the pixels, per row of each pass
+    rows = []  # the bytes of each row, pass after pass: a filter byte, then the pixels
     for x, y, dx, dy in ADAM7_PASSES if data[28] == 1 else [(0, 0, 1, 1)]:
-        columns, rows = max(0, (width - x + dx - 1) // dx), max(0, (height - y + dy - 1) // dy)
-        need += rows * (1 + (columns * bits + 7) // 8) if columns else 0
-    inflate, found, at = zlib.decompressobj(), 0, 8
-    while at + 8 <= len(data) and found < need:  # chunks: length, kind, data, CRC
+        columns, count = len(range(x, width, dx)), len(range(y, height, dy))
+        rows += [1 + (columns * bits + 7) // 8] * count if columns else []
+    need, pixels, inflate, at = sum(rows), bytearray(), zlib.decompressobj(), 8
+    while at + 12 <= len(data):  # chunks: length, kind, contents, CRC of kind and contents
         length, kind = int.from_bytes(data[at : at + 4], "big"), data[at + 4 : at + 8]
-        if kind == b"IDAT":
+        body = data[at + 4 : at + 8 + length]
+        if kind in (b"IHDR", b"PLTE", b"IDAT", b"IEND") and zlib.crc32(body) != int.from_bytes(
+                data[at + 8 + length : at + 12 + length], "big"):
+            return True
+        if kind == b"IDAT" and len(pixels) <= need:  # more than the image needs: libpng only warns
             try:
-                found += len(inflate.decompress(data[at + 8 : at + 8 + length], need - found))
+                pixels += inflate.decompress(body[4:], need + 1 - len(pixels))
             except zlib.error:
                 return True
         at += 12 + length
-    return found < need
+    if len(pixels) < need or len(pixels) == need and not inflate.eof:
+        return True
+    starts = itertools.accumulate(rows[:-1], initial=0)
+    return any(pixels[start] > 4 for start in starts)  # filters 0-4: none, sub, up, average, Paeth
 
 
 def decode(data: bytes, mode: ImageReadMode) -> torch.Tensor:

@@ -243,21 +243,44 @@ def test_an_extra_argument_without_predict_is_named_not_blamed_on_predict(run_in
     assert not (tmp_path / "run").exists()
 
 
-def png_header(width: int, height: int, pixels: bytes = b"") -> bytes:
-    """A grey PNG saying its size, with ``pixels`` (rows of a filter byte and the pixels) as its image data, or none
-    at all: a picture too big to build here."""
+def png_header(width: int, height: int, pixels: bytes = b"", *, interlaced: bool = False, packed: bytes | None = None,
+               crc_flip: int = 0) -> bytes:
+    """An 8-bit grey PNG saying its size, with ``pixels`` (rows of a filter byte and the pixels, pass after pass when
+    ``interlaced``) as its image data (``packed``: as compressed already), or none at all: a picture too big to build
+    here. ``crc_flip``: bits flipped in the image data's CRC."""
     import struct
     import zlib
 
-    def chunk(kind: bytes, data: bytes) -> bytes:
-        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+    def chunk(kind: bytes, data: bytes, flip: int = 0) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) ^ flip)
 
-    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0)) + \
-        chunk(b"IDAT", zlib.compress(pixels) if pixels else b"") + chunk(b"IEND", b"")
+    idat = packed if packed is not None else zlib.compress(pixels) if pixels else b""
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, interlaced)) + \
+        chunk(b"IDAT", idat, crc_flip) + chunk(b"IEND", b"")
+
+
+def interlaced_bytes(width: int, height: int) -> int:
+    """The image data of an interlaced 8-bit grey PNG: each of the 7 passes (the PNG standard's table) holds the
+    pixels at its first column and row and every step after them; a row is a filter byte and those pixels."""
+    passes = [(0, 0, 8, 8), (4, 0, 8, 8), (0, 4, 4, 8), (2, 0, 4, 4), (0, 2, 2, 4), (1, 0, 2, 2), (0, 1, 1, 2)]
+    return sum(len(range(y, height, dy)) * (1 + len(range(x, width, dx))) for x, y, dx, dy in passes
+               if len(range(x, width, dx)))
+
+
+@pytest.mark.parametrize(("width", "height"), [(28, 28), (1, 5), (5, 1), (3, 30), (13, 7)])
+def test_a_whole_interlaced_png_is_read_and_one_byte_short_is_refused(width, height, tmp_path):
+    """Interlaced PNGs hold their pixels in 7 passes: the check that guards the decoder must count them alike."""
+    need = interlaced_bytes(width, height)
+    (tmp_path / "whole.png").write_bytes(png_header(width, height, bytes(need), interlaced=True))
+    assert mnist.read_digit(tmp_path / "whole.png").shape == (1, 28, 28)
+    (tmp_path / "short.png").write_bytes(png_header(width, height, bytes(need - 1), interlaced=True))
+    with pytest.raises(mnist.cli.RecipeError, match="short.png is not a readable PNG or JPEG image"):
+        mnist.read_digit(tmp_path / "short.png")
 
 
 @pytest.mark.parametrize("case", ["not an image", "empty file", "empty folder", "missing file", "text only folder",
-                                  "gif", "too many pixels", "a decompression bomb", "pixels cut short"])
+                                  "gif", "too many pixels", "a decompression bomb", "pixels cut short", "a bad CRC",
+                                  "a row filter PNG has not", "an image stream that never ends"])
 def test_bad_images_are_one_line_errors(case, checkpoint, run_inprocess, tmp_path):
     if case == "gif":  # torchvision decodes it, but in colour whatever mode is asked: the model wants one channel
         from PIL import Image
@@ -269,9 +292,18 @@ def test_bad_images_are_one_line_errors(case, checkpoint, run_inprocess, tmp_pat
         (tmp_path / "huge.png").write_bytes(png_header(*size))
         target, text = tmp_path / "huge.png", ("huge.png is 9000 x 9000 pixels, over 64,000,000: scale it down"
                                                if case == "too many pixels" else "is not a readable PNG or JPEG image")
-    elif case == "pixels cut short":  # whole chunks, 10 of 28 rows: libpng's error was a segfault in torchvision
-        (tmp_path / "short.png").write_bytes(png_header(28, 28, bytes(29) * 10))
-        target, text = tmp_path / "short.png", "short.png is not a readable PNG or JPEG image"
+    elif case in ("pixels cut short", "a bad CRC", "a row filter PNG has not", "an image stream that never ends"):
+        # whole chunks, and damage that libpng's error on was a segfault in torchvision's decoder
+        import zlib
+
+        unended = zlib.compressobj()
+        damaged = {"pixels cut short": png_header(28, 28, bytes(29) * 10),  # 10 of 28 rows
+                   "a bad CRC": png_header(28, 28, bytes(29) * 28, crc_flip=1),
+                   "a row filter PNG has not": png_header(28, 28, b"\x09" + bytes(29 * 28 - 1)),
+                   "an image stream that never ends": png_header(28, 28, packed=unended.compress(bytes(29 * 28))
+                                                                 + unended.flush(zlib.Z_SYNC_FLUSH))}
+        (tmp_path / "damaged.png").write_bytes(damaged[case])
+        target, text = tmp_path / "damaged.png", "damaged.png is not a readable PNG or JPEG image"
     elif case == "not an image":
         (tmp_path / "digit.png").write_text("this is text, not a PNG")
         target, text = tmp_path / "digit.png", "digit.png is not a readable PNG or JPEG image"
