@@ -111,24 +111,21 @@ def load_mnist(data_dir: Path, *, train: bool) -> tuple[torch.Tensor, torch.Tens
     raw = Path(data_dir).resolve() / "MNIST" / "raw"
     created = [d for d in [raw, *raw.parents] if not d.exists()]
     there = all((raw / name).exists() for name in MNIST_FILES)  # nothing to write: no lock (a read-only share)
+    legacy = all((raw.parent / "processed" / f).is_file() for f in ("training.pt", "test.pt"))  # older torchvision's
     try:
         raw.mkdir(parents=True, exist_ok=True)
-        with contextlib.nullcontext() if there else one_at_a_time(raw):  # torchrun's ranks: one downloads, the
-            fetch_mnist(raw)                                               # others wait and read what it wrote
+        if not (there or legacy):
+            with one_at_a_time(raw):  # torchrun's ranks: one fetches the files, the others find them there
+                fetch_mnist(raw)
         dataset = MNIST(str(data_dir), train=train)
     except RecipeError:
         remove_empty(created)
         raise
-    except (OSError, RuntimeError, urllib.error.URLError) as err:
-        if all((raw / name).exists() or (raw / f"{name}.gz").exists() for name in MNIST_FILES):
+    except (OSError, RuntimeError) as err:
+        if all((raw / name).exists() for name in MNIST_FILES):
             raise RecipeError(f"MNIST files in {raw} are unreadable ({err}); delete them to download again") from None
-        made = raw.is_dir()  # (before the folders made for the download go)
-        remove_empty(created)
-        if not made:  # a file where a folder on its way should be ("Not a directory" says nothing)
-            raise RecipeError(f"cannot put MNIST in {raw}: {why_not_written(raw, err)}") from None
-        why = (str(err).strip() or "no reason given").splitlines()[-1]  # torchvision's last line says why
-        raise RecipeError(f"MNIST is not in {raw} and could not be downloaded ({why}; offline?): "
-                          f"put {', '.join(MNIST_FILES)} (or their .gz) in {raw}") from None
+        remove_empty(created)  # a file where a folder on its way should be, say ("Not a directory" says nothing)
+        raise RecipeError(f"cannot put MNIST in {raw}: {why_not_written(raw, err)}") from None
     except Exception as err:  # torchvision signals malformed IDX files with assorted exception types
         raise RecipeError(f"MNIST files in {raw} are corrupt ({type(err).__name__}: {err}); delete them to "
                           "download again") from None
@@ -155,12 +152,16 @@ def fetch_mnist(raw: Path) -> None:
         packed = raw / f"{name}.gz"
         if (raw / name).exists():
             continue
-        if not packed.exists():
+        for mirror in MNIST.mirrors if not packed.exists() else []:  # the next mirror if one fails
+            if mirror == MNIST.mirrors[0] and any((raw / n).exists() for n in MNIST_FILES):  # beside a user's own
+                print(f"note: {raw} lacks {name}: downloading MNIST's", file=sys.stderr)  # (Fashion-MNIST): mixed
             try:
-                download(MNIST.mirrors[0] + packed.name, packed, dict(MNIST.resources)[packed.name])
+                download(mirror + packed.name, packed, dict(MNIST.resources)[packed.name])
+                break
             except RecipeError as err:
-                raise RecipeError(f"MNIST is not in {raw} and {err}; or put {', '.join(MNIST_FILES)} (or their .gz) "
-                                  "there") from None
+                if mirror == MNIST.mirrors[-1]:
+                    lacks = [n for n in MNIST_FILES if not (raw / n).exists() and not (raw / f"{n}.gz").exists()]
+                    raise RecipeError(f"{raw} lacks {', '.join(lacks)} (or their .gz), and {err}") from None
         tmp = raw / f".{name}.tmp"
         try:
             with gzip.open(packed) as source, open(tmp, "wb") as out:
@@ -176,9 +177,9 @@ def fetch_mnist(raw: Path) -> None:
 
 @contextlib.contextmanager
 def one_at_a_time(folder: Path) -> Iterator[None]:
-    """Hold an exclusive ``flock`` on ``folder`` while the block runs, waiting for it: processes that write the same
-    files (torchvision truncates and rewrites them in place) take turns. The kernel drops it with its process.
-    (No flock on Windows, nor where the file system has none: then no lock.)"""
+    """Hold an exclusive ``flock`` on ``folder`` while the block runs, waiting for it: processes that would write the
+    same files (torchrun's ranks fetching MNIST) take turns, and the later ones find them there. The kernel drops
+    it with its process. (No flock on Windows, nor where the file system has none: then no lock.)"""
     fd = None
     if sys.platform != "win32":
         import fcntl

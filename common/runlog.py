@@ -4,7 +4,8 @@ and in a log file), the evaluations, and at the end metrics.json and the ``done:
     log = RunLog(run, RECIPE, total_steps=..., every=..., steps_per_epoch=...)
     log.start(step, config, device)              # once a resumed run is restored: config.json, TensorBoard, header
     log.train(step, stats, lr=lr, items=n)       # after every step
-    log.eval(step, val=validate(model))          # after every evaluation
+    log.flush()                                  # before evaluating: the steps' time ends here (else the
+    log.eval(step, val=validate(model))          # evaluation counts as training); then the evaluation's figures
     log.finish(step, {"test_acc": ...})          # metrics.json, the hyper-parameters, the done: line
 
 Step losses stay on the device and are read back ``every`` steps at a time: one sync per window instead of one
@@ -163,7 +164,7 @@ class RunLog:
         """Log an evaluation, ``val={"loss": ..., "acc": ...}`` (``ema_val=...``); a non-finite loss is a divergence.
         With several processes the figures must be the whole group's, so that every rank decides alike."""
         self.flush()
-        self.window_start = None  # evaluating, and what follows it (saving, sampling), is not training time
+        self.window_start = None  # what follows an evaluation (saving, sampling) is not training time either
         if self.loss_steps:  # the training loss shown: the mean over the evaluation period so far
             self.train_loss = self.loss_sum / self.loss_steps
         self.evals = results

@@ -132,14 +132,13 @@ def read_table(path: Path, drop: list[str] | None = None, checked: list[str] | N
     if table.num_rows == 0:
         raise cli.RecipeError(f"{path} has a header but no data rows")
     table = without(table, drop)
+    remedy = "leave it out (--drop)" if checked is None else "the model reads it as one number or word per cell"
     nested = [f"{field.name!r} ({field.type})" for field in table.schema
               if pa.types.is_nested(field.type) and (checked is None or field.name in checked)]
     if nested:  # Parquet: lists, structs and maps are no single value per cell
         raise cli.RecipeError(f"{path}: column {', '.join(nested)} holds lists or records, not one number or word per "
-                              "cell; leave it out (--drop) or flatten it")
+                              f"cell; {remedy}")
     for i, column in enumerate(table.column_names):
-        if checked is not None and column not in checked:
-            continue
         if isinstance(table[i].type, pa.BaseExtensionType):  # Parquet: a UUID, JSON: read as what it is stored as
             table = table.set_column(i, column, pa.chunked_array([c.storage for c in table[i].chunks],
                                                                  table[i].type.storage_type))
@@ -148,14 +147,16 @@ def read_table(path: Path, drop: list[str] | None = None, checked: list[str] | N
         if pa.types.is_string_view(values):  # Parquet: Arrow's newer string layout, which some kernels lack
             table = table.set_column(i, column, table[i].cast(pa.dictionary(table[i].type.index_type, pa.string())
                                                               if dictionary else pa.string()))
+        if checked is not None and column not in checked:
+            continue
         if any(is_bytes(values) for is_bytes in (pa.types.is_binary, pa.types.is_large_binary,  # words only
                                                  pa.types.is_fixed_size_binary, pa.types.is_binary_view)):  # in UTF-8
             try:
                 table = table.set_column(i, column, table[i].cast(pa.dictionary(table[i].type.index_type, pa.string())
                                                                   if dictionary else pa.string()))
             except pa.ArrowInvalid:
-                raise cli.RecipeError(f"{path}: column {column!r} holds bytes that are not UTF-8 text (an ID? leave "
-                                      "it out: --drop)") from None
+                raise cli.RecipeError(f"{path}: column {column!r} holds bytes that are not UTF-8 text (an ID?); "
+                                      f"{remedy}") from None
     return table
 
 
@@ -285,14 +286,17 @@ def mean_and_std(values: np.ndarray) -> tuple[float, float]:
 
 def mostly_numbers(column: pa.ChunkedArray, name: str) -> np.ndarray | None:
     """A column of numbers but for a few stray cells (at most STRAY_WORDS of its present ones: "1,200", "12 kg", a
-    typo) as numbers, those cells missing, with a warning; None for a column of words. Without this, one stray cell
-    would make the column a category of its every value, as a new row's stray cell is already read as missing."""
+    typo) as numbers, those cells missing, with a warning; None for a column of words (with a warning if the words
+    are a minority). Without this, one stray cell would make the column a category of its every value, as a new
+    row's stray cell is already read as missing."""
     stray, present, example = stray_words(column)
-    if stray > STRAY_WORDS * present and stray < present / 2:  # a placeholder ("-") in more cells than a typo is in
-        print(f"warning: column {name!r}: {stray:,} of {present:,} values are not numbers (such as {example!r}), too "
-              "many to read as missing: it is read as a category of its every value; clean them to read numbers",
-              file=sys.stderr)
-    if not stray or stray > STRAY_WORDS * present:
+    if not stray:
+        return None
+    if stray > STRAY_WORDS * present:
+        if stray < present / 2:  # numbers still, with a placeholder ("-") in more cells than a typo would be
+            print(f"warning: column {name!r}: {stray:,} of {present:,} values are not numbers (such as {example!r}), "
+                  "too many to read as missing: it is read as a category of its every value; clean them to read "
+                  "numbers", file=sys.stderr)
         return None
     print(f"warning: column {name!r}: {stray:,} of {present:,} values are not numbers (such as {example!r}), "
           "read as missing", file=sys.stderr)
@@ -719,10 +723,11 @@ def auto_embedding(task: str, train_rows: int) -> str:
     return "periodic" if task == "classification" or train_rows >= EMBED_REGRESSION_FROM else "none"
 
 
-def load_tables(csv_path: Path | None, target: str, data_dir: Path,
-                drop: list[str] | None) -> tuple[pa.Table, pa.Table | None]:
+def load_tables(csv_path: Path | None, target: str, data_dir: Path, drop: list[str] | None,
+                trained_on: list[str]) -> tuple[pa.Table, pa.Table | None]:
     """The table to train on (``--csv``, else Adult's training file) and a test table (Adult's), checked to hold
-    ``target``, without the ``--drop`` columns."""
+    ``target``, without the ``--drop`` columns and a row index, unless a resumed run's model reads it (``trained_on``:
+    its columns; a run from before the index was left out)."""
     if target in (drop or []):
         raise typer.BadParameter(f"{target!r} is the target", param_hint="--drop")
     table, test_table = (read_table(csv_path, drop), None) if csv_path is not None else load_adult(data_dir)
@@ -739,7 +744,8 @@ def load_tables(csv_path: Path | None, target: str, data_dir: Path,
         print(f"note: the first column, {table.column_names[0]!r}, left out: a row index, as pandas writes it "
               "without a name", file=sys.stderr)
         table = table.drop_columns([table.column_names[0]])
-    if index := [name for name in table.column_names if re.fullmatch(r"__index_level_\d+__", name) and name != target]:
+    if index := [name for name in table.column_names if re.fullmatch(r"__index_level_\d+__", name)
+                 and name != target and name not in trained_on]:
         # pandas' to_parquet() stores a row index it made (after a filter or a sort) as a column: no feature either
         print(f"note: column(s) {', '.join(index)} left out: a row index pandas stored in the Parquet file",
               file=sys.stderr)
@@ -924,7 +930,9 @@ def train(csv_path: Path | None, target: str, task: str, drop: list[str] | None,
     config |= {"precision": precision, "precision_reason": why}
 
     # Data: a table -> preprocessing fitted on the training split -> tensors
-    table, test_table = load_tables(csv_path, target, data_dir, drop)
+    resumed = saved_features(checkpoint, run.resume_from) if checkpoint else None  # the preprocessing it fitted
+    table, test_table = load_tables(csv_path, target, data_dir, drop,
+                                    [*resumed["numeric"], *resumed["categorical"]] if resumed else [])
     task = target_task(table[target], target, task)  # the whole column's: every fold learns the same task
     if clash := [name for name in output_columns(task) if name in table.column_names and name != target]:
         raise cli.RecipeError(f"feature column {clash[0]!r} is named like a column that --predict adds, so no table "
@@ -940,7 +948,7 @@ def train(csv_path: Path | None, target: str, task: str, drop: list[str] | None,
             raise cli.RecipeError(f"{table.num_rows} rows are too few for {cv} folds (--cv)")
         folds = fold_of_each_row(table, target, task, cv, seed)
         train_rows, val_rows = np.flatnonzero(folds != fold), np.flatnonzero(folds == fold)
-    spec = saved_features(checkpoint, run.resume_from) if checkpoint else fit_features(
+    spec = resumed or fit_features(
         table.take(train_rows), target, task, bins=PLE_BINS if num_embedding == "ple" else 0,
         rows=f" in fold {fold}'s training rows (--cv {cv})" if cv else " in the training split (--val-frac)")
     classification = spec["task"] == "classification"

@@ -150,9 +150,6 @@ def plot(run_dirs: list[Path], out: Path) -> tuple[list[str], int]:
             if trained is not None and last < trained:  # TensorBoard stops at a damaged record, and says nothing
                 print(f"warning: {run_dir}: its event files end at step {last}, but it trained {trained} steps "
                       "(metrics.json): a damaged event file? drawn as far as it goes", file=sys.stderr)
-            elif trained is not None and last > trained:  # events of another run in its folder, or a copy's
-                print(f"warning: {run_dir}: its event files go on to step {last}, but it trained {trained} steps "
-                      "(metrics.json): events of another run in the folder? drawn as they are", file=sys.stderr)
         else:  # a file of another kind named like one, or a run killed before its first log line
             print(f"skipped {run_dir}: its event files hold no scalars", file=sys.stderr)
     present = [q for q in QUANTITIES if any(matching(s, tag) for _, s in runs for tag, _ in q[2])]

@@ -205,5 +205,5 @@ def test_evaluation_time_is_not_counted_as_training_time(recipe, run_inprocess, 
     first = min(step for step, _ in scalars["val/loss"])
     assert len(scalars["val/loss"]) == 2 and first % 3 and len(evaluated) >= 2  # mid-window, and timed as slow
     unit = "tokens" if recipe == "tiny_transformer" else "samples"
-    # a window holding an evaluation would be under 0.01 items a second; these models train thousands
-    assert metrics[f"{unit}_per_s"] > 100 and all(value > 100 for _, value in scalars[f"perf/{unit}_per_s"])
+    # a window holding an evaluation would be under 0.01 items a second; these models train 50 or more (a loaded CPU)
+    assert metrics[f"{unit}_per_s"] > 1 and all(value > 1 for _, value in scalars[f"perf/{unit}_per_s"])

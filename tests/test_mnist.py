@@ -14,7 +14,7 @@ import torch
 from conftest import assert_same_weights, load_recipe, load_weights, read_hparams, read_metrics, read_scalars
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from common.data import MNIST_FILES
+from common.data import MNIST_FILES, MNIST_MEAN, MNIST_STD
 
 RECIPE = "mnist_onecycle"
 TRAIN_DIGITS = 512 - 512 // 12  # the fixture's 512 training digits less the validation split
@@ -140,7 +140,10 @@ def test_stopped_and_resumed_run_ends_with_the_same_weights(run_inprocess, mnist
 
 
 def test_offline_without_data_names_the_files_and_folder(run_inprocess, tmp_path, monkeypatch):
-    def offline(*args, **kwargs):
+    tried = []
+
+    def offline(url, *args, **kwargs):
+        tried.append(url)
         raise urllib.error.URLError("no network")
 
     monkeypatch.setattr(urllib.request, "urlopen", offline)
@@ -149,6 +152,9 @@ def test_offline_without_data_names_the_files_and_folder(run_inprocess, tmp_path
     assert result.stderr.count("\n") == 1 and result.stderr.startswith("error: ")
     assert "train-images-idx3-ubyte" in result.stderr and "t10k-labels-idx1-ubyte" in result.stderr
     assert "(no network); offline?" in result.stderr  # the reason, not a guess alone
+    assert [url.rsplit("/", 2)[-2:] for url in tried[:2]] == [["mnist", "train-images-idx3-ubyte.gz"],  # each mirror
+                                                              ["mnist", "train-images-idx3-ubyte.gz"]]
+    assert tried[0] != tried[1] and len(tried) == 2
     assert str(tmp_path / "data" / "MNIST" / "raw") in result.stderr
     assert not (tmp_path / "data").exists()  # the folders made for the download are gone with it
     monkeypatch.chdir(tmp_path)  # a relative --data-dir is named in full
@@ -232,7 +238,8 @@ def test_ranks_download_mnist_one_at_a_time(mnist_dir, tmp_path, monkeypatch):
     assert held == [True] * 4 and torch.equal(labels, load_mnist(mnist_dir, train=True)[1])
 
 
-def test_a_folder_missing_one_file_gets_that_file_alone_and_keeps_the_users_own(mnist_dir, tmp_path, monkeypatch):
+def test_a_folder_missing_one_file_gets_that_file_alone_and_keeps_the_users_own(mnist_dir, tmp_path, monkeypatch,
+                                                                                   capsys):
     """torchvision's download=True, called on a folder lacking one file, downloaded all four over the user's own
     (their Fashion-MNIST, say) and trained on MNIST without a word."""
     import gzip
@@ -260,6 +267,7 @@ def test_a_folder_missing_one_file_gets_that_file_alone_and_keeps_the_users_own(
     (raw / "t10k-labels-idx1-ubyte").unlink()
     images, _ = load_mnist(tmp_path / "own", train=True)
     assert asked == ["t10k-labels-idx1-ubyte.gz"] and (raw / "t10k-labels-idx1-ubyte").is_file()
+    assert capsys.readouterr().err == f"note: {raw} lacks t10k-labels-idx1-ubyte: downloading MNIST's\n"
     assert (raw / "train-images-idx3-ubyte").read_bytes() == own
     assert torch.unique(images).numel() == 1  # trained on the user's images, not downloaded ones
 
@@ -521,6 +529,27 @@ def test_a_launch_from_another_folder_says_which_folders_it_uses(run_inprocess, 
                            "--n-head", 2, "--block-size", 8, "--batch-size", 2, "--eval-batches", 1,
                            "--sample-tokens", 2, "--peak-flops", 1e11, "--run-dir", "r2")
     assert result.code == 0 and f"val tokens of {(elsewhere / 't.txt').resolve()} | " in result.stdout, result.stderr
+
+
+def test_a_folder_of_torchvisions_older_processed_files_is_read_without_a_download(mnist_dir, tmp_path,
+                                                                                    monkeypatch):
+    """Older torchvision left MNIST/processed/{training,test}.pt, which MNIST() still reads: fetching the raw files
+    first downloaded 11 MB it never used, or failed offline."""
+    from common.data import load_mnist
+
+    def offline(*args, **kwargs):
+        raise urllib.error.URLError("no network")
+
+    monkeypatch.setattr(urllib.request, "urlopen", offline)
+    processed = tmp_path / "old" / "MNIST" / "processed"
+    processed.mkdir(parents=True)
+    for split, train in (("training", True), ("test", False)):
+        images, labels = load_mnist(mnist_dir, train=train)
+        pixels = ((images * MNIST_STD + MNIST_MEAN) * 255).round().to(torch.uint8).squeeze(1)
+        torch.save((pixels, labels), processed / f"{split}.pt")
+    images, labels = load_mnist(tmp_path / "old", train=True)
+    assert torch.equal(labels, load_mnist(mnist_dir, train=True)[1]) and images.shape == (512, 1, 28, 28)
+    assert not list((tmp_path / "old" / "MNIST" / "raw").iterdir())  # nothing downloaded
 
 
 def test_a_full_disk_while_decompressing_says_so_and_keeps_the_users_gz(run_inprocess, mnist_dir, small_disk, tmp_path):

@@ -1,6 +1,5 @@
 """scripts/plot_runs.py: a small valid PNG from real event files; bad input is one error line."""
 
-import json
 import sys
 
 import pytest
@@ -141,18 +140,6 @@ def test_a_resumed_run_plots_one_curve_without_tensorboards_restart_warning(tmp_
     (points,) = plot_runs.read_scalars(tmp_path / "run").values()
     assert [step for step, _ in points] == list(range(1, 13))
     assert [round(loss, 4) for _, loss in points[4:6]] == [0.2, round(1 / 6 + 1, 4)]
-
-
-def test_events_past_the_steps_a_run_trained_are_drawn_with_a_warning(tmp_path):
-    writer = SummaryWriter(str(tmp_path / "run"))
-    for step in range(1, 13):
-        writer.add_scalar("train/loss", 1.0 / step, step)
-    writer.close()
-    (tmp_path / "run" / "metrics.json").write_text(json.dumps({"steps": 6}))
-    result = plot(tmp_path / "run", "--out", tmp_path / "x.png")
-    assert result.code == 0 and (tmp_path / "x.png").is_file()
-    assert result.stderr.startswith(f"warning: {tmp_path / 'run'}: its event files go on to step 12, but it trained 6 "
-                                    "steps (metrics.json): events of another run in the folder?")
 
 
 def test_only_the_quantities_logged_are_drawn(tmp_path):

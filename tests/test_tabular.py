@@ -105,9 +105,10 @@ def test_a_numeric_column_with_a_few_stray_cells_stays_numeric(capsys):
     x = [f"{i * 1.5}" for i in range(300)]
     x[7], x[100] = "12 kg", "1,200"
     m = [str(i) if i % 20 else "many" for i in range(300)]  # 5% words
-    table = text_table(["x", "m", "y"], [list(r) for r in zip(x, m, "abc" * 100, strict=True)])
+    colour = ["red", "green", "blue"] * 100  # words alone: no warning
+    table = text_table(["x", "m", "colour", "y"], [list(r) for r in zip(x, m, colour, "abc" * 100, strict=True)])
     spec = tabular.fit_features(table, "y", "auto")
-    assert list(spec["numeric"]) == ["x"] and list(spec["categorical"]) == ["m"]
+    assert list(spec["numeric"]) == ["x"] and list(spec["categorical"]) == ["m", "colour"]
     present = np.array([i * 1.5 for i in range(300) if i not in (7, 100)])
     assert spec["numeric"]["x"] == pytest.approx((present.mean(), present.std()))
     said = capsys.readouterr().err
@@ -1022,7 +1023,7 @@ def test_a_column_spelled_otherwise_than_in_training_is_warned_of(tmp_path, caps
     assert capsys.readouterr().err == ""
 
 
-def test_a_row_index_pandas_stored_in_a_parquet_file_is_left_out_with_a_note(run_inprocess, tmp_path):
+def test_a_row_index_pandas_stored_in_a_parquet_file_is_left_out_with_a_note(run_inprocess, tmp_path, monkeypatch):
     """pandas' to_parquet() keeps a made index (after a sort and a filter) as __index_level_0__: in a file sorted by
     label it predicted the label (validation accuracy 1 instead of 0.69), and a new file without it was refused."""
     rng = np.random.default_rng(0)
@@ -1043,10 +1044,20 @@ def test_a_row_index_pandas_stored_in_a_parquet_file_is_left_out_with_a_note(run
                            "best.pt", "--output", tmp_path / "p.csv")
     assert result.code == 0, result.stderr
     assert (tmp_path / "p.csv").read_text().splitlines()[0] == '"x0","x1","prediction","probability"'
+    # a run trained on the index before it was left out (as load_tables kept it then) resumes with it
+    load_tables = tabular.load_tables
+    monkeypatch.setattr(tabular, "load_tables", lambda *args: load_tables(*args[:4], ["__index_level_0__"]))
+    args = ["--csv", tmp_path / "t.parquet", "--target", "label", "--run-dir", tmp_path / "old"]
+    assert run_inprocess(RECIPE, *args, "--max-steps", 2).code == 0
+    assert "__index_level_0__" in torch.load(tmp_path / "old" / "checkpoints" / "last.pt", weights_only=True)[
+        "features"]["numeric"]
+    monkeypatch.setattr(tabular, "load_tables", load_tables)
+    result = run_inprocess(RECIPE, *args, "--max-steps", 4, "--resume", "auto")
+    assert result.code == 0 and "resumed at step 2" in result.stdout, result.stderr
 
 
 def test_rows_whose_class_reads_as_missing_are_counted_in_a_note(run_inprocess, tmp_path):
-    """A class spelled "None" (no damage) is a missing value: 82 of 300 rows were left out without a word."""
+    """A class spelled "None" (no damage) is a missing value: a third of the rows were left out without a word."""
     rows = [f"{i % 7},{['Minor', 'Major', 'None'][i % 3]}" for i in range(300)]
     (tmp_path / "t.csv").write_text("x,damage\n" + "\n".join(rows) + "\n")
     result = run_inprocess(RECIPE, "--csv", tmp_path / "t.csv", "--target", "damage", "--max-steps", 1, "--run-dir",
@@ -1155,10 +1166,19 @@ def test_drop_leaves_out_a_parquet_column_that_could_not_be_read_as_a_feature(ru
                            tmp_path / "new_out.parquet")
     assert result.code == 0, result.stderr
     assert pq.read_table(tmp_path / "new_out.parquet").column("blob").to_pylist() == [b"\xff\xfe"] * 40
+    # and columns CSV can hold once read as what they are stored as: JSON, Arrow's string views
+    pq.write_table(pa.table({"js": pa.array(['{"a": 1}'] * 2, pa.json_()), "x": [0.0, 1.0],
+                             "note": pa.array(["hi", "yo"], pa.string_view())}), tmp_path / "kinds.parquet")
+    result = run_inprocess(RECIPE, "--predict", tmp_path / "kinds.parquet", "--resume", best, "--output",
+                           tmp_path / "kinds.csv")
+    assert result.code == 0, result.stderr
+    assert (tmp_path / "kinds.csv").read_text().splitlines()[1].startswith('"{""a"": 1}",0,"hi",')
     # a model's own column is still checked: lists where it was trained on numbers
     pq.write_table(pa.table({"x": [[1.0]] * 4}), tmp_path / "lists.parquet")
     result = run_inprocess(RECIPE, "--predict", tmp_path / "lists.parquet", "--resume", best)
-    assert result.code == 1 and "column 'x' (list<element: double>) holds lists or records" in result.stderr
+    assert result.code == 1 and result.stderr.endswith(
+        "column 'x' (list<element: double>) holds lists or records, not one number or word per cell; the model reads "
+        "it as one number or word per cell\n")
     # CSV has no cell for a list: one line, and nothing written
     result = run_inprocess(RECIPE, "--predict", tmp_path / "t.parquet", "--resume", best)
     assert result.code == 1 and result.stderr.startswith(f"error: cannot write {tmp_path / 't.predictions.csv'}: ")
