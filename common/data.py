@@ -112,9 +112,10 @@ def load_mnist(data_dir: Path, *, train: bool) -> tuple[torch.Tensor, torch.Tens
     created = [d for d in [raw, *raw.parents] if not d.exists()]
     there = all((raw / name).exists() for name in MNIST_FILES)  # nothing to write: no lock (a read-only share)
     legacy = all((raw.parent / "processed" / f).is_file() for f in ("training.pt", "test.pt"))  # older torchvision's
+    read = raw.parent / "processed" if legacy else raw  # where MNIST() reads (its older files first)
     try:
-        raw.mkdir(parents=True, exist_ok=True)
         if not (there or legacy):
+            raw.mkdir(parents=True, exist_ok=True)
             with one_at_a_time(raw):  # torchrun's ranks: one fetches the files, the others find them there
                 fetch_mnist(raw)
         dataset = MNIST(str(data_dir), train=train)
@@ -122,20 +123,21 @@ def load_mnist(data_dir: Path, *, train: bool) -> tuple[torch.Tensor, torch.Tens
         remove_empty(created)
         raise
     except (OSError, RuntimeError) as err:
-        if all((raw / name).exists() for name in MNIST_FILES):
-            raise RecipeError(f"MNIST files in {raw} are unreadable ({err}); delete them to download again") from None
+        if legacy or all((raw / name).exists() for name in MNIST_FILES):
+            raise RecipeError(f"MNIST files in {read} are unreadable ({err}); delete them to download again") from None
         remove_empty(created)  # a file where a folder on its way should be, say ("Not a directory" says nothing)
-        raise RecipeError(f"cannot put MNIST in {raw}: {why_not_written(raw, err)}") from None
+        reason = why_not_written(raw, err) if isinstance(err, OSError) else err
+        raise RecipeError(f"cannot put MNIST in {raw}: {reason}") from None
     except Exception as err:  # torchvision signals malformed IDX files with assorted exception types
-        raise RecipeError(f"MNIST files in {raw} are corrupt ({type(err).__name__}: {err}); delete them to "
+        raise RecipeError(f"MNIST files in {read} are corrupt ({type(err).__name__}: {err}); delete them to "
                           "download again") from None
     data, labels = dataset.data, dataset.targets  # well-formed IDX files may still not be MNIST's
     labelled = len(labels) == len(data) and (not len(labels) or 0 <= labels.min() <= labels.max() <= 9)
     if data.shape[1:] != (28, 28) or not labelled:
-        raise RecipeError(f"MNIST files in {raw} hold {len(data)} images of {tuple(data.shape[1:])} pixels and "
+        raise RecipeError(f"MNIST files in {read} hold {len(data)} images of {tuple(data.shape[1:])} pixels and "
                           f"{len(labels)} labels, not 28x28 digits labelled 0-9; delete them to download again")
     if train and len(labels) < 2:  # a run holds out at least one to validate on (no IDX file holds none)
-        raise RecipeError(f"MNIST files in {raw} hold 1 training digit: too few to train and validate on; delete "
+        raise RecipeError(f"MNIST files in {read} hold 1 training digit: too few to train and validate on; delete "
                           "them to download again")
     # uint8 (N, 28, 28) -> float32 (N, 1, 28, 28): a channel axis for the convolutions, values standardised
     images = (data.unsqueeze(1).float() / 255 - MNIST_MEAN) / MNIST_STD

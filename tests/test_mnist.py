@@ -535,6 +535,7 @@ def test_a_folder_of_torchvisions_older_processed_files_is_read_without_a_downlo
                                                                                     monkeypatch):
     """Older torchvision left MNIST/processed/{training,test}.pt, which MNIST() still reads: fetching the raw files
     first downloaded 11 MB it never used, or failed offline."""
+    from common.cli import RecipeError
     from common.data import load_mnist
 
     def offline(*args, **kwargs):
@@ -549,7 +550,12 @@ def test_a_folder_of_torchvisions_older_processed_files_is_read_without_a_downlo
         torch.save((pixels, labels), processed / f"{split}.pt")
     images, labels = load_mnist(tmp_path / "old", train=True)
     assert torch.equal(labels, load_mnist(mnist_dir, train=True)[1]) and images.shape == (512, 1, 28, 28)
-    assert not list((tmp_path / "old" / "MNIST" / "raw").iterdir())  # nothing downloaded
+    assert not (tmp_path / "old" / "MNIST" / "raw").exists()  # nothing downloaded, no folder made for it
+    for split in ("training", "test"):  # cut short: one line naming those files (a traceback, naming raw/)
+        (processed / f"{split}.pt").write_bytes((processed / f"{split}.pt").read_bytes()[:1000])
+    with pytest.raises(RecipeError, match=f"^MNIST files in {processed} are "):
+        load_mnist(tmp_path / "old", train=True)
+    assert not (tmp_path / "old" / "MNIST" / "raw").exists()
 
 
 def test_a_full_disk_while_decompressing_says_so_and_keeps_the_users_gz(run_inprocess, mnist_dir, small_disk, tmp_path):
