@@ -150,13 +150,14 @@ def fetch_mnist(raw: Path) -> None:
     four files again over a folder that lacks one, the user's own files too."""
     from torchvision.datasets import MNIST
 
+    given = any((raw / name).exists() or (raw / f"{name}.gz").exists() for name in MNIST_FILES)
     for name in MNIST_FILES:
         packed = raw / f"{name}.gz"
         if (raw / name).exists():
             continue
         for mirror in MNIST.mirrors if not packed.exists() else []:  # the next mirror if one fails
-            if mirror == MNIST.mirrors[0] and any((raw / n).exists() for n in MNIST_FILES):  # beside a user's own
-                print(f"note: {raw} lacks {name}: downloading MNIST's", file=sys.stderr)  # (Fashion-MNIST): mixed
+            if mirror == MNIST.mirrors[0] and given:  # beside a user's own files (Fashion-MNIST, say): mixed
+                print(f"note: {raw} lacks {name}: downloading MNIST's", file=sys.stderr)
             try:
                 download(mirror + packed.name, packed, dict(MNIST.resources)[packed.name])
                 break

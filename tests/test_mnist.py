@@ -210,7 +210,7 @@ def test_a_data_dir_that_is_a_file_is_said_so(run_inprocess, tmp_path):
 
 
 @pytest.mark.skipif(sys.platform == "win32", reason="no flock on Windows")
-def test_ranks_download_mnist_one_at_a_time(mnist_dir, tmp_path, monkeypatch):
+def test_ranks_download_mnist_one_at_a_time(mnist_dir, tmp_path, monkeypatch, capsys):
     """torchrun's ranks all call load_mnist: a rank that checked a file while another wrote it failed the launch.
     The download runs under a lock on the raw folder, one file at a time."""
     import fcntl
@@ -236,6 +236,7 @@ def test_ranks_download_mnist_one_at_a_time(mnist_dir, tmp_path, monkeypatch):
     monkeypatch.setattr(common.data, "download", fake_download)
     images, labels = load_mnist(tmp_path / "data", train=True)
     assert held == [True] * 4 and torch.equal(labels, load_mnist(mnist_dir, train=True)[1])
+    assert capsys.readouterr().err == ""  # a first download into an empty folder: no note of files beside others
 
 
 def test_a_folder_missing_one_file_gets_that_file_alone_and_keeps_the_users_own(mnist_dir, tmp_path, monkeypatch,
