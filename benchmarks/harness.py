@@ -7,6 +7,7 @@ reported as median and range, recipe runs in subprocesses, and the CPU the figur
 
 import os
 import platform
+import re
 import statistics
 import subprocess
 import time
@@ -15,7 +16,9 @@ from pathlib import Path
 
 import torch
 
-from common.runtime import measure_matmul_flops
+from common.runtime import cpu_flags, measure_matmul_flops
+
+BF16_FLAGS = {"avx512_bf16", "amx_bf16", "bf16"}  # as common.runtime.native_bf16 reads them; bf16: Arm's
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -62,33 +65,30 @@ def run_command(args: list, env: dict | None = None, cwd: Path = ROOT) -> tuple[
     return time.perf_counter() - started, proc.stdout
 
 
-def cpu_hardware() -> dict:
-    """The CPU's model name, its bf16 instruction flags (Linux /proc/cpuinfo), and bf16 against fp32 matmul
-    GFLOP/s measured here. Without AVX-512 BF16 or AMX, bf16 is emulated: an Intel AVX-512F CPU without BF16
-    ran it at 0.2x fp32; an AMD EPYC with avx512_bf16 runs it faster than fp32."""
-    model, flags = None, set()
+def cpu_hardware(cpuinfo: Path = Path("/proc/cpuinfo")) -> dict:
+    """The CPU's model name, its bf16 instruction flags (Linux's /proc/cpuinfo, read as the recipes' --precision
+    auto reads them: x86's AVX-512 BF16 and AMX, Arm's BF16), and bf16 against fp32 matmul GFLOP/s measured here.
+    Without them bf16 is emulated: an Intel AVX-512F CPU without BF16 ran it at 0.2x fp32; an AMD EPYC with
+    avx512_bf16 runs it faster than fp32. ``bf16_native`` is None where the flags are unknown (not Linux)."""
+    flags = cpu_flags(cpuinfo)
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():  # one block per core: the first says it
-            key, _, value = (part.strip() for part in line.partition(":"))
-            if key == "model name" and model is None:
-                model = value
-            elif key == "flags" and not flags:
-                flags = set(value.split())
-    except OSError:  # not Linux: no flags; the measurement below still says how bf16 runs
-        pass
-    model = model or platform.processor() or platform.machine()
+        model = re.search(r"^model name\s*:\s*(.+)$", cpuinfo.read_text(), flags=re.M)[1]
+    except (OSError, TypeError):  # not Linux, or an Arm cpuinfo, which names no model
+        model = platform.processor() or platform.machine()
     fp32, bf16 = measure_matmul_flops(CPU, torch.float32), measure_matmul_flops(CPU, torch.bfloat16)
-    native = {flag: flag in flags for flag in ("avx512f", "avx512_bf16", "amx_bf16")} if flags else {}
-    return {"cpu_model": model, "cpu_flags": native, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-            "bf16_native": (native["avx512_bf16"] or native["amx_bf16"]) if native else None,
+    bf16_flags = sorted(flags & BF16_FLAGS)
+    return {"cpu_model": model, "bf16_flags": bf16_flags, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "bf16_native": bool(bf16_flags) if flags else None,
             "fp32_gflops": fp32 / 1e9, "bf16_gflops": bf16 / 1e9, "bf16_over_fp32": bf16 / fp32}
 
 
 def describe_hardware(hardware: dict) -> str:
-    native = {True: "native bf16 (" + ", ".join(f for f in ("avx512_bf16", "amx_bf16") if hardware["cpu_flags"][f])
-                    + ")",
-              False: "no native bf16 (neither avx512_bf16 nor amx_bf16: emulated)",
-              None: "bf16 flags unknown (no /proc/cpuinfo)"}[hardware["bf16_native"]]
+    if hardware["bf16_native"] is None:
+        native = "bf16 flags unknown (no /proc/cpuinfo)"
+    elif hardware["bf16_native"]:
+        native = f"native bf16 ({', '.join(hardware['bf16_flags'])})"
+    else:
+        native = "no native bf16 (none of avx512_bf16, amx_bf16, Arm's bf16: emulated)"
     return (f"CPU {hardware['cpu_model']}: {native}; matmul bf16 {hardware['bf16_gflops']:.0f} vs fp32 "
             f"{hardware['fp32_gflops']:.0f} GFLOP/s ({hardware['bf16_over_fp32']:.2f}x)")
 

@@ -1,11 +1,14 @@
 """Item 16. The LR finder is useful: a run at scripts/find_lr.py's suggestion against the tuned default."""
 
 import re
+import statistics
 import sys
 from pathlib import Path
 
-from benchmarks.harness import device_args, run_command
+from benchmarks.harness import device_args, run_command, summarise
 from benchmarks.mnist_files import split_test_set
+
+SEEDS = [0, 1, 2]  # of the training runs; the MNIST split and the range test keep seed 0
 
 
 def suggestion(recipe: str, options: list, work: Path) -> tuple[str, float]:
@@ -34,13 +37,19 @@ def lr_finder(quick: bool, mnist_dir: Path | None, adult_csv: Path | None, work:
     for recipe, options, metric in cases:
         options = [*options, *device_args()]
         option, rate = suggestion(recipe, options, work)
-        tuned = score(recipe, options, metric, work / f"lr_{recipe}_default")
-        found = score(recipe, [*options, option, rate], metric, work / f"lr_{recipe}_found")
-        ok = found >= tuned - 0.005
-        met.append(ok)
-        rows.append(f"{recipe}: suggested {option} {rate:g}: {metric} {found:.4f} vs the default's {tuned:.4f} "
-                    f"({100 * (found - tuned):+.2f} points)")
+        # paired by seed (the same split and initialization), as one seed's difference is mostly noise
+        tuned, found = [], []
+        for seed in SEEDS[:1] if quick else SEEDS:
+            seeded = [*options, "--seed", seed]
+            tuned.append(score(recipe, seeded, metric, work / f"lr_{recipe}_default_{seed}"))
+            found.append(score(recipe, [*seeded, option, rate], metric, work / f"lr_{recipe}_found_{seed}"))
+        points = summarise([100 * (f - t) for f, t in zip(found, tuned, strict=True)])
+        gap = statistics.mean(found) - statistics.mean(tuned)
+        met.append(gap >= -0.005)
+        rows.append(f"{recipe}: suggested {option} {rate:g}: mean {metric} {statistics.mean(found):.4f} vs the "
+                    f"default's {statistics.mean(tuned):.4f} ({100 * gap:+.2f} points; per seed "
+                    f"{points['min']:+.2f} to {points['max']:+.2f}; {len(found)} seeds)")
         figures[recipe] = {"option": option, "suggested": rate, "found": found, "default": tuned}
-    return {"item": "The LR finder is useful: a run at find_lr.py's suggestion vs the tuned default (same data, "
-                    "seed and epochs)", "result": "; ".join(rows), "target": "within 0.5 points of the default's "
-                    "accuracy", "met": all(met), **figures}
+    return {"item": "The LR finder is useful: runs at find_lr.py's suggestion vs the tuned default (same data and "
+                    "epochs, paired by seed)", "result": "; ".join(rows), "target": "mean within 0.5 points of the "
+                    "default's accuracy", "met": all(met), **figures}

@@ -33,7 +33,7 @@ def transformer_parallel(quick: bool, work: Path) -> dict:
         figures[label] = {"tokens_per_s": metrics["tokens_per_s"], "peak_rss_bytes": memory["peak_rss_bytes"],
                           "model_state_bytes": memory["model_state_bytes"]}
     ratio = figures["fsdp"]["model_state_bytes"] / figures["one"]["model_state_bytes"]
-    speed = "; ".join(f"{k} {v['tokens_per_s']:,.0f} tok/s, RSS {v['peak_rss_bytes'] / 2**20:,.0f} MB/rank"
+    speed = "; ".join(f"{k} {v['tokens_per_s']:,.0f} tok/s, RSS {v['peak_rss_bytes'] / 2**20:,.0f} MiB/rank"
                       for k, v in figures.items())
     return {"item": item, "result": f"FSDP model state per rank {ratio:.3f}x of one process; {speed}",
             "target": "<= 0.55x", "met": ratio <= 0.55, "memory_ratio": ratio, "runs": figures}
