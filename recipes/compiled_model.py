@@ -201,8 +201,9 @@ def timing(step_seconds: list[float], compiled: bool = True, warmup: int = 3) ->
 def measure_speed(device: torch.device, width: int, depth: int, batch_size: int, repeats: int = 5,
                   block: int = 10, precision: str = "fp32", **compile_options) -> dict:
     """Steady-state seconds per step, eager against compiled: two copies of one model fed the same batches;
-    after the compiled one's first (compiling) step, blocks of ``block`` steps interleaved (eager, compiled,
-    eager, ...) ``repeats`` times, so that a machine whose load drifts slows both alike. Compile time, apart:
+    after the compiled one's first (compiling) step, blocks of ``block`` steps interleaved ``repeats`` times, every
+    other round in reverse (eager, compiled, compiled, eager, ...), so that a machine whose load drifts slows both
+    alike and neither always runs first. Compile time, apart:
     the first compiled step less a steady one. ``timed_loss_diff``: the two models' last losses apart."""
     torch.manual_seed(0)
     models = {"eager": GatedMLP(width, depth).to(device)}
@@ -225,8 +226,8 @@ def measure_speed(device: torch.device, width: int, depth: int, batch_size: int,
 
     first = {name: seconds_per_step(name, 1) for name in models}  # compiled: Dynamo + Inductor, both passes
     seconds = {"eager": [], "compiled": []}
-    for _ in range(repeats):
-        for name in seconds:
+    for round_ in range(repeats):
+        for name in ["compiled", "eager"] if round_ % 2 else ["eager", "compiled"]:
             seconds[name].append(seconds_per_step(name, block))
     return {"seconds": seconds, "compile_s": max(0.0, first["compiled"] - statistics.median(seconds["compiled"])),
             "timed_loss_diff": abs(losses["eager"] - losses["compiled"])}

@@ -189,13 +189,14 @@ def seconds_per_step(device: torch.device, precision: str, width: int, depth: in
 
 def measure_speed(device: torch.device, width: int, depth: int, batch_size: int, repeats: int = 3,
                   steps: int = 5, compile: bool = False) -> dict[str, list[float]]:
-    """Seconds per step of each precision, interleaved (fp32, bf16, fp16, fp32, ...) and repeated, so that a
-    machine whose load drifts slows all alike: each round a fresh model per precision, its median step of
+    """Seconds per step of each precision, interleaved and repeated, every other round in reverse (fp32, bf16,
+    fp16, fp16, bf16, fp32, ...), so that a machine whose load drifts slows all alike and none always runs first:
+    each round a fresh model per precision, its median step of
     ``steps`` after a warm-up. bf16 and fp16 get 3 steps each: where they are emulated (no native units), each
     is far slower, and 3 is the fewest whose median leaves out a step slowed by the machine."""
     seconds = {p: [] for p in PRECISIONS}
-    for _ in range(repeats):
-        for precision in PRECISIONS:
+    for round_ in range(repeats):
+        for precision in PRECISIONS[::-1] if round_ % 2 else PRECISIONS:
             seconds[precision].append(seconds_per_step(device, precision, width, depth, batch_size,
                                                        steps if precision == "fp32" else 3, compile=compile)[0])
     return seconds

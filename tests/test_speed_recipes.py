@@ -239,8 +239,24 @@ def test_every_precision_is_timed_by_a_median_that_leaves_out_a_slowed_step(monk
     monkeypatch.setattr(mixed, "seconds_per_step", lambda device, precision, width, depth, batch, steps, compile: (
         timed.append((precision, steps)) or (1.0, "")))
     seconds = mixed.measure_speed(torch.device("cpu"), 8, 1, 4, repeats=2, steps=5)
-    assert timed == [("fp32", 5), ("bf16", 3), ("fp16", 3)] * 2
+    assert timed == [("fp32", 5), ("bf16", 3), ("fp16", 3), ("fp16", 3), ("bf16", 3), ("fp32", 5)]  # alternating
     assert seconds == {"fp32": [1.0, 1.0], "bf16": [1.0, 1.0], "fp16": [1.0, 1.0]}
+
+
+def test_eager_and_compiled_blocks_alternate_which_runs_first(monkeypatch):
+    """Eager always ran first in a round: a load that builds within a round slowed the compiled block alone."""
+    compiled, order = load_recipe("compiled_model"), []
+    monkeypatch.setattr(compiled.torch, "compile", lambda model, **options: model)  # the order is under test
+    real_step = compiled.train_step
+    monkeypatch.setattr(compiled, "train_step", lambda model, *args, **kwargs: order.append(
+        "compiled" if model is compiled_model[0] else "eager") or real_step(model, *args, **kwargs))
+    compiled_model = []
+    real_deepcopy = compiled.copy.deepcopy
+    monkeypatch.setattr(compiled.copy, "deepcopy", lambda model: compiled_model.append(real_deepcopy(model)) or
+                        compiled_model[0])
+    speed = compiled.measure_speed(torch.device("cpu"), 8, 1, 4, repeats=3, block=2)
+    assert order == ["eager", "compiled"] + ["eager"] * 2 + ["compiled"] * 4 + ["eager"] * 4 + ["compiled"] * 2
+    assert {name: len(times) for name, times in speed["seconds"].items()} == {"eager": 3, "compiled": 3}
 
 
 def test_a_compiled_run_too_short_for_a_steady_step_reports_no_step_time_or_compile_time():
