@@ -13,7 +13,7 @@ PyTorch's Performance Tuning Guide checked against the live run.
    ``cudnn.benchmark`` and TF32.
 2. The alternatives that apply on this device (bf16 where the device multiplies it natively, ``--compile``
    where a C++ compiler is found, DataLoader workers, a larger batch), each a run of its own in a subprocess,
-   interleaved with the run as given (A B C A B C ...) for ``--rounds`` rounds: the speed-up is the median of
+   interleaved with the run as given (A B C C B A ...) for ``--rounds`` rounds: the speed-up is the median of
    the rounds' ratios of training throughput (the first window, or the first epoch if shorter, left out: start-up
    and compiling), with its range.
 3. The alternatives that were faster in every round, by 1.1x or more at the median, and leave the training as it
@@ -187,10 +187,12 @@ def throughput(recipe_path: Path, options: list[str], steps: int, window: int, r
 
 def side_by_side(recipe_path: Path, variants: dict[str, list[str]], rounds: int, steps: int, window: int,
                  work: Path) -> dict[str, list[float] | str]:
-    """Each variant's speed-up over the first ("as given") in every round, interleaved; or why it failed."""
+    """Each variant's speed-up over the first ("as given") in every round, interleaved, every other round in
+    reverse (A B C C B A ...: none always runs first); or why it failed."""
     speeds: dict[str, list[float] | str] = {name: [] for name in variants}
+    in_order = list(enumerate(variants.items()))
     for r in range(rounds):
-        for i, (name, options) in enumerate(variants.items()):
+        for i, (name, options) in in_order[::-1] if r % 2 else in_order:
             if isinstance(speeds[name], str):
                 continue
             try:
@@ -391,6 +393,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("error: interrupted; nothing measured", file=sys.stderr)
         return 130
+    except OSError as err:  # no temporary folder can be made, or a run's process cannot be started
+        print(f"error: {err.strerror or err}{f': {err.filename}' if err.filename else ''}", file=sys.stderr)
+        return 1
     table = [("as given", f"{statistics.median(measured['as given']):,.0f} {unit}/s", "the baseline")]
     for name, (_, changes) in found.items():
         result = measured[name]

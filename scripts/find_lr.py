@@ -9,10 +9,11 @@ steps (100) in a temporary run directory; before every step the rates are set al
 ramp and every other parameter group keeps its ratio to it, as a fine-tuned backbone does (a global optimizer
 pre-hook: no recipe knows it is being measured). Each step's training loss, which the recipe
 logs to TensorBoard anyway, is smoothed by an exponential moving average (beta 0.98, bias-corrected: the
-first steps are not pulled towards 0); the curve is cut where the smoothed loss passes 4x its lowest (the recipe
-runs every step unless it diverges). The suggestion is the rate where the smoothed loss falls fastest (its
-steepest descent against log rate): high enough to learn fast, well below where the loss turns up; none if it
-never falls below its first steps' mean by more than their noise. The average lags the loss by about 50 steps,
+first steps are not pulled towards 0); the curve is cut where the smoothed loss passes 4x its lowest (a loss below
+0: rises by 3x its size; the recipe runs every step unless it diverges). The suggestion is the rate where the
+smoothed loss falls fastest (its steepest descent against log rate), below the rate of the lowest loss itself:
+high enough to learn fast, below where the loss turns up; none if it never falls below its first steps' mean by
+more than their noise. The average lags the loss by about 50 steps,
 which moves the steepest point to higher rates: the rule is tuned at the default 100 steps, and a longer ramp
 suggests lower rates (on the tests' least-squares problem: 0.14 at 100 steps, 0.037 at 300). A recipe with a
 one-cycle schedule is given it as ``--max-lr``, the others as ``--lr``.
@@ -112,10 +113,11 @@ def smoothed(losses: list[float], beta: float = 0.98) -> list[float]:
 
 
 def until_divergence(smooth: list[float], factor: float = 4.0) -> int:
-    """How many points to keep: up to where the smoothed loss passes ``factor`` times its lowest so far."""
+    """How many points to keep: up to where the smoothed loss passes ``factor`` times its lowest so far (a loss
+    below 0, a negative log-likelihood say: where it rises above its lowest by ``factor - 1`` times its size)."""
     lowest = math.inf
     for i, loss in enumerate(smooth):
-        if not math.isfinite(loss) or loss > factor * lowest:
+        if not math.isfinite(loss) or loss > lowest + (factor - 1) * abs(lowest):
             return i
         lowest = min(lowest, loss)
     return len(smooth)
@@ -125,13 +127,19 @@ SETTLING = 10  # points the smoothed loss needs before its slope means anything
 MIN_FALL = 1e-3  # a smaller fall, relative to where the smoothed loss settled, is rounding, not learning
 
 
-def steepest(smooth: list[float], skip_start: int = SETTLING) -> int | None:
+def steepest(smooth: list[float], losses: list[float] | None = None, skip_start: int = SETTLING) -> int | None:
     """The index where the smoothed loss falls fastest per step of log rate (the rates are log-spaced, so per
     index), leaving out the first ``skip_start`` points (the average is still settling) and everything from its
-    lowest point on: past it the loss is diverging, and a dip between two spikes there is no place to train."""
+    lowest point on: past it the loss is diverging, and a dip between two spikes there is no place to train. Nor
+    from the lowest of the ``losses`` themselves on: the average lags them by about 50 steps, so on a short ramp
+    its steepest fall comes where the loss itself already turns up (a rate that diverges)."""
     if len(smooth) < skip_start + 3:
         return None
     end = min(len(smooth) - 1, smooth.index(min(smooth[skip_start:]), skip_start) + 1)
+    if losses is not None:
+        end = min(end, losses.index(min(losses)))
+    if end <= skip_start:
+        return None
     slopes = [(smooth[i + 1] - smooth[i - 1]) / 2 for i in range(skip_start, end)]
     best = min(range(len(slopes)), key=slopes.__getitem__)
     return skip_start + best if slopes[best] < 0 else None
@@ -379,15 +387,23 @@ def main(argv: list[str] | None = None) -> int:
             rates, losses, ending = range_test(recipe, options, ramp(args.start, args.end, args.ramp_steps),
                                                Path(work))
         smooth = smoothed(losses)
+        if losses and not math.isfinite(losses[0]):  # the first loss comes before any update: no rate made it so
+            raise FinderError(f"the loss is not finite at the first step, before any update ({losses[0]}): check "
+                              "the data and the model")
         kept = until_divergence(smooth)
         rates, losses, smooth = rates[:kept], losses[:kept], smooth[:kept]
-        best = steepest(smooth)
+        best = steepest(smooth, losses)
         if best is not None and not fell(losses, smooth):  # its steepest stretch is noise at rates too low to learn
             best = None
         if best is None and len(smooth) < SETTLING + 3:
             at = rates[-1] if rates else args.start
             raise FinderError(f"the loss diverged after {len(losses)} steps, at {at:g}: too few to find its slope; "
                               "start lower (--from) or give more --ramp-steps")
+        if best is None and losses.index(min(losses)) <= SETTLING:
+            lowest = losses.index(min(losses))
+            raise FinderError(f"the loss was lowest at step {lowest + 1} of {len(losses)}, at {rates[lowest]:g}, "
+                              f"before its average settled ({SETTLING} steps): too few steps below that rate to "
+                              "find its slope; start lower (--from) or give more --ramp-steps")
         if best is None:
             raise FinderError(f"the loss did not fall over {len(losses)} steps from {args.start:g} to "
                               f"{rates[-1] if rates else args.end:g}: try a wider range (--from, --to) or more "

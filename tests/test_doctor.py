@@ -246,6 +246,9 @@ def test_sigterm_is_one_line_and_leaves_no_temporary_folder(tmp_path):
     deadline = time.monotonic() + 120
     while not list(tmp.glob("doctor.*/r0-0/events.out.tfevents.*")) and time.monotonic() < deadline:
         time.sleep(0.2)  # until the first run measured in a process of its own trains
+    if not list(tmp.glob("doctor.*/r0-0/events.out.tfevents.*")):
+        proc.kill()
+        pytest.fail("the run never started: the signal would test nothing")
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=120)
     assert (proc.returncode, err) == (130, "error: interrupted; nothing measured\n")
@@ -307,6 +310,34 @@ def test_an_alternative_that_changes_the_training_gets_the_same_test_of_faster(r
     assert doctor.main(["mnist_onecycle"]) == 0
     out = capsys.readouterr().out
     assert f"| --batch-size 64 | 1.20x ({min(ratios):.2f}-1.25) | {verdict}" in out
+
+
+def test_the_variants_alternate_which_runs_first_and_are_paired_by_round(monkeypatch, tmp_path):
+    """A B C A B C ran the run as given first in every round; its speed-ups are each round's own ratios."""
+    measured = {"as given": iter([100.0, 50.0]), "bf16": iter([200.0, 150.0]), "--compile": iter([110.0, 40.0])}
+    order = []
+
+    def throughput(recipe_path, options, steps, window, run_dir):
+        name = {(): "as given", ("--precision", "bf16"): "bf16", ("--compile",): "--compile"}[tuple(options)]
+        order.append((name, run_dir.name))
+        return next(measured[name])
+
+    monkeypatch.setattr(doctor, "throughput", throughput)
+    speedups = doctor.side_by_side(tmp_path / "recipe.py", {"as given": [], "bf16": ["--precision", "bf16"],
+                                                            "--compile": ["--compile"]}, 2, 9, 3, tmp_path)
+    assert order == [("as given", "r0-0"), ("bf16", "r0-1"), ("--compile", "r0-2"),
+                     ("--compile", "r1-2"), ("bf16", "r1-1"), ("as given", "r1-0")]
+    assert speedups == {"bf16": [2.0, 3.0], "--compile": [1.1, 0.8], "as given": [100.0, 50.0]}
+
+
+def test_no_temporary_folder_is_one_line_not_a_traceback(monkeypatch, tmp_path, capsys):
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "gone"))  # as a read-only or missing TMPDIR
+    assert doctor.main(["mixed_precision", "--rounds", "1"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: No such file or directory: {tmp_path / 'gone' / 'doctor.'}") and \
+        err.count("\n") == 1, err
 
 
 def test_a_baseline_that_fails_in_its_own_process_is_one_line(monkeypatch, tmp_path, capsys):

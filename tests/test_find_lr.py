@@ -72,6 +72,15 @@ def test_the_pieces_of_the_range_test():
     assert find_lr.steepest([1.0] * 20) is None  # flat: nothing to suggest
     diverging = falling + [6.0, 14.0, 14.0, 4.0, 13.0]  # past the lowest point a dip falls faster than anything
     assert find_lr.steepest(diverging) == 12  # before it: the suggestion stays below where the loss turns up
+    # a loss below 0 (a negative log-likelihood): each step below its lowest read as 4x it, so as diverging
+    assert find_lr.until_divergence([-1.0, -1.1, -1.2, -1.3]) == 4
+    assert find_lr.until_divergence([-1.0, -2.0, -1.5, 4.1]) == 3  # 4.1 > -2.0 + 3 x 2.0
+    # the losses themselves lowest at index 13: their average, lagging, falls fastest after it (the loss diverges
+    # there); the suggestion is taken before it
+    lagging = [10.0] * 12 + [9.5, 9.0, 8.0, 6.0, 5.9, 5.8]
+    raw = [10.0] * 12 + [8.0, 2.0, 9.0, 30.0, 60.0, 90.0]
+    assert find_lr.steepest(lagging) == 14 and find_lr.steepest(lagging, raw) == 12
+    assert find_lr.steepest(lagging, [10.0] * 10 + [1.0] + [9.0] * 7) is None  # lowest before the average settled
 
 
 TWO_GROUPS = LEAST_SQUARES.replace(
@@ -237,6 +246,42 @@ def test_a_loss_that_diverges_before_the_smoothing_settles_says_so(tmp_path, cap
     assert left_in(tmp_path) == ["least_squares.py"]  # no plot, no run left behind
 
 
+@pytest.mark.parametrize(("ramp", "said"), [
+    (["--ramp-steps", "20", "--to", "100"], None),  # suggested 1.3, where any rate above 0.70 diverges
+    (["--ramp-steps", "20", "--from", "1e-2", "--to", "100"],
+     r"error: the loss was lowest at step 11 of 14, at 1\.27\d*, before its average settled \(10 steps\): too few "
+     r"steps below that rate to find its slope; start lower \(--from\) or give more --ramp-steps\n"),
+    (["--nan"], r"error: the loss is not finite at the first step, before any update \(nan\): check the data and "
+                r"the model\n"),  # it said the loss diverged after 0 steps, and to start lower than 1e-07
+])
+def test_a_short_ramp_suggests_no_rate_that_diverges(ramp, said, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    recipe = textwrap.dedent(LEAST_SQUARES)
+    if ramp == ["--nan"]:
+        recipe, ramp = recipe.replace('loss.item(), step)', 'float("nan"), step)'), []
+    (tmp_path / "least_squares.py").write_text(recipe)
+    code = find_lr.main([str(tmp_path / "least_squares.py"), *ramp, "--plot", str(tmp_path / "lr.png")])
+    out, err = capsys.readouterr()
+    if said is None:
+        assert code == 0, err
+        rate = float(re.search(r"suggested: --lr ([\d.e-]+)", out)[1])
+        assert 0.05 < rate < 0.70  # it learns, and converges (see LEAST_SQUARES)
+    else:
+        assert code == 1 and re.fullmatch(said, err), err
+
+
+def test_a_loss_below_zero_gets_the_suggestion_its_shape_gets(tmp_path, capsys, monkeypatch):
+    """The same loss less 100 was said to diverge after 1 step: each fall read as a rise past 4x its lowest."""
+    monkeypatch.chdir(tmp_path)
+    rates = []
+    for name, shift in [("plain.py", ""), ("shifted.py", " - 100")]:
+        (tmp_path / name).write_text(textwrap.dedent(LEAST_SQUARES).replace("loss.item(), step)",
+                                                                          f"loss.item(){shift}, step)"))
+        assert find_lr.main([str(tmp_path / name), "--plot", str(tmp_path / f"{name}.png")]) == 0
+        rates.append(re.search(r"suggested: --lr ([\d.e-]+)", capsys.readouterr().out)[1])
+    assert rates[0] == rates[1]
+
+
 def test_a_recipe_counting_steps_from_0_ran_every_step_and_one_without_lr_is_refused(tmp_path, capsys,
                                                                                      monkeypatch):
     """Steps logged from 0 ran all 100 steps, which the largest step (99) took for an early stop; a recipe whose
@@ -339,6 +384,9 @@ def test_sigterm_is_one_line_and_leaves_no_temporary_folder(tmp_path):
     deadline = time.monotonic() + 120
     while not list(tmp.glob("find_lr.*/run/events.out.tfevents.*")) and time.monotonic() < deadline:
         time.sleep(0.2)  # until the recipe trains
+    if not list(tmp.glob("find_lr.*/run/events.out.tfevents.*")):
+        proc.kill()
+        pytest.fail("the run never started: the signal would test nothing")
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=120)
     assert (proc.returncode, err) == (130, "error: interrupted; nothing written\n")
