@@ -8,7 +8,8 @@ After a warm-up (caches filled, a compiled model compiled), N steps run under ``
 any other step does. Then the trace goes into the run directory (``*.pt.trace.json``: TensorBoard's profiler
 plugin reads it there, Perfetto and chrome://tracing open it), and a table is printed: per step, milliseconds
 waiting for data, in the forward pass, in the backward pass (with gradient clipping and unscaling), in the
-optimizer, and the rest (Python, logging, host syncs), then the operators that took the most time themselves;
+optimizer, and the rest (Python, logging, host syncs), then the operators that took the most time themselves
+in those steps (an evaluation, a sample of text or a checkpoint that falls in one is left out);
 the same figures go into profile.json beside the trace.
 """
 
@@ -78,14 +79,27 @@ class StepProfiler:
                  "  " + "  ".join(f"{phase:>9}" for phase in PHASES) + f"  {'total':>9}",
                  "  " + "  ".join(f"{ms:9.2f}" for ms in medians.values()) + f"  {sum(medians.values()):9.2f}",
                  f"top operators by self {'GPU ' if self.on_gpu else ''}time:"]
-        top = sorted(profiler.key_averages(), key=lambda e: getattr(e, clock), reverse=True)[:8]
-        operators = {e.key: getattr(e, clock) / 1000 / len(steps) for e in top}
+        totals = {}
+        for event in (e for step in steps for e in training_events(step)):
+            totals[event.key] = totals.get(event.key, 0.0) + getattr(event, clock)
+        top = sorted(totals.items(), key=lambda item: item[1], reverse=True)[:8]
+        operators = {name: us / 1000 / len(steps) for name, us in top}
         lines += [f"  {name[:60]:60} {ms:8.2f} ms per step" for name, ms in operators.items()]
         print("\n".join(lines), flush=True)
         write_json(self.run_dir / "profile.json", {"steps": len(steps), "ms_per_step": medians, "operators": operators})
 
 
 NOT_TRAINING = ("evaluate", "checkpoint")  # record_function names of what may fall in a step and is left out of it
+
+
+def training_events(step):
+    """Every event inside a profiled step but an evaluation's or a checkpoint's (the operators' table ranked them
+    with the training's, and the step markers themselves)."""
+    below = [e for e in step.cpu_children if e.name not in NOT_TRAINING]
+    while below:
+        event = below.pop()
+        yield event
+        below += event.cpu_children
 
 
 def phases(step) -> dict[str, float]:

@@ -140,9 +140,9 @@ class ShardedCheckpointer:
 
     def __init__(self, run: RunFolder, recipe: str, config: dict, *, best: BestScore, **state):
         self.files = Checkpointer(run, recipe, config, **state)
-        self.dcp_dir, self.best = self.files.folder / "dcp", best
-        self.last_good, self.last_step = run.resume_from, None
+        self.dcp_dir, self.best, self.last_good, self.last_step = self.files.folder / "dcp", best, run.resume_from, None
 
+    @torch.profiler.record_function("checkpoint")  # --profile leaves it out of the step it falls in
     def save(self, step: int, name: str = "last.pt") -> None:
         """Write checkpoints/dcp/step-N (every rank its shards) and make it current once complete. best.pt and
         last.pt of one step are one folder, written once."""

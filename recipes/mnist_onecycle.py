@@ -156,6 +156,7 @@ def augment_digits(images: torch.Tensor, generator: torch.Generator, max_shift: 
 
 
 @torch.no_grad()
+@torch.profiler.record_function("evaluate")  # --profile leaves it out of the step it falls in
 def misclassified_grid(model: nn.Module, val_set: TensorDataset, device: torch.device, limit: int = 64):
     """An image grid of up to ``limit`` validation digits the model gets wrong, for TensorBoard."""
     was_training = model.training

@@ -436,6 +436,7 @@ def prompt_tokens(prompt: str, vocab: str | object | None) -> torch.Tensor:
     return ids if len(ids) else torch.zeros(1, dtype=torch.long)
 
 
+@torch.profiler.record_function("evaluate")  # after an evaluation: --profile leaves it out of the step it falls in
 def sample_text(model: GPT, vocab: str | object | None, prompt: str, tokens: int, temperature: float, top_k: int | None,
                 seed: int, device: torch.device, use_cache: bool = True) -> str:
     model = unwrap(model)  # generation changes the sequence length every token: no compiled graph for it

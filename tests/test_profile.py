@@ -83,11 +83,16 @@ def test_on_a_gpu_operators_are_ranked_by_their_kernels_time(tmp_path, capsys):
 
     from common.profile import StepProfiler
 
-    step = SimpleNamespace(name="ProfilerStep#3", cpu_parent=None, cpu_children=[],
-                           time_range=SimpleNamespace(start=0, end=4000))
-    operators = [SimpleNamespace(key="aten::launch_heavy", self_cpu_time_total=3000.0, self_device_time_total=10.0),
-                 SimpleNamespace(key="aten::mm", self_cpu_time_total=20.0, self_device_time_total=2000.0)]
-    trace = SimpleNamespace(events=lambda: [step], key_averages=lambda: operators,
+    def event(name, cpu_us, gpu_us, *children):
+        return SimpleNamespace(name=name, key=name, self_cpu_time_total=cpu_us, self_device_time_total=gpu_us,
+                               cpu_children=list(children), time_range=SimpleNamespace(start=0, end=1000))
+
+    # an evaluation that fell in the step: its operators are none of the training's (they topped the table)
+    evaluation = event("evaluate", 1.0, 0.0, event("aten::gelu", 9000.0, 9000.0))
+    step = SimpleNamespace(name="ProfilerStep#3", cpu_parent=None, time_range=SimpleNamespace(start=0, end=4000),
+                           cpu_children=[event("aten::launch_heavy", 3000.0, 10.0),
+                                         event("aten::linear", 5.0, 0.0, event("aten::mm", 20.0, 2000.0)), evaluation])
+    trace = SimpleNamespace(events=lambda: [step],
                             export_chrome_trace=lambda path, **kwargs: Path(path).write_text("{}"))
     profiler = StepProfiler(tmp_path, None, torch.device("cpu"))
     profiler.profiler, profiler.on_gpu = trace, True  # as if profiling a CUDA run (none here)
@@ -96,7 +101,8 @@ def test_on_a_gpu_operators_are_ranked_by_their_kernels_time(tmp_path, capsys):
     assert "top operators by self GPU time:" in out and out.index("aten::mm") < out.index("aten::launch_heavy")
     assert "(the CPU's time: the GPU runs behind it)" in out
     assert json.loads((tmp_path / "profile.json").read_text())["operators"] == {"aten::mm": 2.0,
-                                                                                "aten::launch_heavy": 0.01}
+                                                                                "aten::launch_heavy": 0.01,
+                                                                                "aten::linear": 0.0}
 
 
 def step_of(*events: tuple[str, float, float], end: float):
@@ -125,3 +131,20 @@ def test_an_evaluation_or_a_save_in_a_profiled_step_is_left_out_of_it():
     step = step_of(("evaluate", 0, 10), ("checkpoint", 10, 12), ("enumerate(DataLoader)#next", 12, 13),
                    ("aten::mm", 13, 14), ("autograd::engine::run", 14, 16), ("Optimizer.step#SGD.step", 16, 17), end=18)
     assert phases(step) == {"data": 1, "forward": 1, "backward": 2, "optimizer": 1, "rest": 1}
+
+
+def test_what_follows_an_evaluation_is_marked_as_such_for_a_profiled_step():
+    """tiny_transformer's text sample and mnist_onecycle's grid of misclassified digits follow an evaluation,
+    which falls in the next profiled step: a 600-token sample made its forward 6 s a step, its gelu the top
+    operator. Marked "evaluate", they are left out as the evaluation is."""
+    import torch
+    from conftest import load_recipe
+
+    tt, mnist = load_recipe("tiny_transformer"), load_recipe("mnist_onecycle")
+    gpt = tt.GPT(tt.GPTConfig(vocab_size=50, block_size=8, n_layer=1, n_head=2, n_embd=16))
+    cnn, digits = mnist.DigitNet(8), torch.utils.data.TensorDataset(torch.randn(8, 1, 28, 28), torch.zeros(8).long())
+    with torch.profiler.profile() as trace:
+        tt.sample_text(gpt, "".join(chr(65 + i) for i in range(50)), "AB", 3, 1.0, None, 0, torch.device("cpu"))
+        mnist.misclassified_grid(cnn, digits, torch.device("cpu"))
+    outermost = [e.name for e in trace.events() if e.cpu_parent is None]
+    assert outermost == ["evaluate", "evaluate"]
