@@ -49,6 +49,21 @@ def test_the_average_warms_up_so_a_short_run_does_not_keep_its_untrained_start()
     assert ema.module.weight.item() < 1.0 and not ema.module.weight.requires_grad
 
 
+def test_batch_norms_running_statistics_are_averaged_and_its_counter_copied():
+    """The average's batch norm must follow the model's running statistics (the keys alone were checked: an EMA
+    of the parameters only, its statistics left at their start, passed)."""
+    model = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2))
+    with torch.no_grad():
+        model[0].weight.copy_(torch.eye(2)), model[0].bias.zero_()  # the batch reaches the norm as it is
+    ema = EMA(model, decay=0.99)
+    model(torch.tensor([[1.0, 3.0], [3.0, 5.0]]))  # a training batch: running mean 0.1 x (2, 4), from 0
+    ema.update()
+    norm = ema.module[1]
+    assert norm.running_mean.tolist() == pytest.approx([(1 - 2 / 11) * 0.2, (1 - 2 / 11) * 0.4])
+    assert norm.running_var.tolist() == pytest.approx([2 / 11 + (1 - 2 / 11) * 1.1] * 2)  # 0.9 + 0.1 x 2
+    assert norm.num_batches_tracked.item() == 1  # an integer buffer: copied, not averaged
+
+
 def test_a_resumed_ema_continues_exactly(run_inprocess, mnist_dir, tmp_path):
     common = [*MNIST, "--data-dir", mnist_dir, "--ema", 0.9]
     assert run_inprocess("mnist_onecycle", *common, "--run-dir", tmp_path / "full").code == 0
@@ -60,6 +75,19 @@ def test_a_resumed_ema_continues_exactly(run_inprocess, mnist_dir, tmp_path):
     assert_same_weights(full["ema"]["module"], cut["ema"]["module"])  # the average...
     assert full["ema"]["updates"] == cut["ema"]["updates"] == 42  # ...and how many steps it holds
     assert_same_weights(full["model"], cut["model"])
+
+
+def test_keep_best_of_a_score_lower_is_better_keeps_the_lowest():
+    """No test ran --keep-best on a regression: an order always descending kept the worst RMSEs."""
+    from common.best import BestCheckpoints, BestScore, Kept
+
+    best = BestScore("val_rmse", higher_is_better=False)
+    kept = BestCheckpoints(2, best)
+    decisions = [kept.update(rmse, step) for rmse, step in [(1.5, 7), (1.2, 14), (1.3, 21), (1.4, 28), (1.1, 35)]]
+    assert decisions == [(True, []), (True, []), (True, [7]), (False, [28]), (True, [21])]
+    assert kept.kept == [Kept(1.1, 35), Kept(1.2, 14)]
+    assert [best.improved(rmse, step) for rmse, step in [(1.5, 7), (1.2, 14), (1.3, 21)]] == [True, True, False]
+    assert best.metrics() == {"best_val_rmse": 1.2, "best_step": 14}
 
 
 def test_keep_best_keeps_the_k_best_and_survives_a_resume(run_inprocess, table_csv, tmp_path, monkeypatch):
