@@ -5,6 +5,7 @@
     if stop.requested:
         checkpoints.save(step)           # the run's state at this step
         stop.exit(step, run.path)        # says how to resume, exits 130 (Ctrl-C) or 143 (SIGTERM)
+    stop.loop_ended(step, run.path)      # after the loop: a signal in the test evaluation exits at once
 """
 
 import os
@@ -27,6 +28,7 @@ class StopRequest:
         earlier = getattr(signal.getsignal(signal.SIGTERM), "__self__", None)
         self.signal: int | None = earlier.signal if isinstance(earlier, StopRequest) else None
         self.previous = {s: signal.signal(s, self.handle) for s in (signal.SIGINT, signal.SIGTERM)}
+        self.ended_at: tuple[int, Path | None] | None = None  # (step, run_dir) once the loop is over
         on_exit(self.restore)
 
     @property
@@ -42,6 +44,12 @@ class StopRequest:
                   "with another --run-dir", flush=True)
         sys.exit(128 + (self.signal or signal.SIGTERM))  # a rank not signalled itself: as if SIGTERMed
 
+    def loop_ended(self, step: int, run_dir: Path | None) -> None:
+        """The training loop is over and its last step saved: a signal from here on (in a test evaluation, say)
+        exits at once, as ``exit`` does (it said it would save after a step that never came, and the run exited 0).
+        Resumed, such a run finishes: a checkpoint at the end without metrics.json is a run killed as it finished."""
+        self.ended_at = (step, run_dir)
+
     def handle(self, signum, frame) -> None:
         torchrun = "TORCHELASTIC_RUN_ID" in os.environ
         if self.requested:
@@ -49,6 +57,8 @@ class StopRequest:
                 sys.exit(128 + signum)
             return
         self.signal = signum
+        if self.ended_at is not None:  # nothing left to save: the loop's last checkpoint is the run's
+            self.exit(*self.ended_at)
         name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
         if launched_as_rank_0():
             print(f"{name}: saving a checkpoint after this step" + ("" if torchrun else

@@ -178,6 +178,7 @@ def train(epochs: int, max_steps: int | None, batch_size: int, lr: float, sample
         checkpoints.save(step)
         if stop.requested:
             stop.exit(step, resume_dir)
+    stop.loop_ended(step, resume_dir)  # from here a signal exits at once: the run's last step is saved
 
     metrics = timing(step_seconds, compiled=compile) | ({"first_eval_s": eval_seconds[0]} if eval_seconds else {})
     if step_seconds:  # none when resumed at the last step, only to finish

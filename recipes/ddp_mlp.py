@@ -263,6 +263,7 @@ def main(
         from_rank_0(partial(checkpoints.save, step))
         if stop_agreed(stop, device):
             stop.exit(step, run.path)
+    stop.loop_ended(step, run.path)  # from here a signal exits at once: the run's last step is saved
 
     # The test set, once, with the weights that best.pt holds: the model a user deploys is the one scored.
     best_path = run.path / "checkpoints" / "best.pt"

@@ -160,6 +160,7 @@ def train(epochs: int, max_steps: int | None, batch_size: int, lr: float, sample
         checkpoints.save(step)
         if stop.requested:
             stop.exit(step, resume_dir)
+    stop.loop_ended(step, resume_dir)  # from here a signal exits at once: the run's last step is saved
     summary = log.finish(step, best.metrics() | ({"scale": scaler.get_scale()} if scaler.is_enabled() else {}))
     return summary | {"losses": torch.stack(losses).tolist() if losses else []}
 

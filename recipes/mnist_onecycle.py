@@ -534,6 +534,7 @@ def main(
         checkpoints.save(step)
         if stop.requested:
             stop.exit(step, run.path)
+    stop.loop_ended(step, run.path)  # from here a signal exits at once: the run's last step is saved
 
     # The test set, once, with the weights that best.pt holds: the model a user deploys is the one scored.
     best_path = run.path / "checkpoints" / "best.pt"

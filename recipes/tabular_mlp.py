@@ -1061,6 +1061,7 @@ def train(csv_path: Path | None, target: str, task: str, drop: list[str] | None,
             break
         if stop.requested:
             stop.exit(step, resume_dir)
+    stop.loop_ended(step, resume_dir)  # from here a signal exits at once: the run's last step is saved
 
     # The test set, once, with the weights that best.pt holds: the model a user deploys is the one scored.
     test = {}

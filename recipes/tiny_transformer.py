@@ -925,6 +925,7 @@ def main(
         elif checkpoint_every and step % checkpoint_every == 0:  # or every --checkpoint-every steps
             save()
 
+    stop.loop_ended(step, run.path)  # from here a signal exits at once: the run's last step is saved
     if sharded:
         checkpoints.finish()  # last.pt and best.pt as single files too, for one process (sampling, export)
     mfu = flops_per_token * log.throughput / (peak_flops * world_size)

@@ -158,6 +158,35 @@ def test_ctrl_c_or_sigterm_saves_prints_how_to_resume_and_exits(recipe, signum, 
                         load_weights(run_dir / "checkpoints" / "last.pt"))
 
 
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_sigterm_after_the_training_loop_exits_143_and_the_resume_finishes(recipe, run_inprocess, request, tmp_path,
+                                                                          monkeypatch):
+    """A SIGTERM in the test evaluation or as the run finishes printed "saving a checkpoint after this step",
+    saved nothing more and exited 0, as if done. Now: 143 at once, the command that resumes, which finishes."""
+    from common.runlog import RunLog
+
+    finish = RunLog.finish
+
+    def sigterm_then_finish(log, *args, **kwargs):
+        signal.raise_signal(signal.SIGTERM)  # as a scheduler's, once the loop is over
+        return finish(log, *args, **kwargs)
+
+    args = [*smoke_args(recipe, request), "--run-dir", tmp_path / "run"]
+    with monkeypatch.context() as patched:
+        patched.setattr(RunLog, "finish", sigterm_then_finish)
+        stopped = run_inprocess(recipe, *args)
+    assert stopped.code == 143, stopped.stderr
+    lines = stopped.stdout.strip().splitlines()
+    assert lines[-2].startswith("interrupted at step ") and lines[-2].endswith("; checkpoint saved. Resume with:")
+    assert "saving a checkpoint after this step" not in stopped.stdout
+    assert lines[-1].endswith(f"--resume auto --run-dir {tmp_path / 'run'}")
+    assert not (tmp_path / "run" / "metrics.json").exists()
+    step = int(lines[-2].split("interrupted at step ")[1].split(";")[0])
+    resumed = run_inprocess(recipe, *args, "--resume", "auto")
+    assert resumed.code == 0, resumed.stderr
+    assert read_metrics(tmp_path / "run")["steps"] == step and resumed.done_line.startswith("done: ")
+
+
 def test_divergence_stops_with_the_step_and_keeps_the_last_good_checkpoint(run_inprocess, table_csv, tmp_path):
     result = run_inprocess("tabular_mlp", "--csv", table_csv, "--target", "label", "--optimizer", "sgd",
                            "--lr", 1e30, "--checkpoint-every", 1, "--batch-size", 16, "--run-dir", tmp_path)
