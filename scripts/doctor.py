@@ -265,16 +265,20 @@ def rule_rows(observed: Observed, config: dict, profile: dict, options: list[str
     on_cuda = config.get("device_used", "cpu").startswith("cuda")
     if on_cuda:
         per_step = observed.syncs_per_step
-        rows.append(("host-device syncs", f"{per_step:.1f} per step (torch.cuda.set_sync_debug_mode)",
-                     "ok" if per_step <= 1 else "each stalls the GPU: keep losses on the device, read them back "
-                                                "every few steps"))
+        if math.isnan(per_step):  # fewer than two steps started: no interval to count in
+            rows.append(("host-device syncs", "not measured: fewer than 2 steps ran", "n/a"))
+        else:
+            rows.append(("host-device syncs", f"{per_step:.1f} per step (torch.cuda.set_sync_debug_mode)",
+                         "ok" if per_step <= 1 else "each stalls the GPU: keep losses on the device, read them back "
+                                                    "every few steps"))
         rows.append(("cudnn.benchmark", str(observed.cudnn_benchmark),
                      "ok" if observed.cudnn_benchmark or not any(k.startswith("Conv") for k in observed.matrices) else
                      "fixed-size convolutions run faster with torch.backends.cudnn.benchmark = True"))
         if config.get("precision") == "fp32":
+            tf32 = observed.matmul_precision != "highest"  # "high" or "medium": TF32 (or bf16) matmuls already
             rows.append(("TF32 matmuls", f"float32 matmul precision {observed.matmul_precision!r}",
-                         "fp32 as asked; from compute capability 8.0 (Ampere), --precision bf16 (or TF32) is several "
-                         "times faster"))
+                         "ok: TF32 is on" if tf32 else "fp32 as asked; from compute capability 8.0 (Ampere), "
+                         "--precision bf16 (or TF32) is several times faster"))
     else:
         rows.append(("host-device syncs", "not measured: a CPU has no asynchronous queue to stall",
                      "n/a on cpu"))

@@ -215,6 +215,32 @@ def test_what_a_config_file_replays_is_not_tried_again():
     assert found == {}
 
 
+def test_bf16_is_tried_where_the_cpu_multiplies_it_natively_and_said_why_not_elsewhere(monkeypatch):
+    """The README's first alternative: no test reached it (an inverted check passed)."""
+    from common import runtime
+
+    known, fp32 = {"--precision"}, {"device_used": "cpu", "precision": "fp32"}
+    monkeypatch.setattr(runtime, "cpu_flags", lambda: {"avx2", "avx512f", "avx512_bf16"})
+    assert doctor.alternatives(known, [], fp32, ["bf16"]) == ({"--precision bf16": (["--precision", "bf16"], False)},
+                                                              [])
+    assert doctor.alternatives(known, [], fp32 | {"precision": "bf16"}, ["bf16"]) == ({}, [])  # bf16 already
+    monkeypatch.setattr(runtime, "cpu_flags", lambda: {"avx2", "avx512f"})
+    assert doctor.alternatives(known, [], fp32, ["bf16"]) == ({}, [("--precision bf16", "not measured", "no native "
+                                                                    "bf16 matmul on this cpu: emulated, it would be "
+                                                                    "slower")])
+
+
+def test_on_cuda_tf32_on_is_ok_and_too_few_steps_count_no_syncs():
+    """TF32 was advised with the matmul precision already "high"; one step read as "nan per step", a stall."""
+    cuda = {"device_used": "cuda:0", "precision": "fp32"}
+    assert verdicts(doctor.rule_rows(doctor.Observed(matmul_precision="high"), cuda, {}, []))["TF32 matmuls"] == \
+        "ok: TF32 is on"
+    assert verdicts(doctor.rule_rows(doctor.Observed(), cuda, {}, []))["TF32 matmuls"].startswith("fp32 as asked")
+    assert verdicts(doctor.rule_rows(doctor.Observed(syncs_by_step=[3]), cuda, {}, []))["host-device syncs"] == "n/a"
+    assert verdicts(doctor.rule_rows(doctor.Observed(syncs_by_step=[3, 5, 7]), cuda, {}, []))[
+        "host-device syncs"].startswith("each stalls the GPU")
+
+
 def test_cudnn_benchmark_is_asked_of_every_convolution_model_on_cuda():
     """It was passed for a model whose convolutions were all channels_last, whatever the flag."""
     cuda = {"device_used": "cuda:0", "precision": "bf16"}
