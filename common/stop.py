@@ -47,8 +47,11 @@ class StopRequest:
     def loop_ended(self, step: int, run_dir: Path | None) -> None:
         """The training loop is over and its last step saved: a signal from here on (in a test evaluation, say)
         exits at once, as ``exit`` does (it said it would save after a step that never came, and the run exited 0).
-        Resumed, such a run finishes: a checkpoint at the end without metrics.json is a run killed as it finished."""
+        Resumed, such a run finishes: a checkpoint at the end without metrics.json is a run killed as it finished.
+        A signal already heard (in the step an early stop ended the loop at, say) exits now."""
         self.ended_at = (step, run_dir)
+        if self.requested:
+            self.exit(step, run_dir)
 
     def handle(self, signum, frame) -> None:
         torchrun = "TORCHELASTIC_RUN_ID" in os.environ

@@ -11,12 +11,12 @@ pre-hook: no recipe knows it is being measured). Each step's training loss, whic
 logs to TensorBoard anyway, is smoothed by an exponential moving average (beta 0.98, bias-corrected: the
 first steps are not pulled towards 0); the curve is cut where the smoothed loss passes 4x its lowest (a loss below
 0: rises by 3x its size; the recipe runs every step unless it diverges). The suggestion is the rate where the
-smoothed loss falls fastest (its steepest descent against log rate), below the rate of the lowest loss itself:
-high enough to learn fast, below where the loss turns up; none if it never falls below its first steps' mean by
-more than their noise. The average lags the loss by about 50 steps,
-which moves the steepest point to higher rates: the rule is tuned at the default 100 steps, and a longer ramp
-suggests lower rates (on the tests' least-squares problem: 0.14 at 100 steps, 0.037 at 300). A recipe with a
-one-cycle schedule is given it as ``--max-lr``, the others as ``--lr``.
+smoothed loss falls fastest (its steepest descent against log rate), below the rate where the loss itself
+bottoms out: high enough to learn fast, below where the loss turns up; none if it never falls below its first
+steps' mean by more than their noise. The average lags the loss by about 50 steps, which moves the steepest
+point to higher rates: the rule is tuned at the default 100 steps, and a longer ramp suggests lower rates (on
+the tests' least-squares problem: 0.14 at 100 steps, 0.037 at 300). A recipe with a one-cycle schedule is given
+it as ``--max-lr``, the others as ``--lr``.
 
 Writes a PNG of loss against rate (``--plot``, default lr_find.png) and prints the suggested option and the
 command line to train with it. Your run directories are untouched: the test's own is removed afterwards.
@@ -127,17 +127,24 @@ SETTLING = 10  # points the smoothed loss needs before its slope means anything
 MIN_FALL = 1e-3  # a smaller fall, relative to where the smoothed loss settled, is rounding, not learning
 
 
-def steepest(smooth: list[float], losses: list[float] | None = None, skip_start: int = SETTLING) -> int | None:
+def trend_bottom(losses: list[float]) -> int:
+    """Where the loss itself bottoms out: the step whose 5 losses around it have the lowest median (no lag, unlike
+    an average; one lucky batch does not move it as it moves the lowest loss). The last index if too few."""
+    medians = [statistics.median(losses[i - 2 : i + 3]) for i in range(2, len(losses) - 2)]
+    return 2 + medians.index(min(medians)) if medians else len(losses) - 1
+
+
+def steepest(smooth: list[float], bottom: int | None = None, skip_start: int = SETTLING) -> int | None:
     """The index where the smoothed loss falls fastest per step of log rate (the rates are log-spaced, so per
     index), leaving out the first ``skip_start`` points (the average is still settling) and everything from its
     lowest point on: past it the loss is diverging, and a dip between two spikes there is no place to train. Nor
-    from the lowest of the ``losses`` themselves on: the average lags them by about 50 steps, so on a short ramp
-    its steepest fall comes where the loss itself already turns up (a rate that diverges)."""
+    past ``bottom``, where the loss itself bottoms out (``trend_bottom``): the average lags the loss by about 50
+    steps, so on a short ramp its steepest fall comes where the loss already turns up (a rate that diverges)."""
     if len(smooth) < skip_start + 3:
         return None
     end = min(len(smooth) - 1, smooth.index(min(smooth[skip_start:]), skip_start) + 1)
-    if losses is not None:
-        end = min(end, losses.index(min(losses)))
+    if bottom is not None:
+        end = min(end, bottom + 1)
     if end <= skip_start:
         return None
     slopes = [(smooth[i + 1] - smooth[i - 1]) / 2 for i in range(skip_start, end)]
@@ -392,16 +399,17 @@ def main(argv: list[str] | None = None) -> int:
                               "the data and the model")
         kept = until_divergence(smooth)
         rates, losses, smooth = rates[:kept], losses[:kept], smooth[:kept]
-        best = steepest(smooth, losses)
-        if best is not None and not fell(losses, smooth):  # its steepest stretch is noise at rates too low to learn
+        bottom = trend_bottom(losses) if losses else 0
+        best = steepest(smooth, bottom)
+        # its steepest stretch before the bottom is noise at rates too low to learn, unless the loss fell there
+        if best is not None and not fell(losses, smooth[: bottom + 1]):
             best = None
         if best is None and len(smooth) < SETTLING + 3:
             at = rates[-1] if rates else args.start
             raise FinderError(f"the loss diverged after {len(losses)} steps, at {at:g}: too few to find its slope; "
                               "start lower (--from) or give more --ramp-steps")
-        if best is None and losses.index(min(losses)) <= SETTLING:
-            lowest = losses.index(min(losses))
-            raise FinderError(f"the loss was lowest at step {lowest + 1} of {len(losses)}, at {rates[lowest]:g}, "
+        if best is None and bottom <= SETTLING and fell(losses, smooth):
+            raise FinderError(f"the loss bottomed out at step {bottom + 1} of {len(losses)}, at {rates[bottom]:g}, "
                               f"before its average settled ({SETTLING} steps): too few steps below that rate to "
                               "find its slope; start lower (--from) or give more --ramp-steps")
         if best is None:

@@ -75,12 +75,13 @@ def test_the_pieces_of_the_range_test():
     # a loss below 0 (a negative log-likelihood): each step below its lowest read as 4x it, so as diverging
     assert find_lr.until_divergence([-1.0, -1.1, -1.2, -1.3]) == 4
     assert find_lr.until_divergence([-1.0, -2.0, -1.5, 4.1]) == 3  # 4.1 > -2.0 + 3 x 2.0
-    # the losses themselves lowest at index 13: their average, lagging, falls fastest after it (the loss diverges
+    # the loss itself bottoming out at index 13: its average, lagging, falls fastest after it (the loss diverges
     # there); the suggestion is taken before it
+    assert find_lr.trend_bottom([10.0] * 12 + [5.0, 2.0, 1.0, 3.0, 60.0, 90.0, 99.0]) == 13  # medians 5, 3, 3, 3
+    assert find_lr.trend_bottom([10.0] * 12 + [1.0] + [10.0] * 5 + [2.0] * 6) == 18  # one lucky batch is no bottom
     lagging = [10.0] * 12 + [9.5, 9.0, 8.0, 6.0, 5.9, 5.8]
-    raw = [10.0] * 12 + [8.0, 2.0, 9.0, 30.0, 60.0, 90.0]
-    assert find_lr.steepest(lagging) == 14 and find_lr.steepest(lagging, raw) == 12
-    assert find_lr.steepest(lagging, [10.0] * 10 + [1.0] + [9.0] * 7) is None  # lowest before the average settled
+    assert find_lr.steepest(lagging) == 14 and find_lr.steepest(lagging, 13) == 13  # at most the bottom
+    assert find_lr.steepest(lagging, 12) == 12 and find_lr.steepest(lagging, 9) is None  # before it settled
 
 
 TWO_GROUPS = LEAST_SQUARES.replace(
@@ -249,7 +250,7 @@ def test_a_loss_that_diverges_before_the_smoothing_settles_says_so(tmp_path, cap
 @pytest.mark.parametrize(("ramp", "said"), [
     (["--ramp-steps", "20", "--to", "100"], None),  # suggested 1.3, where any rate above 0.70 diverges
     (["--ramp-steps", "20", "--from", "1e-2", "--to", "100"],
-     r"error: the loss was lowest at step 11 of 14, at 1\.27\d*, before its average settled \(10 steps\): too few "
+     r"error: the loss bottomed out at step 10 of 14, at 0\.78\d*, before its average settled \(10 steps\): too few "
      r"steps below that rate to find its slope; start lower \(--from\) or give more --ramp-steps\n"),
     (["--nan"], r"error: the loss is not finite at the first step, before any update \(nan\): check the data and "
                 r"the model\n"),  # it said the loss diverged after 0 steps, and to start lower than 1e-07
