@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 import torch
+from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, schedule, tensorboard_trace_handler
 
 from common.cli import on_exit
@@ -59,10 +60,12 @@ class StepProfiler:
         """The steps are done: the trace, and the table of phases and operators."""
         if self.profiler is None:  # the run ended first (see stop)
             return
-        steps = [e for e in profiler.events() if e.name.startswith("ProfilerStep") and e.cpu_parent is None]
+        outermost = [e for e in profiler.events() if e.cpu_parent is None]
+        steps = [e for e in outermost if e.name.startswith("ProfilerStep")]
+        roots = [e for e in outermost if not e.name.startswith("ProfilerStep") and e.device_type == DeviceType.CPU]
         self.table = {phase: [] for phase in PHASES}
         for step in steps:
-            for phase, ms in phases(step).items():
+            for phase, ms in phases(step, roots).items():
                 self.table[phase].append(ms)
         if not self.write:
             return
@@ -80,7 +83,7 @@ class StepProfiler:
                  "  " + "  ".join(f"{ms:9.2f}" for ms in medians.values()) + f"  {sum(medians.values()):9.2f}",
                  f"top operators by self {'GPU ' if self.on_gpu else ''}time:"]
         totals = {}
-        for event in (e for step in steps for e in training_events(step)):
+        for event in (e for step in steps for e in training_events(step, roots)):
             totals[event.key] = totals.get(event.key, 0.0) + getattr(event, clock)
         top = sorted(totals.items(), key=lambda item: item[1], reverse=True)[:8]
         operators = {name: us / 1000 / len(steps) for name, us in top}
@@ -92,25 +95,37 @@ class StepProfiler:
 NOT_TRAINING = ("evaluate", "checkpoint")  # record_function names of what may fall in a step and is left out of it
 
 
-def training_events(step):
+def elsewhere(step, roots: list) -> list:
+    """Of ``roots`` (every thread's outermost events), those of other threads that start in ``step``, outside an
+    evaluation or a checkpoint: on CUDA, autograd runs the backward pass on a thread of its own per device, whose
+    events are no step's children (the step's thread waits in ``backward()`` meanwhile)."""
+    left_out = [e.time_range for e in step.cpu_children if e.name in NOT_TRAINING]
+    return [e for e in roots if e.thread != step.thread and step.time_range.start <= e.time_range.start <
+            step.time_range.end and not any(r.start <= e.time_range.start < r.end for r in left_out)]
+
+
+def training_events(step, roots: list = ()):
     """Every event inside a profiled step but an evaluation's or a checkpoint's (the operators' table ranked them
-    with the training's, and the step markers themselves)."""
-    below = [e for e in step.cpu_children if e.name not in NOT_TRAINING]
+    with the training's, and the step markers themselves), the backward pass's on its own thread included."""
+    below = [e for e in step.cpu_children if e.name not in NOT_TRAINING] + elsewhere(step, roots)
     while below:
         event = below.pop()
         yield event
         below += event.cpu_children
 
 
-def phases(step) -> dict[str, float]:
+def phases(step, roots: list = ()) -> dict[str, float]:
     """One profiled step's milliseconds by phase, from the events directly inside it: the DataLoader's and the
     optimizer's own (named by torch), autograd's backward functions and what follows the last of them until the
     optimizer (clipping, unscaling), the other operators (the forward passes of every micro-batch, the losses), and
     the rest. An evaluation or a checkpoint that fell in the step (``record_function``'s "evaluate", "checkpoint")
-    is left out: the figures are a training step's."""
+    is left out: the figures are a training step's. Backward functions on autograd's own thread (CUDA) count in
+    their place in time, while the step's thread waits for them."""
     ms = dict.fromkeys(PHASES, 0.0)
     left_out = [e for e in step.cpu_children if e.name in NOT_TRAINING]  # by name: events define no equality
-    events = [e for e in step.cpu_children if e.name not in NOT_TRAINING]
+    events = sorted([e for e in step.cpu_children if e.name not in NOT_TRAINING] +
+                    [e for e in elsewhere(step, roots) if e.name.startswith("autograd::engine")],
+                    key=lambda e: e.time_range.start)
     backward = [i for i, e in enumerate(events) if e.name.startswith("autograd::engine")]
     optimizer = [i for i, e in enumerate(events) if e.name.startswith("Optimizer.") and backward and i > backward[-1]]
     after_backward = range(backward[-1] + 1, optimizer[0] if optimizer else len(events)) if backward else range(0)

@@ -317,6 +317,67 @@ def test_tabular_scale_is_judged_net_of_torchs_start_up(first_step_s, at_3m_s, p
     assert "net of torch's floor" in result["target"]
 
 
+def test_tabular_scale_pairs_each_run_with_its_rounds_floor_and_judges_the_median(monkeypatch, tmp_path):
+    """At 1M rows, nets of 2.9, 2.95 and 4.5 s (each run less the floor run beside it): met by the median, 2.95,
+    not by the mean, 3.45; pairing a run with another round's floor gives other nets (1.2 to 6.2)."""
+    from benchmarks.items import tabular_scale as item
+
+    floors = iter([2.6, 1.0, 2.6, 2.7, 2.7])  # 100k rows; 1M rows' 3 rounds; 3M rows
+    at_1m = iter([3.9, 5.55, 7.2])
+    monkeypatch.setattr(item, "adult_like_table", lambda path, rows: path.write_text("a\n1\n") and path)
+    monkeypatch.setattr(item, "first_step", lambda recipe, args, run_dir: {
+        "first_step_s": next(at_1m) if "table_1000000" in str(args[1]) else 4.0, "peak_rss_gb": 1.0,
+        "samples_per_s": 1.0})
+    monkeypatch.setattr(item, "torch_floor", lambda: {"seconds": next(floors), "peak_rss_gb": 0.4})
+    result = item.tabular_scale(False, tmp_path)
+    assert result["sizes"][1_000_000]["net_of_floor_s"] == pytest.approx({"median": 2.95, "min": 2.9, "max": 4.5})
+    assert result["met"] is True and "1M rows net of the floor: 2.9 s (2.9-4.5, 3 paired rounds)" in result["result"]
+
+
+def test_the_recipes_peak_memory_is_in_gb_and_unknown_without_proc(monkeypatch, tmp_path):
+    """Off Linux /proc has no VmHWM: the peak read 0 GB, which passed the 1.5 GB target unmeasured."""
+    import subprocess
+    from types import SimpleNamespace
+
+    from benchmarks.items import tabular_scale as item
+
+    class Recipe:  # the recipe's process: its first step's line and its done: line
+        def __init__(self, args, **kwargs):
+            self.pid, self.stdout = 1, iter(["epoch 1/1  step 1/5\n", "done: samples_per_s=100.0\n"])
+            self.stderr = SimpleNamespace(read=lambda: "")
+
+        def wait(self):
+            return 0
+
+    monkeypatch.setattr(subprocess, "Popen", Recipe)
+    for peak, shown in [(0, None), (2**30, 2**30 / 1e9)]:
+        monkeypatch.setattr(item, "high_water_mark", lambda pid, peak=peak: peak)
+        assert item.first_step(tmp_path / "r.py", [], tmp_path)["peak_rss_gb"] == shown
+
+
+def test_the_doctors_check_alternates_and_pairs_its_rounds(monkeypatch, tmp_path):
+    """Item 15 ran the options as given first in every round."""
+    import itertools
+
+    from benchmarks.items import doctor_check as item
+
+    said = {"options": ["--as-given"], "recommended": ["--as-given", "--faster"], "recommended_options": ["--faster"],
+            "measured_with": [], "window": 3, "speedups": {"recommended": [2.0]}}
+
+    def doctor(args):
+        (Path(args[args.index("--json") + 1])).write_text(json.dumps(said))
+        return 1.0, ""
+
+    order, speeds = [], {"--as-given": itertools.cycle([100.0, 50.0, 100.0]),
+                         "--faster": itertools.cycle([200.0, 100.0, 210.0])}  # round by round: 2.0, 2.0, 2.1, ...
+    monkeypatch.setattr(item, "run_command", doctor)
+    monkeypatch.setattr(item, "throughput", lambda recipe, options, steps, window, run_dir: order.append(
+        options[-1]) or next(speeds[options[-1]]))
+    result = item.doctor_check(False, None, None, tmp_path)
+    assert order[:6] == ["--as-given", "--faster", "--faster", "--as-given", "--as-given", "--faster"]
+    assert result["mixed_precision"]["again"] == pytest.approx({"median": 2.0, "min": 2.0, "max": 2.1})
+
+
 def test_tabular_scale_alternates_the_floor_and_the_recipe_round_by_round(monkeypatch, tmp_path):
     """The floor was a median of 3 runs made after every recipe run: the figure net of it mixed two moments'
     loads. Now each recipe run has its floor run beside it, the order alternating, each in a fresh run folder."""

@@ -148,3 +148,40 @@ def test_what_follows_an_evaluation_is_marked_as_such_for_a_profiled_step():
         mnist.misclassified_grid(cnn, digits, torch.device("cpu"))
     outermost = [e.name for e in trace.events() if e.cpu_parent is None]
     assert outermost == ["evaluate", "evaluate"]
+
+
+def test_a_sharded_save_is_marked_as_a_checkpoint_for_a_profiled_step():
+    """FSDP's checkpoints (DCP folders) fell in a profiled step unmarked, counted as its time."""
+    import torch
+
+    from common.sharded import ShardedCheckpointer
+
+    with torch.profiler.profile() as trace:
+        ShardedCheckpointer.save(SimpleNamespace(last_step=5), 5)  # this step is saved already: nothing written
+    assert [e.name for e in trace.events() if e.cpu_parent is None] == ["checkpoint"]
+
+
+def test_on_cuda_the_backward_pass_on_autograds_own_thread_counts_as_backward():
+    """CUDA's autograd runs backward functions on a thread of its own: they are no step's children, and the step
+    read as forward, a gap ("rest") and an optimizer; its operators' table had no backward operator."""
+    from common.profile import training_events
+
+    span = lambda start, stop: SimpleNamespace(start=start * 1000, end=stop * 1000)  # noqa: E731 (microseconds)
+
+    def event(name, start, stop, thread=1, children=()):
+        return SimpleNamespace(name=name, key=name, time_range=span(start, stop), thread=thread,
+                               cpu_children=list(children))
+
+    step = SimpleNamespace(thread=1, time_range=span(0, 12), cpu_children=[
+        event("enumerate(DataLoader)#next", 0, 1), event("aten::mm", 1, 3), event("aten::norm", 8, 9),  # clipping
+        event("Optimizer.step#AdamW.step", 9, 10), event("evaluate", 10, 12)])
+    roots = [event("autograd::engine::evaluate_function: MmBackward0", 3, 5, thread=2,
+                   children=[event("aten::mm", 3, 5, thread=2)]),
+             event("autograd::engine::evaluate_function: AddBackward0", 5, 8, thread=2),
+             event("autograd::engine::evaluate_function: MmBackward0", 10.5, 11, thread=2),  # the evaluation's
+             event("aten::copy_", 20, 21, thread=2)]  # after the step
+    assert phases(step, roots) == {"data": 1, "forward": 2, "backward": 6, "optimizer": 1, "rest": 0}
+    names = sorted(e.name for e in training_events(step, roots))
+    assert names == sorted(["enumerate(DataLoader)#next", "aten::mm", "aten::norm", "Optimizer.step#AdamW.step",
+                            "autograd::engine::evaluate_function: MmBackward0", "aten::mm",
+                            "autograd::engine::evaluate_function: AddBackward0"])
