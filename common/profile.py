@@ -100,8 +100,9 @@ def elsewhere(step, roots: list) -> list:
     evaluation or a checkpoint: on CUDA, autograd runs the backward pass on a thread of its own per device, whose
     events are no step's children (the step's thread waits in ``backward()`` meanwhile)."""
     left_out = [e.time_range for e in step.cpu_children if e.name in NOT_TRAINING]
-    return [e for e in roots if e.thread != step.thread and step.time_range.start <= e.time_range.start <
-            step.time_range.end and not any(r.start <= e.time_range.start < r.end for r in left_out)]
+    return [e for e in roots if e.thread != step.thread and not e.is_async and step.time_range.start <=
+            e.time_range.start < step.time_range.end and not any(r.start <= e.time_range.start < r.end
+                                                                for r in left_out)]
 
 
 def training_events(step, roots: list = ()):

@@ -11,7 +11,7 @@ pre-hook: no recipe knows it is being measured). Each step's training loss, whic
 logs to TensorBoard anyway, is smoothed by an exponential moving average (beta 0.98, bias-corrected: the
 first steps are not pulled towards 0); the curve is cut where the smoothed loss passes 4x its lowest (a loss below
 0: rises by 3x its size; the recipe runs every step unless it diverges). The suggestion is the rate where the
-smoothed loss falls fastest (its steepest descent against log rate), below the rate where the loss itself
+smoothed loss falls fastest (its steepest descent against log rate), at most the rate where the loss itself
 bottoms out: high enough to learn fast, below where the loss turns up; none if it never falls below its first
 steps' mean by more than their noise. The average lags the loss by about 50 steps, which moves the steepest
 point to higher rates: the rule is tuned at the default 100 steps, and a longer ramp suggests lower rates (on
@@ -408,10 +408,13 @@ def main(argv: list[str] | None = None) -> int:
             at = rates[-1] if rates else args.start
             raise FinderError(f"the loss diverged after {len(losses)} steps, at {at:g}: too few to find its slope; "
                               "start lower (--from) or give more --ramp-steps")
-        if best is None and bottom <= SETTLING and fell(losses, smooth):
+        # bottomed out early, judged on the losses themselves: their average lags, and its settled value has the
+        # fall in it already
+        start, low = statistics.median(losses[:5]), statistics.median(losses[max(0, bottom - 2) : bottom + 3])
+        if best is None and bottom <= SETTLING and start - low > MIN_FALL * abs(start):
             raise FinderError(f"the loss bottomed out at step {bottom + 1} of {len(losses)}, at {rates[bottom]:g}, "
-                              f"before its average settled ({SETTLING} steps): too few steps below that rate to "
-                              "find its slope; start lower (--from) or give more --ramp-steps")
+                              f"too soon: its average takes {SETTLING} steps to settle, too few below that rate "
+                              "to find its slope; start lower (--from) or give more --ramp-steps")
         if best is None:
             raise FinderError(f"the loss did not fall over {len(losses)} steps from {args.start:g} to "
                               f"{rates[-1] if rates else args.end:g}: try a wider range (--from, --to) or more "

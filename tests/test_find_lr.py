@@ -250,8 +250,8 @@ def test_a_loss_that_diverges_before_the_smoothing_settles_says_so(tmp_path, cap
 @pytest.mark.parametrize(("ramp", "said"), [
     (["--ramp-steps", "20", "--to", "100"], None),  # suggested 1.3, where any rate above 0.70 diverges
     (["--ramp-steps", "20", "--from", "1e-2", "--to", "100"],
-     r"error: the loss bottomed out at step 10 of 14, at 0\.78\d*, before its average settled \(10 steps\): too few "
-     r"steps below that rate to find its slope; start lower \(--from\) or give more --ramp-steps\n"),
+     r"error: the loss bottomed out at step 10 of 14, at 0\.78\d*, too soon: its average takes 10 steps to settle, "
+     r"too few below that rate to find its slope; start lower \(--from\) or give more --ramp-steps\n"),
     (["--nan"], r"error: the loss is not finite at the first step, before any update \(nan\): check the data and "
                 r"the model\n"),  # it said the loss diverged after 0 steps, and to start lower than 1e-07
 ])
@@ -269,6 +269,18 @@ def test_a_short_ramp_suggests_no_rate_that_diverges(ramp, said, tmp_path, capsy
         assert 0.05 < rate < 0.70  # it learns, and converges (see LEAST_SQUARES)
     else:
         assert code == 1 and re.fullmatch(said, err), err
+
+
+def test_a_loss_that_fell_hard_and_bottomed_out_early_is_told_to_start_lower(tmp_path, capsys, monkeypatch):
+    """Its average, settled after the fall, and the fall's large step-to-step changes (read as noise) said it
+    never fell, and the advice was a wider range."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "least_squares.py").write_text(textwrap.dedent(LEAST_SQUARES))
+    losses = [10.0, 8.0, 5.0, 3.0, 2.0, 1.5, 1.4, 1.5, 2.0, 3.0, 5.0, 8.0, 12.0, 20.0, 30.0, 45.0, 60.0]
+    monkeypatch.setattr(find_lr, "range_test", lambda recipe, options, rates, work: (
+        rates[: len(losses)], losses, "diverged"))
+    assert find_lr.main([str(tmp_path / "least_squares.py"), "--plot", str(tmp_path / "lr.png")]) == 1
+    assert capsys.readouterr().err.startswith("error: the loss bottomed out at step 6 of ")
 
 
 def test_a_loss_below_zero_gets_the_suggestion_its_shape_gets(tmp_path, capsys, monkeypatch):

@@ -161,16 +161,22 @@ def test_a_sharded_save_is_marked_as_a_checkpoint_for_a_profiled_step():
     assert [e.name for e in trace.events() if e.cpu_parent is None] == ["checkpoint"]
 
 
-def test_on_cuda_the_backward_pass_on_autograds_own_thread_counts_as_backward():
+def test_on_cuda_the_backward_pass_on_autograds_own_thread_counts_as_backward(tmp_path):
     """CUDA's autograd runs backward functions on a thread of its own: they are no step's children, and the step
     read as forward, a gap ("rest") and an optimizer; its operators' table had no backward operator."""
-    from common.profile import training_events
+    from pathlib import Path
+
+    import torch
+    from torch.autograd import DeviceType
+
+    from common.profile import StepProfiler, training_events
 
     span = lambda start, stop: SimpleNamespace(start=start * 1000, end=stop * 1000)  # noqa: E731 (microseconds)
 
-    def event(name, start, stop, thread=1, children=()):
-        return SimpleNamespace(name=name, key=name, time_range=span(start, stop), thread=thread,
-                               cpu_children=list(children))
+    def event(name, start, stop, thread=1, children=(), device="CPU"):
+        return SimpleNamespace(name=name, key=name, time_range=span(start, stop), thread=thread, is_async=False,
+                               cpu_children=list(children), cpu_parent=None, device_type=getattr(DeviceType, device),
+                               self_cpu_time_total=(stop - start) * 1000, self_device_time_total=0.0)
 
     step = SimpleNamespace(thread=1, time_range=span(0, 12), cpu_children=[
         event("enumerate(DataLoader)#next", 0, 1), event("aten::mm", 1, 3), event("aten::norm", 8, 9),  # clipping
@@ -181,6 +187,17 @@ def test_on_cuda_the_backward_pass_on_autograds_own_thread_counts_as_backward():
              event("autograd::engine::evaluate_function: MmBackward0", 10.5, 11, thread=2),  # the evaluation's
              event("aten::copy_", 20, 21, thread=2)]  # after the step
     assert phases(step, roots) == {"data": 1, "forward": 2, "backward": 6, "optimizer": 1, "rest": 0}
+    # as report() finds them among the trace's events: a kernel (outermost, on the GPU) is no CPU thread's
+    kernel = event("ampere_sgemm", 3, 5, thread=0, device="CUDA")
+    step.name, step.cpu_parent, step.is_async = "ProfilerStep#4", None, False
+    trace = SimpleNamespace(events=lambda: [step, *roots, kernel],
+                            export_chrome_trace=lambda path, **kwargs: Path(path).write_text("{}"))
+    profiler = StepProfiler(tmp_path, None, torch.device("cpu"))
+    profiler.profiler = trace
+    profiler.report(trace)
+    assert profiler.table == {"data": [1], "forward": [2], "backward": [6], "optimizer": [1], "rest": [0]}
+    operators = json.loads((tmp_path / "profile.json").read_text())["operators"]
+    assert "ampere_sgemm" not in operators and operators["autograd::engine::evaluate_function: AddBackward0"] == 3
     names = sorted(e.name for e in training_events(step, roots))
     assert names == sorted(["enumerate(DataLoader)#next", "aten::mm", "aten::norm", "Optimizer.step#AdamW.step",
                             "autograd::engine::evaluate_function: MmBackward0", "aten::mm",
