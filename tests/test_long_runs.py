@@ -181,8 +181,9 @@ def test_a_run_going_on_from_another_folders_early_stop_has_patience_of_its_own(
 
 def test_an_early_stop_holds_through_a_stop_signal_and_a_kill_after_its_checkpoint(run_inprocess, table_csv, tmp_path,
                                                                                   monkeypatch):
-    """SIGTERM during the evaluation that stops the run early: it finishes (it trained on, exit 143, before); killed
-    after that evaluation's checkpoint but before metrics.json: relaunched, it trains nothing more."""
+    """SIGTERM during the evaluation that stops the run early: it stops there (it trained on, before), exit 143, and
+    its resume finishes without training; killed after that evaluation's checkpoint but before metrics.json:
+    relaunched, it trains nothing more."""
     import os
     import signal
 
@@ -200,10 +201,15 @@ def test_an_early_stop_holds_through_a_stop_signal_and_a_kill_after_its_checkpoi
     run_dir = tmp_path / "run"
     args = patience_run(table_csv, run_dir)
     result = run_inprocess("tabular_mlp", *args)
-    assert result.code == 0, result.stderr
+    assert result.code == 143, result.stderr
     assert "stopping early: no better score in 3 evaluations (the best: step 14)" in result.stdout
-    assert (read_metrics(run_dir)["steps"], read_metrics(run_dir)["stopped_early"]) == (35, True)
+    assert "interrupted at step 35; checkpoint saved. Resume with:" in result.stdout
+    assert not (run_dir / "metrics.json").exists()
     trained = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)["model"]
+    resumed = run_inprocess("tabular_mlp", *args)  # (--resume auto)
+    assert resumed.code == 0, resumed.stderr
+    assert (read_metrics(run_dir)["steps"], read_metrics(run_dir)["stopped_early"]) == (35, True)
+    assert_same_weights(torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)["model"], trained)
 
     (run_dir / "metrics.json").unlink()  # as if killed between the early stop's checkpoint and the end of the run
     again = run_inprocess("tabular_mlp", *args)

@@ -187,30 +187,6 @@ def test_sigterm_after_the_training_loop_exits_143_and_the_resume_finishes(recip
     assert read_metrics(tmp_path / "run")["steps"] == step and resumed.done_line.startswith("done: ")
 
 
-def test_sigterm_in_the_step_an_early_stop_ends_the_loop_at_exits_143_too(run_inprocess, table_csv, tmp_path,
-                                                                           monkeypatch):
-    """The early stop breaks out of the loop before its stop check: the signal was heard, then the run finished
-    with exit 0 as if it had not come."""
-    from common.best import EarlyStopping
-
-    def sigterm_then_stop(patience, improved):
-        signal.raise_signal(signal.SIGTERM)
-        patience.since_best = patience.evaluations
-        return True
-
-    args = ["--csv", table_csv, "--target", "label", "--epochs", 5, "--batch-size", 32, "--patience", 1,
-            "--run-dir", tmp_path / "run"]
-    with monkeypatch.context() as patched:
-        patched.setattr(EarlyStopping, "exhausted", sigterm_then_stop)
-        stopped = run_inprocess("tabular_mlp", *args)
-    assert stopped.code == 143, stopped.stderr
-    assert stopped.stdout.strip().splitlines()[-2] == "interrupted at step 7; checkpoint saved. Resume with:"
-    assert not (tmp_path / "run" / "metrics.json").exists()
-    resumed = run_inprocess("tabular_mlp", *args, "--resume", "auto")  # finishes: the early stop stands
-    assert resumed.code == 0, resumed.stderr
-    assert read_metrics(tmp_path / "run")["stopped_early"] is True and read_metrics(tmp_path / "run")["steps"] == 7
-
-
 def test_divergence_stops_with_the_step_and_keeps_the_last_good_checkpoint(run_inprocess, table_csv, tmp_path):
     result = run_inprocess("tabular_mlp", "--csv", table_csv, "--target", "label", "--optimizer", "sgd",
                            "--lr", 1e30, "--checkpoint-every", 1, "--batch-size", 16, "--run-dir", tmp_path)

@@ -321,7 +321,8 @@ def test_folds_stratify_a_class_however_its_cells_spell_it():
 
 def test_a_signal_between_two_folds_stops_the_next_one_resumably(run_inprocess, table_csv, tmp_path, monkeypatch):
     """A SIGTERM after fold 0's loop (its test set, metrics, fold 1's set-up) was said to be heard, then fold 1
-    made a new stop request of its own and trained to the end: the job was killed after the scheduler's grace."""
+    made a new stop request of its own and trained to the end: the job was killed after the scheduler's grace.
+    Fold 0's loop is over and saved: the command exits at once, and its resume does fold 1."""
     import signal
 
     loads, load_tables = [], tabular.load_tables
@@ -335,8 +336,9 @@ def test_a_signal_between_two_folds_stops_the_next_one_resumably(run_inprocess, 
     monkeypatch.setattr(tabular, "load_tables", signalled_in_fold_1)
     args = ["--csv", table_csv, *COMMON, "--epochs", 2, "--cv", 2, "--run-dir", tmp_path / "cv"]
     result = run_inprocess(RECIPE, *args)
-    assert result.code == 143 and "interrupted at step 1; checkpoint saved" in result.stdout, result.stdout
-    assert torch.load(tmp_path / "cv" / "fold-1" / "checkpoints" / "last.pt", weights_only=True)["step"] == 1
+    assert result.code == 143 and "checkpoint saved. Resume with:" in result.stdout, result.stdout
+    assert result.stdout.strip().splitlines()[-1].endswith(f"--resume auto --run-dir {tmp_path / 'cv'}")
+    assert not (tmp_path / "cv" / "fold-1" / "checkpoints" / "last.pt").exists()  # fold 1 trained no step
     assert [(tmp_path / "cv" / f"fold-{k}" / "metrics.json").exists() for k in (0, 1)] == [True, False]
     monkeypatch.setattr(tabular, "load_tables", load_tables)
     resumed = run_inprocess(RECIPE, *args, "--resume", "auto")
