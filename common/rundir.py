@@ -74,15 +74,14 @@ def open_run_dir(recipe: str, run_dir: Path | None, resume: str | None,
     if held is None and foreign:
         raise RecipeError(f"{run_dir} holds a {' and a '.join(foreign)} that no {recipe} run wrote, which this run "
                           "would overwrite: choose another --run-dir")
-    own = None  # a single run's checkpoints, in checkpoints/: whole or not (best.pt first; shards alone)
+    own = None  # a single run's checkpoints, in checkpoints/: whole or not (best.pt alone; shards alone)
     if held is not None:
         own = next((run_dir / "checkpoints").rglob("*.pt"), held if held.suffix == ".distcp" else None)
     other = own if holds_runs else held if own is None else None  # the other kind of run's checkpoints
     best = next(run_dir.glob("checkpoints/best*.pt"), None) if last is None and not holds_runs else None
-    if resume is None and best is not None and resumable:  # killed before its first last.pt, or it was deleted
+    if resume in (None, "auto") and best is not None and resumable:  # last.pt deleted: a run writes it first
         raise RecipeError(f"{run_dir} holds checkpoints/{best.name} but no checkpoints/last.pt to continue from: a "
-                          "new run there, --resume auto's too, starts afresh over it; move it away, or choose another "
-                          "--run-dir")
+                          "new run there would start afresh over it; move it away, or choose another --run-dir")
     if resume is None and held is not None and (other is None or not resumable):
         how = "continue it with --resume auto, or choose" if resumable else "this command starts afresh: choose"
         raise RecipeError(f"{run_dir} already holds checkpoints; {how} another --run-dir")
@@ -98,9 +97,6 @@ def open_run_dir(recipe: str, run_dir: Path | None, resume: str | None,
     if last is None and not holds_runs and recorded_recipe(run_dir / "metrics.json") == recipe:
         raise RecipeError(f"{run_dir} holds a finished run (its metrics.json) but not its checkpoints/last.pt: nothing "
                           "to continue, and a new run there would overwrite its records; choose another --run-dir")
-    if resume == "auto" and best is not None and launched_as_rank_0():  # a restart (the same command) goes on
-        print(f"warning: {run_dir} holds checkpoints/{best.name} but no checkpoints/last.pt to continue from "
-              "(killed before its first?): starting afresh, over it", file=sys.stderr)
     created = created or [d for d in [run_dir, *run_dir.parents] if not d.exists()]  # runs/, runs/RECIPE/ if new
     try:
         run_dir.mkdir(parents=True, exist_ok=True)

@@ -144,6 +144,8 @@ def train(epochs: int, max_steps: int | None, batch_size: int, lr: float, sample
                                parts={"log": log, "best": best})
     step = checkpoints.restore(checkpoint) if checkpoint else 0
     log.start(step, config, device)
+    if checkpoint and best.step == step:  # killed between this step's last.pt and best.pt: write best.pt again
+        checkpoints.save(step, "best.pt")
     stop = StopRequest()  # Ctrl-C and SIGTERM: save and exit at the end of the step
     resume_dir = None if compare_compiled else run.path  # a --compare starts afresh: nothing to resume
     profiler = StepProfiler(run.path, profile, device)  # --profile N
@@ -173,9 +175,10 @@ def train(epochs: int, max_steps: int | None, batch_size: int, lr: float, sample
         val = evaluate(model, val_loader, loss_fn, device=device, precision=precision)
         eval_seconds.append(time.perf_counter() - started)
         log.eval(step, val=val, note="compiled" if compile else "eager")
-        if best.improved(val["loss"], step):
+        improved = best.improved(val["loss"], step)
+        checkpoints.save(step)  # first: it records this step as the best, and a resume there writes best.pt again
+        if improved:
             checkpoints.save(step, "best.pt")
-        checkpoints.save(step)
         if stop.requested:
             stop.exit(step, resume_dir)
     stop.loop_ended(step, resume_dir)  # from here a signal exits at once: the run's last step is saved

@@ -227,6 +227,8 @@ def main(
                                parts={"log": log, "best": best}, data_id=checksum(*train_set.tensors))
     step = checkpoints.restore(checkpoint) if checkpoint else 0
     log.start(step, config, device, world_size)
+    if checkpoint and best.step == step:  # killed between this step's last.pt and best.pt: write best.pt again
+        from_rank_0(partial(checkpoints.save, step, "best.pt"))
     log.print(f"{len(train_set)} train / {len(val_set)} validation digits from {data_dir.resolve()} | global "
               f"batch {batch_size * world_size} ({world_size} x {batch_size}) | model "
               f"{type(getattr(model, '_orig_mod', model)).__name__}")
@@ -258,9 +260,10 @@ def main(
         log.flush()  # the training steps' time ends here: evaluating is not training
         val = evaluate(model, val_loader, device, precision)  # every rank scores its shard; the sums are all-reduced
         log.eval(step, val=val)
-        if best.improved(val["acc"], step):  # every rank decides alike: the figures are the whole group's
+        improved = best.improved(val["acc"], step)  # every rank decides alike: the figures are the whole group's
+        from_rank_0(partial(checkpoints.save, step))  # first: it records this step as the best (see the resume)
+        if improved:
             from_rank_0(partial(checkpoints.save, step, "best.pt"))
-        from_rank_0(partial(checkpoints.save, step))
         if stop_agreed(stop, device):
             stop.exit(step, run.path)
     stop.loop_ended(step, run.path)  # from here a signal exits at once: the run's last step is saved

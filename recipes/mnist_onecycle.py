@@ -496,6 +496,8 @@ def main(
                                data_id=checksum(*train_set.tensors))  # a resume on other digits is refused
     step = checkpoints.restore(checkpoint) if checkpoint else 0
     log.start(step, config, device)
+    if checkpoint and best.step == step:  # killed between this step's last.pt and best.pt: write best.pt again
+        checkpoints.save(step, "best.pt", weights=ema.module if ema else None)
     log.print(f"{len(train_set)} train / {len(val_set)} validation / {len(test_set)} test digits from "
               f"{data_dir.resolve()}")
     if finetune:
@@ -529,9 +531,10 @@ def main(
         log.eval(step, val=val, **({"ema_val": ema_val} if ema else {}))
         if log.writer and (grid := misclassified_grid(ema.module if ema else model, val_set, device)) is not None:
             log.writer.add_image("val/misclassified", grid, step)
-        if best.improved((ema_val or val)["acc"], step):  # best.pt: the best validation accuracy
+        improved = best.improved((ema_val or val)["acc"], step)  # best.pt: the best validation accuracy
+        checkpoints.save(step)  # first: it records this step as the best, and a resume there writes best.pt again
+        if improved:
             checkpoints.save(step, "best.pt", weights=ema.module if ema else None)
-        checkpoints.save(step)
         if stop.requested:
             stop.exit(step, run.path)
     stop.loop_ended(step, run.path)  # from here a signal exits at once: the run's last step is saved

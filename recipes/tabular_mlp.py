@@ -1000,9 +1000,13 @@ def train(csv_path: Path | None, target: str, task: str, drop: list[str] | None,
                                data={"features": spec},  # and a resume on other rows is refused:
                                data_id=checksum(train_set.numeric, train_set.categorical, train_set.target))
     step = checkpoints.restore(checkpoint) if checkpoint else 0
+    log.start(step, config, device)
+    if checkpoint and best.step == step:  # killed between this step's last.pt and best.pt: write best.pt again
+        checkpoints.save(step, "best.pt")
+    if checkpoint and keep_best > 1 and any(k.step == step for k in kept.kept):  # and best-stepN.pt
+        checkpoints.save(step, f"best-step{step}.pt")
     if keep_best > 1:  # resumed with a larger --keep-best: evaluations of a smaller one have no file to keep
         kept.kept = [k for k in kept.kept if (run.path / "checkpoints" / f"best-step{k.step}.pt").is_file()]
-    log.start(step, config, device)
     kind = f"{len(spec['classes'])} classes" if classification else "regression"
     source = csv_path.resolve() if csv_path else (data_dir / "adult").resolve()
     log.print(f"{len(train_set)} train / {len(val_set)} val rows{f' (fold {fold} of {cv})' if cv else ''} of "
@@ -1047,15 +1051,15 @@ def train(csv_path: Path | None, target: str, task: str, drop: list[str] | None,
         log.eval(step, val=val)
         score = val["acc"] if classification else val["rmse"]
         improved = best.improved(score, step)
-        if improved:
-            checkpoints.save(step, "best.pt")
         keep, dropped = kept.update(score, step)
-        if keep_best > 1 and keep:  # --keep-best K: the K best as best-stepN.pt too
-            checkpoints.save(step, f"best-step{step}.pt")
         for old in dropped:  # (also those of a larger --keep-best that this resume lowered)
             (run.path / "checkpoints" / f"best-step{old}.pt").unlink(missing_ok=True)
         stopped_early = early_stop.exhausted(improved) and step < total_steps
-        checkpoints.save(step)
+        checkpoints.save(step)  # first: it records this step as the best, and a resume there writes best.pt again
+        if improved:
+            checkpoints.save(step, "best.pt")
+        if keep_best > 1 and keep:  # --keep-best K: the K best as best-stepN.pt too
+            checkpoints.save(step, f"best-step{step}.pt")
         if stopped_early:  # before a stop request: the run is over, and metrics.json is to say so
             log.print(f"stopping early: no better score in {patience} evaluations (the best: step {best.step})")
             break

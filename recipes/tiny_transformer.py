@@ -842,6 +842,8 @@ def main(
                               generator=torch.Generator().manual_seed(seed),
                               worker_init_fn=ignore_stop_signals if num_workers else None))  # the main process saves
     log.start(step, config, device, world_size)
+    if checkpoint and best.step == step and not sharded:  # killed between this step's last.pt and best.pt
+        save("best.pt")  # (sharded, both are one folder, and best.pt a file made from it at the end)
     source = text.resolve() if text else "the Python standard library"
     log.print(f"{len(train_tokens):,} train / {len(val_tokens):,} val tokens of {source} | vocab "
               f"{model_config.vocab_size} | {sum(p.numel() for p in model.parameters()):,} parameters, "
@@ -914,9 +916,10 @@ def main(
             if log.writer:
                 log.writer.add_scalar("perf/mfu", mfu, step)
                 log.writer.add_text("sample", "    " + sample.replace("\n", "\n    "), step)  # indented: verbatim
-            if best.improved(val["loss"], step):
+            improved = best.improved(val["loss"], step)
+            save()  # first: it records this step as the best, and a resume there writes best.pt again
+            if improved:
                 save("best.pt")
-            save()
             if stop_agreed(stop, device):
                 stop_saved()
         elif (step % every == 0 or world_size == 1) and stop_agreed(stop, device):  # Ctrl-C, SIGTERM

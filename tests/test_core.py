@@ -412,10 +412,9 @@ def test_a_run_dir_holding_sub_runs_is_not_overwritten_by_a_fresh_run(tmp_path):
     ckpt.save_checkpoint(single / "checkpoints" / "last.pt", {"model": {}, "recipe": "t", "config": {}})
     with pytest.raises(RecipeError, match=r"holds a single run \(.*single/checkpoints/last.pt\)"):
         open_run_dir("t", single, "auto", holds_runs=True)  # --cv into a plain run's folder
-    # a run killed after its first best.pt but before its first last.pt (or in its first sharded save) restarts
-    # fresh with the same command, as any run without a last checkpoint does: its own folder holds no other runs
+    # a run killed in its first sharded save restarts fresh with the same command, as any run without a last
+    # checkpoint does: its own folder holds no other runs (a best.pt alone is refused: tests/test_rundir.py)
     early = tmp_path / "early"
-    ckpt.save_checkpoint(early / "checkpoints" / "best.pt", {"model": {}, "recipe": "t", "config": {}})
     (early / "checkpoints" / "dcp" / ".step-000002.tmp").mkdir(parents=True)
     torch.save({}, early / "checkpoints" / "dcp" / ".step-000002.tmp" / "trainer.pt")
     assert open_run_dir("t", early, "auto") == RunFolder(early, None)

@@ -502,6 +502,55 @@ def test_a_stop_at_the_last_step_of_a_cut_run_evaluates_first_and_resumes_to_the
                             torch.load(tmp_path / "whole" / "checkpoints" / name, weights_only=True)["model"])
 
 
+class Killed(BaseException):
+    """The process dying between two writes: no handler catches it, only the clean-ups run (as they do not on
+    SIGKILL, where the kernel drops the folder's lock instead)."""
+
+
+# the variants of writing the best weights: the EMA's (mnist), best-stepN.pt beside best.pt (tabular), DDP's rank 0
+BEST_VARIANTS = {"mnist_onecycle": ["--ema", "0.9"], "tabular_mlp": ["--keep-best", "2"]}
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_a_kill_between_last_pt_and_best_pt_is_made_good_by_the_resume(recipe, run_inprocess, request, tmp_path,
+                                                                       monkeypatch):
+    """last.pt comes first, recording the step as the best, and a resume at that step writes best.pt again. (best.pt
+    came first: killed before last.pt, the resume replayed from an older last.pt, and where the replay was not exact
+    best.pt held weights of a step that the run's record did not.)"""
+    import common.checkpoint
+
+    args = [*smoke_args(recipe, request), *BEST_VARIANTS.get(recipe, [])]
+    assert run_inprocess(recipe, *args, "--run-dir", tmp_path / "whole").code == 0
+    save, written = common.checkpoint.save_checkpoint, []
+
+    def killed_before_best(path, state):
+        if path.name.startswith("best"):
+            raise Killed
+        save(path, state)
+        written.append((path.name, state["step"]))
+
+    monkeypatch.setattr(common.checkpoint, "save_checkpoint", killed_before_best)
+    run_dir = tmp_path / "killed"
+    with pytest.raises(Killed):
+        run_inprocess(recipe, *args, "--run-dir", run_dir)
+    end = read_metrics(tmp_path / "whole")["steps"]
+    assert written == [("last.pt", end)] and not list(run_dir.glob("checkpoints/best*.pt"))
+    monkeypatch.undo()
+    resumed = run_inprocess(recipe, *args, "--run-dir", run_dir, "--resume", "auto")
+    assert resumed.code == 0, resumed.stderr
+    scores = [{k: v for k, v in read_metrics(folder).items() if k.startswith(("val_", "test_", "best_"))}
+              for folder in (run_dir, tmp_path / "whole")]
+    assert scores[0]["best_step"] == end and scores[0] == scores[1]
+    names = sorted(path.name for path in (tmp_path / "whole" / "checkpoints").glob("best*.pt"))
+    assert names == [*([f"best-step{end}.pt"] if recipe == "tabular_mlp" else []), "best.pt"]
+    for name in names:
+        ours, theirs = (torch.load(folder / "checkpoints" / name, weights_only=True)
+                        for folder in (run_dir, tmp_path / "whole"))
+        averaged = recipe == "mnist_onecycle" and name == "best.pt"  # the EMA's weights
+        assert (ours["step"], ours["averaged"]) == (theirs["step"], theirs["averaged"]) == (end, averaged)
+        assert_same_weights(ours["model"], theirs["model"])
+
+
 @pytest.mark.parametrize(("every", "expected"), [
     (7, [7, 14, 15, 21, 28, 30]),  # every 7 steps, and at the end of each epoch
     (5, [5, 10, 15, 20, 25, 30]),  # an epoch's last step once, after its evaluation: a resume never skips one

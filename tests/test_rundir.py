@@ -128,19 +128,19 @@ def test_runs_started_together_in_the_default_folder_get_one_each(tmp_path, monk
     assert len(list((tmp_path / "runs" / "rec").iterdir())) == 20
 
 
-def test_a_best_checkpoint_without_its_last_is_not_started_over_unwarned(tmp_path, capsys):
+def test_a_best_checkpoint_without_its_last_is_not_started_over(tmp_path, capsys):
     """A folder whose last.pt was deleted was told "continue it with --resume auto", which started afresh over its
-    best.pt. A restart (--resume auto: a run killed between its first best.pt and last.pt) still starts afresh."""
+    best.pt. Nor does --resume auto (a restart) start over it: a run writes a step's last.pt before its best.pt, so
+    only a deleted last.pt leaves a best.pt alone (before, a kill between the first two did, and a restart began
+    afresh over it)."""
     run_dir = tmp_path / "run"
     save_checkpoint(run_dir / "checkpoints" / "best.pt", {"model": {}, "recipe": "t", "config": {}})
-    with pytest.raises(RecipeError, match=r"run holds checkpoints/best.pt but no checkpoints/last.pt to continue from: "
-                       "a new run there, --resume auto's too, starts afresh over it; move it away, or choose another "
-                       "--run-dir$"):
-        open_run_dir("t", run_dir, None)
-    assert capsys.readouterr().err == ""
-    assert open_run_dir("t", run_dir, "auto") == RunFolder(run_dir, None)
-    assert capsys.readouterr().err == (f"warning: {run_dir} holds checkpoints/best.pt but no checkpoints/last.pt to "
-                                       "continue from (killed before its first?): starting afresh, over it\n")
+    for resume in (None, "auto"):
+        with pytest.raises(RecipeError, match=r"run holds checkpoints/best.pt but no checkpoints/last.pt to continue "
+                           "from: a new run there would start afresh over it; move it away, or choose another "
+                           "--run-dir$"):
+            open_run_dir("t", run_dir, resume)
+    assert capsys.readouterr().err == "" and (run_dir / "checkpoints" / "best.pt").is_file()
 
 
 def test_torchrun_max_restarts_needs_resume_auto(tmp_path, monkeypatch):
