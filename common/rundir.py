@@ -209,9 +209,11 @@ def write_json(path: Path, data: dict) -> None:
     try:
         tmp.write_text(json.dumps(data, indent=2) + "\n")
         os.replace(tmp, path)  # readers see the old file or the new one, never half of one
-    except OSError as err:  # a full disk, say: the checkpoints already written are intact
+    except BaseException as err:  # a full disk, say (the checkpoints already written are intact), or a signal
         with contextlib.suppress(OSError):  # a disk turned read-only refuses even this (and holds no new file)
             tmp.unlink(missing_ok=True)
+        if not isinstance(err, OSError):
+            raise
         raise RecipeError(f"could not write {path}: {err.strerror or err}") from None
 
 

@@ -1081,6 +1081,24 @@ def test_a_disk_turned_read_only_under_a_json_file_is_one_error(tmp_path, monkey
         write_json(tmp_path / "metrics.json", {"steps": 1})
 
 
+def test_a_signal_while_a_json_file_is_written_leaves_the_old_one_and_no_temporary_file(tmp_path, monkeypatch):
+    """SIGTERM's exit (a SystemExit) in the middle of writing metrics.json left .metrics.json.tmp in the run folder:
+    only an OSError removed it."""
+    import common.rundir
+
+    path = tmp_path / "metrics.json"
+    common.rundir.write_json(path, {"steps": 1})
+
+    def signalled(*args):
+        raise SystemExit(143)
+
+    monkeypatch.setattr(common.rundir.os, "replace", signalled)
+    with pytest.raises(SystemExit) as exit_:
+        common.rundir.write_json(path, {"steps": 2})
+    assert exit_.value.code == 143 and sorted(p.name for p in tmp_path.iterdir()) == ["metrics.json"]
+    assert json.loads(path.read_text()) == {"steps": 1}
+
+
 def test_an_infinite_option_in_config_json_replays_as_itself(tmp_path):
     """--max-grad-norm inf (no clipping) is written as Infinity, which --config reads back as inf: as null it would
     replay as the option's default, clipping at 1.0."""
