@@ -1005,7 +1005,7 @@ def train(csv_path: Path | None, target: str, task: str, drop: list[str] | None,
         checkpoints.save(step, "best.pt")
     if checkpoint and keep_best > 1 and any(k.step == step for k in kept.kept):  # and best-stepN.pt
         checkpoints.save(step, f"best-step{step}.pt")
-    if keep_best > 1:  # resumed with a larger --keep-best: evaluations of a smaller one have no file to keep
+    if keep_best > 1:  # resumed with a larger --keep-best: a smaller one's evaluations have no file (but this step's)
         kept.kept = [k for k in kept.kept if (run.path / "checkpoints" / f"best-step{k.step}.pt").is_file()]
     kind = f"{len(spec['classes'])} classes" if classification else "regression"
     source = csv_path.resolve() if csv_path else (data_dir / "adult").resolve()

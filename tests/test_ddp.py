@@ -292,7 +292,7 @@ def test_a_save_that_fails_on_rank_0_alone_ends_every_rank_with_its_one_line(mni
                             timeout=120)
     assert result.code != 0
     errors = [line for line in result.stderr.splitlines() if "error: " in line]
-    assert errors == [f"error: could not write checkpoint {run_dir / 'checkpoints' / 'best.pt'}: No space left on "
+    assert errors == [f"error: could not write checkpoint {run_dir / 'checkpoints' / 'last.pt'}: No space left on "
                       "device; no earlier checkpoint"], result.stderr[-2000:]
     assert "Connection closed" not in result.stdout + result.stderr and 'ddp_mlp.py", line' not in result.stderr
 

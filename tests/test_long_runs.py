@@ -111,13 +111,17 @@ def test_keep_best_keeps_the_k_best_and_survives_a_resume(run_inprocess, table_c
     assert read_metrics(run_dir)["best_step"] == 42
 
 
-@pytest.mark.parametrize(("before", "after"), [(3, 1), (1, 3)])
-def test_keep_best_changed_on_a_resume_keeps_files_and_kept_steps_alike(before, after, run_inprocess, table_csv,
-                                                                          tmp_path, monkeypatch):
-    """Lowered, the files of the steps it drops go; raised, it counts only the evaluations that have a file."""
+@pytest.mark.parametrize(("before", "after", "first_scores", "expected"), [
+    (3, 1, [0.5, 0.9, 0.7], set()), (1, 3, [0.5, 0.9, 0.7], {28, 35, 42}), (1, 3, [0.5, 0.7, 0.9], {21, 28, 42})])
+def test_keep_best_changed_on_a_resume_keeps_files_and_kept_steps_alike(before, after, first_scores, expected,
+                                                                          run_inprocess, table_csv, tmp_path,
+                                                                          monkeypatch):
+    """Lowered, the files of the steps it drops go; raised, it counts only the evaluations that have a file, and the
+    resumed step's when it is the best (its weights are the restored ones: the resume writes its file, as after a
+    kill between its last.pt and its files)."""
     from conftest import load_recipe
 
-    scores = iter([0.5, 0.9, 0.7, 0.8, 0.6, 0.95])
+    scores = iter([*first_scores, 0.8, 0.6, 0.95])
     monkeypatch.setattr(load_recipe("tabular_mlp"), "evaluate",
                         lambda *args, **kwargs: {"loss": 1.0, "acc": next(scores, 0.1)})
     run_dir = tmp_path / "run"
@@ -127,7 +131,7 @@ def test_keep_best_changed_on_a_resume_keeps_files_and_kept_steps_alike(before, 
     assert run_inprocess("tabular_mlp", *common, "--keep-best", after).code == 0  # 0.8, 0.6, 0.95
     files = {int(p.stem.removeprefix("best-step")) for p in (run_dir / "checkpoints").glob("best-step*.pt")}
     kept = {step for _, step in torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)["kept"]["kept"]}
-    assert files == (set() if after == 1 else {28, 35, 42}) and kept == ({42} if after == 1 else files)
+    assert files == expected and kept == ({42} if after == 1 else files)
 
 
 def patience_run(table_csv, run_dir) -> list:

@@ -21,6 +21,7 @@ from conftest import (
     RECIPES,
     ROOT,
     assert_same_weights,
+    load_recipe,
     load_weights,
     read_metrics,
     read_scalars,
@@ -511,15 +512,16 @@ class Killed(BaseException):
 BEST_VARIANTS = {"mnist_onecycle": ["--ema", "0.9"], "tabular_mlp": ["--keep-best", "2"]}
 
 
-@pytest.mark.parametrize("recipe", RECIPES)
-def test_a_kill_between_last_pt_and_best_pt_is_made_good_by_the_resume(recipe, run_inprocess, request, tmp_path,
-                                                                       monkeypatch):
+# each killed at its last evaluation; tabular_mlp also at the first of two, whose resume trains on
+@pytest.mark.parametrize(("recipe", "epochs"), [(recipe, None) for recipe in RECIPES] + [("tabular_mlp", 2)])
+def test_a_kill_between_last_pt_and_best_pt_is_made_good_by_the_resume(recipe, epochs, run_inprocess, request,
+                                                                       tmp_path, monkeypatch):
     """last.pt comes first, recording the step as the best, and a resume at that step writes best.pt again. (best.pt
     came first: killed before last.pt, the resume replayed from an older last.pt, and where the replay was not exact
     best.pt held weights of a step that the run's record did not.)"""
     import common.checkpoint
 
-    args = [*smoke_args(recipe, request), *BEST_VARIANTS.get(recipe, [])]
+    args = [*smoke_args(recipe, request), *BEST_VARIANTS.get(recipe, []), *(["--epochs", epochs] if epochs else [])]
     assert run_inprocess(recipe, *args, "--run-dir", tmp_path / "whole").code == 0
     save, written = common.checkpoint.save_checkpoint, []
 
@@ -534,21 +536,59 @@ def test_a_kill_between_last_pt_and_best_pt_is_made_good_by_the_resume(recipe, r
     with pytest.raises(Killed):
         run_inprocess(recipe, *args, "--run-dir", run_dir)
     end = read_metrics(tmp_path / "whole")["steps"]
-    assert written == [("last.pt", end)] and not list(run_dir.glob("checkpoints/best*.pt"))
+    killed_at = end // (epochs or 1)  # the first evaluation's step: the first best.pt comes at once
+    assert written == [("last.pt", killed_at)] and not list(run_dir.glob("checkpoints/best*.pt"))
     monkeypatch.undo()
     resumed = run_inprocess(recipe, *args, "--run-dir", run_dir, "--resume", "auto")
     assert resumed.code == 0, resumed.stderr
     scores = [{k: v for k, v in read_metrics(folder).items() if k.startswith(("val_", "test_", "best_"))}
               for folder in (run_dir, tmp_path / "whole")]
-    assert scores[0]["best_step"] == end and scores[0] == scores[1]
-    names = sorted(path.name for path in (tmp_path / "whole" / "checkpoints").glob("best*.pt"))
-    assert names == [*([f"best-step{end}.pt"] if recipe == "tabular_mlp" else []), "best.pt"]
-    for name in names:
+    assert scores[0] == scores[1]
+    names = [sorted(path.name for path in (folder / "checkpoints").glob("best*.pt")) for folder in (run_dir,
+                                                                                                   tmp_path / "whole")]
+    kept = [f"best-step{step}.pt" for step in range(killed_at, end + 1, killed_at)] if recipe == "tabular_mlp" else []
+    assert names[0] == names[1] == sorted([*kept, "best.pt"])  # tabular: both evaluations kept (--keep-best 2)
+    for name in names[0]:
         ours, theirs = (torch.load(folder / "checkpoints" / name, weights_only=True)
                         for folder in (run_dir, tmp_path / "whole"))
         averaged = recipe == "mnist_onecycle" and name == "best.pt"  # the EMA's weights
-        assert (ours["step"], ours["averaged"]) == (theirs["step"], theirs["averaged"]) == (end, averaged)
+        assert (ours["step"], ours["averaged"]) == (theirs["step"], theirs["averaged"])
+        assert ours["averaged"] == averaged and ours["step"] == (scores[0]["best_step"] if name == "best.pt" else
+                                                                 int(name[len("best-step"):-3]))
         assert_same_weights(ours["model"], theirs["model"])
+
+
+def test_a_kill_before_a_kept_checkpoint_not_the_best_is_made_good_by_the_resume(run_inprocess, table_csv, tmp_path,
+                                                                                monkeypatch):
+    """--keep-best 2, scores 0.9 then 0.5: killed after step 14's last.pt, before its best-step14.pt (kept, though
+    not the best), the resume writes the file that its record keeps."""
+    import common.checkpoint
+
+    scores = iter([0.9, 0.5])
+    monkeypatch.setattr(load_recipe("tabular_mlp"), "evaluate",
+                        lambda *args, **kwargs: {"loss": 1.0, "acc": next(scores)})
+    save = common.checkpoint.save_checkpoint
+
+    def killed_before_step_14s_file(path, state):
+        if path.name == "best-step14.pt":
+            raise Killed
+        save(path, state)
+
+    monkeypatch.setattr(common.checkpoint, "save_checkpoint", killed_before_step_14s_file)
+    run_dir = tmp_path / "run"
+    args = ["--csv", table_csv, "--target", "label", "--epochs", 2, "--batch-size", 32, "--keep-best", 2, "--run-dir",
+            run_dir, "--resume", "auto"]
+    with pytest.raises(Killed):
+        run_inprocess("tabular_mlp", *args)
+    monkeypatch.setattr(common.checkpoint, "save_checkpoint", save)
+    assert run_inprocess("tabular_mlp", *args).code == 0
+    assert sorted(path.name for path in (run_dir / "checkpoints").glob("best*.pt")) == ["best-step14.pt",
+                                                                                          "best-step7.pt", "best.pt"]
+    files = {name: torch.load(run_dir / "checkpoints" / name, weights_only=True)["step"] for name in
+             ("best-step14.pt", "best.pt", "last.pt")}
+    assert files == {"best-step14.pt": 14, "best.pt": 7, "last.pt": 14}
+    assert [kept[1] for kept in torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)["kept"]["kept"]] \
+        == [7, 14]
 
 
 @pytest.mark.parametrize(("every", "expected"), [
