@@ -144,7 +144,7 @@ def train(epochs: int, max_steps: int | None, batch_size: int, lr: float, sample
                                parts={"log": log, "best": best})
     step = checkpoints.restore(checkpoint) if checkpoint else 0
     log.start(step, config, device)
-    if checkpoint and best.step == step:  # killed between this step's last.pt and best.pt: write best.pt again
+    if checkpoint and best.step == step:  # a kill may have come between this step's last.pt and best.pt
         checkpoints.save(step, "best.pt")
     stop = StopRequest()  # Ctrl-C and SIGTERM: save and exit at the end of the step
     resume_dir = None if compare_compiled else run.path  # a --compare starts afresh: nothing to resume
@@ -176,7 +176,7 @@ def train(epochs: int, max_steps: int | None, batch_size: int, lr: float, sample
         eval_seconds.append(time.perf_counter() - started)
         log.eval(step, val=val, note="compiled" if compile else "eager")
         improved = best.improved(val["loss"], step)
-        checkpoints.save(step)  # first: it records this step as the best, and a resume there writes best.pt again
+        checkpoints.save(step)  # first: if the step is the best, last.pt says so (and a resume here writes best.pt)
         if improved:
             checkpoints.save(step, "best.pt")
         if stop.requested:

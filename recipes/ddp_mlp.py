@@ -227,7 +227,7 @@ def main(
                                parts={"log": log, "best": best}, data_id=checksum(*train_set.tensors))
     step = checkpoints.restore(checkpoint) if checkpoint else 0
     log.start(step, config, device, world_size)
-    if checkpoint and best.step == step:  # killed between this step's last.pt and best.pt: write best.pt again
+    if checkpoint and best.step == step:  # a kill may have come between this step's last.pt and best.pt
         from_rank_0(partial(checkpoints.save, step, "best.pt"))
     log.print(f"{len(train_set)} train / {len(val_set)} validation digits from {data_dir.resolve()} | global "
               f"batch {batch_size * world_size} ({world_size} x {batch_size}) | model "
@@ -261,7 +261,7 @@ def main(
         val = evaluate(model, val_loader, device, precision)  # every rank scores its shard; the sums are all-reduced
         log.eval(step, val=val)
         improved = best.improved(val["acc"], step)  # every rank decides alike: the figures are the whole group's
-        from_rank_0(partial(checkpoints.save, step))  # first: it records this step as the best (see the resume)
+        from_rank_0(partial(checkpoints.save, step))  # first: if the step is the best, last.pt says so
         if improved:
             from_rank_0(partial(checkpoints.save, step, "best.pt"))
         if stop_agreed(stop, device):

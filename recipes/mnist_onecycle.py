@@ -496,7 +496,7 @@ def main(
                                data_id=checksum(*train_set.tensors))  # a resume on other digits is refused
     step = checkpoints.restore(checkpoint) if checkpoint else 0
     log.start(step, config, device)
-    if checkpoint and best.step == step:  # killed between this step's last.pt and best.pt: write best.pt again
+    if checkpoint and best.step == step:  # a kill may have come between this step's last.pt and best.pt
         checkpoints.save(step, "best.pt", weights=ema.module if ema else None)
     log.print(f"{len(train_set)} train / {len(val_set)} validation / {len(test_set)} test digits from "
               f"{data_dir.resolve()}")
@@ -532,7 +532,7 @@ def main(
         if log.writer and (grid := misclassified_grid(ema.module if ema else model, val_set, device)) is not None:
             log.writer.add_image("val/misclassified", grid, step)
         improved = best.improved((ema_val or val)["acc"], step)  # best.pt: the best validation accuracy
-        checkpoints.save(step)  # first: it records this step as the best, and a resume there writes best.pt again
+        checkpoints.save(step)  # first: if the step is the best, last.pt says so (and a resume here writes best.pt)
         if improved:
             checkpoints.save(step, "best.pt", weights=ema.module if ema else None)
         if stop.requested:

@@ -1001,11 +1001,11 @@ def train(csv_path: Path | None, target: str, task: str, drop: list[str] | None,
                                data_id=checksum(train_set.numeric, train_set.categorical, train_set.target))
     step = checkpoints.restore(checkpoint) if checkpoint else 0
     log.start(step, config, device)
-    if checkpoint and best.step == step:  # killed between this step's last.pt and best.pt: write best.pt again
+    if checkpoint and best.step == step:  # a kill may have come between this step's last.pt and best.pt
         checkpoints.save(step, "best.pt")
-    if checkpoint and keep_best > 1 and any(k.step == step for k in kept.kept):  # and best-stepN.pt
+    if checkpoint and keep_best > 1 and any(k.step == step for k in kept.kept):  # best-stepN.pt too, kept
         checkpoints.save(step, f"best-step{step}.pt")
-    if keep_best > 1:  # resumed with a larger --keep-best: a smaller one's evaluations have no file (but this step's)
+    if keep_best > 1:  # resumed with a larger --keep-best: a smaller one's evaluations have no file (except this one's)
         kept.kept = [k for k in kept.kept if (run.path / "checkpoints" / f"best-step{k.step}.pt").is_file()]
     kind = f"{len(spec['classes'])} classes" if classification else "regression"
     source = csv_path.resolve() if csv_path else (data_dir / "adult").resolve()
@@ -1055,7 +1055,7 @@ def train(csv_path: Path | None, target: str, task: str, drop: list[str] | None,
         for old in dropped:  # (also those of a larger --keep-best that this resume lowered)
             (run.path / "checkpoints" / f"best-step{old}.pt").unlink(missing_ok=True)
         stopped_early = early_stop.exhausted(improved) and step < total_steps
-        checkpoints.save(step)  # first: it records this step as the best, and a resume there writes best.pt again
+        checkpoints.save(step)  # first: if the step is the best, last.pt says so (and a resume here writes best.pt)
         if improved:
             checkpoints.save(step, "best.pt")
         if keep_best > 1 and keep:  # --keep-best K: the K best as best-stepN.pt too

@@ -842,7 +842,7 @@ def main(
                               generator=torch.Generator().manual_seed(seed),
                               worker_init_fn=ignore_stop_signals if num_workers else None))  # the main process saves
     log.start(step, config, device, world_size)
-    if checkpoint and best.step == step and not sharded:  # killed between this step's last.pt and best.pt
+    if checkpoint and best.step == step and not sharded:  # a kill may have come between last.pt and best.pt
         save("best.pt")  # (sharded, both are one folder, and best.pt a file made from it at the end)
     source = text.resolve() if text else "the Python standard library"
     log.print(f"{len(train_tokens):,} train / {len(val_tokens):,} val tokens of {source} | vocab "
@@ -917,7 +917,7 @@ def main(
                 log.writer.add_scalar("perf/mfu", mfu, step)
                 log.writer.add_text("sample", "    " + sample.replace("\n", "\n    "), step)  # indented: verbatim
             improved = best.improved(val["loss"], step)
-            save()  # first: it records this step as the best, and a resume there writes best.pt again
+            save()  # first: if the step is the best, last.pt says so (and a resume here writes best.pt)
             if improved:
                 save("best.pt")
             if stop_agreed(stop, device):

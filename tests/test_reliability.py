@@ -537,6 +537,7 @@ def test_a_kill_between_last_pt_and_best_pt_is_made_good_by_the_resume(recipe, e
         run_inprocess(recipe, *args, "--run-dir", run_dir)
     end = read_metrics(tmp_path / "whole")["steps"]
     killed_at = end // (epochs or 1)  # the first evaluation's step: the first best.pt comes at once
+    assert end % (epochs or 1) == 0  # (epochs of equal length)
     assert written == [("last.pt", killed_at)] and not list(run_dir.glob("checkpoints/best*.pt"))
     monkeypatch.undo()
     resumed = run_inprocess(recipe, *args, "--run-dir", run_dir, "--resume", "auto")
@@ -547,7 +548,7 @@ def test_a_kill_between_last_pt_and_best_pt_is_made_good_by_the_resume(recipe, e
     names = [sorted(path.name for path in (folder / "checkpoints").glob("best*.pt")) for folder in (run_dir,
                                                                                                    tmp_path / "whole")]
     kept = [f"best-step{step}.pt" for step in range(killed_at, end + 1, killed_at)] if recipe == "tabular_mlp" else []
-    assert names[0] == names[1] == sorted([*kept, "best.pt"])  # tabular: both evaluations kept (--keep-best 2)
+    assert names[0] == names[1] == sorted([*kept, "best.pt"])  # tabular: each evaluation kept (--keep-best 2)
     for name in names[0]:
         ours, theirs = (torch.load(folder / "checkpoints" / name, weights_only=True)
                         for folder in (run_dir, tmp_path / "whole"))
@@ -587,6 +588,7 @@ def test_a_kill_before_a_kept_checkpoint_not_the_best_is_made_good_by_the_resume
     files = {name: torch.load(run_dir / "checkpoints" / name, weights_only=True)["step"] for name in
              ("best-step14.pt", "best.pt", "last.pt")}
     assert files == {"best-step14.pt": 14, "best.pt": 7, "last.pt": 14}
+    assert_same_weights(*(load_weights(run_dir / "checkpoints" / name) for name in ("best-step14.pt", "last.pt")))
     assert [kept[1] for kept in torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)["kept"]["kept"]] \
         == [7, 14]
 
