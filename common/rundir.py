@@ -71,7 +71,7 @@ def open_run_dir(recipe: str, run_dir: Path | None, resume: str | None,
         held = held or next(run_dir.glob("checkpoints/dcp/step-*/*.distcp"), None)  # shards, incomplete (a copy?)
         foreign = [name for name in ("config.json", "metrics.json") if recorded_recipe(run_dir / name) not in
                    (recipe, None)]
-    if held is None and foreign:
+    if foreign and (held is None or resume is None):  # another recipe's checkpoints: not to be continued either
         raise RecipeError(f"{run_dir} holds a {' and a '.join(foreign)} that no {recipe} run wrote, which this run "
                           "would overwrite: choose another --run-dir")
     own = None  # a single run's checkpoints, in checkpoints/: whole or not (best.pt alone; shards alone)
