@@ -937,6 +937,12 @@ def train(csv_path: Path | None, target: str, task: str, drop: list[str] | None,
     if clash := [name for name in output_columns(task) if name in table.column_names and name != target]:
         raise cli.RecipeError(f"feature column {clash[0]!r} is named like a column that --predict adds, so no table "
                               "could be predicted on: rename it")
+    if task == "classification":  # a row without a class is in no split: its loss would be skipped, not its batch
+        indices, words = class_names(table[target])
+        if no_class := int(pc.is_null(words).to_numpy(zero_copy_only=False)[indices].sum()):  # "None": yours?
+            print(f"note: {no_class:,} of {table.num_rows:,} rows have no {target!r} (empty, or a word such as NA, "
+                  "null or None) and are left out of training and validation", file=sys.stderr)
+            table = table.filter(pc.is_valid(words).to_numpy(zero_copy_only=False)[indices])
     if fold is None:
         order = torch.randperm(table.num_rows, generator=torch.Generator().manual_seed(seed)).numpy()
         n_val = max(1, round(val_frac * table.num_rows))
@@ -960,9 +966,6 @@ def train(csv_path: Path | None, target: str, task: str, drop: list[str] | None,
     if classification and (arrays[2].take(val_rows) < 0).all():  # every class unseen in training: no score to take
         raise cli.RecipeError(f"no validation row's {target!r} is a class seen in training ({len(spec['classes'])} "
                               "classes): an ID column? choose another --target")
-    if classification and (no_class := int((arrays[2] == MISSING_CLASS).sum())):  # "None" may be a class to you
-        print(f"note: {no_class:,} of {len(arrays[2]):,} rows have no {target!r} (empty, or a word such as NA, null "
-              "or None) and are left out of training and validation", file=sys.stderr)
     unseen = int(unseen_as_missing(arrays[2], classification).take(val_rows).sum())  # wrong in val_acc, below
     train_set = TabularDataset(*(a.take(train_rows, axis=0) for a in arrays))  # take: 4x faster than a[rows]
     val_set = TabularDataset(*(a.take(val_rows, axis=0) for a in arrays))

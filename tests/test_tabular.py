@@ -1065,6 +1065,25 @@ def test_rows_whose_class_reads_as_missing_are_counted_in_a_note(run_inprocess, 
     assert result.code == 0 and "2 classes" in result.stdout, result.stderr
     assert "note: 100 of 300 rows have no 'damage' (empty, or a word such as NA, null or None) and are left out of " \
            "training and validation\n" in result.stderr
+    assert "160 train / 40 val rows" in result.stdout  # of the 200 with a class: 240 / 60 counted the others
+
+
+def test_rows_without_a_class_are_in_no_batch_and_no_split(run_inprocess, tmp_path):
+    """Their loss was skipped, but they were still batched: a batch of them alone logged a loss of 0.0, which the
+    run's mean took in, and a validation split of them alone was said to hold only classes unseen in training.
+    --val-frac is now a share of the rows with a class."""
+    rows = [f"{i % 7},{['a', 'b'][i // 10 % 2] if i % 10 == 0 else ''}" for i in range(400)]  # 40 of 400 with a class
+    (tmp_path / "t.csv").write_text("x,y\n" + "\n".join(rows) + "\n")
+    common = ["--csv", tmp_path / "t.csv", "--target", "y", "--batch-size", 8]
+    result = run_inprocess(RECIPE, *common, "--epochs", 2, "--log-every", 1, "--run-dir", tmp_path / "run")
+    assert result.code == 0, result.stderr
+    assert "32 train / 8 val rows" in result.stdout  # 400 rows, 40 with a class: 20% of those for validation
+    losses = [loss for _, loss in read_scalars(tmp_path / "run")["train/loss"]]
+    assert len(losses) == 2 * 4 and min(losses) > 0  # 4 batches of 8 an epoch; none without a loss
+    assert "note: 360 of 400 rows have no 'y'" in result.stderr
+    few = run_inprocess(RECIPE, *common, "--val-frac", 0.01, "--max-steps", 1, "--run-dir", tmp_path / "few")
+    assert few.code == 0 and "39 train / 1 val rows" in few.stdout, few.stderr  # was: "no validation row's 'y' is a
+    # class seen in training", where the 4 validation rows had no class at all
 
 
 def test_cross_validation_embeds_the_numbers_alike_in_every_fold(run_inprocess, tmp_path):
