@@ -54,6 +54,7 @@ from scripts.find_lr import (  # noqa: E402
     long_enough,
     option_value,
     recipe_options,
+    refused_options,
     replayed,
     run_quietly,
     typed,
@@ -363,6 +364,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: cannot write --json {args.json}: {why}", file=sys.stderr)
         return 1
     try:
+        if refused := refused_options(recipe, options):  # the doctor's own --max-steps after them would hide it
+            raise DoctorError(f"the recipe refused its options: {refused}", exit_code=2)
         recipe_path = Path(recipe.__file__).resolve()
         known = recipe_options(recipe)
         with tempfile.TemporaryDirectory(prefix="doctor.") as folder:

@@ -147,6 +147,10 @@ def test_the_recipes_own_usage_errors_exit_2_and_an_unwritable_json_is_found_bef
     assert doctor.main(["mixed_precision", "--width", "0"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: the recipe refused its options: ") and "--width" in err and err.count("\n") == 1
+    for recipe, *hidden in (["mixed_precision", "--epochs", "0"], ["tiny_transformer", "--warmup-steps", "-3"]):
+        assert doctor.main([recipe, *hidden]) == 2  # hidden by the doctor's own --epochs or --warmup-steps after it
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: the recipe refused its options: Invalid value for '{hidden[0]}'"), err
     (tmp_path / "afile").write_text("")
     assert doctor.main(["mixed_precision", "--json", str(tmp_path / "afile" / "x.json")]) == 1
     assert capsys.readouterr().err == f"error: cannot write --json {tmp_path / 'afile' / 'x.json'}: " \
