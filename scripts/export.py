@@ -158,8 +158,9 @@ def tabular_mlp(state: dict, path: Path) -> Exportable:
             "numeric": "(value - mean) / std per column, in the order of 'columns', clipped to "
                        f"+-{recipe.FAR}; a missing value is 0, and so is inf or a cell that is not a number",
             "categorical": "the value, stripped of surrounding whitespace, as its index in the column's "
-                           "vocabulary; 0 a value never seen in training, 1 a missing one",
-            "missing_values": sorted(recipe.MISSING.to_pylist()),  # compared stripped and lower-cased
+                           "vocabulary; 0 a value never seen in training, 1 a missing one: empty, or one of "
+                           "'missing_values' once lower-cased ('NA' and 'Null' too)",
+            "missing_values": sorted(recipe.MISSING.to_pylist()),
             "features": spec,
         },
         "output": ({"logits": {"shape": ["batch", len(spec["classes"])], "dtype": "float32",
@@ -620,11 +621,18 @@ class Parser(argparse.ArgumentParser):
         sys.exit(2)
 
 
+def given_path(value: str) -> Path:
+    """A path argument; an empty one (an unset shell variable, say) is refused rather than read as '.'."""
+    if not value.strip():
+        raise argparse.ArgumentTypeError("is empty; give a path")
+    return Path(value)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = Parser(prog="scripts/export.py", description=__doc__.splitlines()[0])
-    parser.add_argument("checkpoint", type=Path, help="a checkpoint of any recipe, e.g. .../checkpoints/best.pt, "
+    parser.add_argument("checkpoint", type=given_path, help="a checkpoint of any recipe, e.g. .../checkpoints/best.pt, "
                         "or a sharded checkpoint folder (.../checkpoints/dcp/step-NNNNNN)")
-    parser.add_argument("out_dir", type=Path, help="the folder to write the export into")
+    parser.add_argument("out_dir", type=given_path, help="the folder to write the export into")
     parser.add_argument("--format", choices=list(FORMATS), default="graph",
                         help="graph: model.pt2 (torch.export), model.onnx and model.json (default); hf: a Hugging Face "
                              "GPT-2 folder (tiny_transformer); safetensors: the state_dict and model.json")

@@ -154,6 +154,7 @@ def test_model_json_followed_to_the_letter_encodes_raw_cells_as_the_recipe_does(
     rules, spec = info["preprocessing"], info["preprocessing"]["features"]
     far = float(re.search(r"clipped to \+-(\d+)", rules["numeric"])[1])
     missing = set(rules["missing_values"])
+    assert "'missing_values' once lower-cased" in rules["categorical"]  # as by_the_letter compares them, below
     word = spec["categorical"]["colour"][2]
     cells = {"age": [" 31 ", "inf", "twelve", "1e30", "N/A"], "income": ["5", "-1e30", " 7", "?", ""],
              "colour": [f"  {word} ", word, "never seen", " NA ", "?"], "city": ["x", "", word, "nan", " ? "]}
@@ -553,7 +554,9 @@ def test_an_export_that_disagrees_fails_and_leaves_nothing(checkpoints, tmp_path
 
 @pytest.mark.parametrize(("args", "text"), [([], "the following arguments are required"),
                                             (["only.pt"], "the following arguments are required: out_dir"),
-                                            (["a.pt", "out", "--level", "9"], "unrecognized arguments")])
+                                            (["a.pt", "out", "--level", "9"], "unrecognized arguments"),
+                                            (["a.pt", " "], "argument out_dir: is empty; give a path"),  # not '.'
+                                            (["", "out"], "argument checkpoint: is empty; give a path")])
 def test_usage_errors_exit_2(args, text, capsys):
     with pytest.raises(SystemExit) as exit_:
         export.main(args)
