@@ -265,9 +265,13 @@ def target_task(column: pa.ChunkedArray, name: str, task: str, rows: str = "") -
                               f"ones{rows}: there is nothing to learn")
     values = numbers(column, strict=True)
     if values is None:  # numbers but for a stray few ("unknown", a typo): a regression, which then names their rows
-        stray, present, _ = stray_words(column)  # (decided already, a regression takes any column with a number)
+        stray, present, example = stray_words(column)  # (decided already, a regression takes any column with a number)
         values = numbers(column, strict=False) \
             if stray <= STRAY_WORDS * present or (task == "regression" and stray < present) else None
+        if values is None and task == "auto" and stray < present / 2 and len(labels) > 20:  # prices, say, and "n/k"
+            print(f"warning: target column {name!r}: {stray:,} of {present:,} values are not numbers (such as "
+                  f"{example!r}), so it is read as {len(labels):,} classes; to predict numbers, give --task "
+                  "regression", file=sys.stderr)
     if task == "regression" and values is None:
         raise cli.RecipeError(f"--task regression needs a numeric target, but {name!r} holds text")
     if task == "auto":

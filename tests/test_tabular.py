@@ -1139,6 +1139,22 @@ def test_a_numeric_target_with_a_stray_word_is_a_regression_that_names_its_row(t
                                "--run-dir", tmp_path / "words")
         state = torch.load(tmp_path / "words" / "checkpoints" / "last.pt", weights_only=True)
         assert result.code == 0 and state["features"]["task"] == "classification", result.stderr
+        assert "warning" not in result.stderr  # 40 of 60 are words: a column of words
+
+
+def test_a_numeric_target_with_more_than_a_few_stray_words_is_read_as_classes_with_a_warning(run_inprocess, tmp_path):
+    """Prices with 5% "unknown": 154 classes, every validation row unseen in training, without a word of why."""
+    cells = [f"{100 + 2.5 * i:.2f}" if i % 20 else "unknown" for i in range(200)]  # 10 of 200
+    (tmp_path / "t.csv").write_text("x,price\n" + "".join(f"{i},{cell}\n" for i, cell in enumerate(cells)))
+    common = ["--csv", tmp_path / "t.csv", "--target", "price", "--max-steps", 1]
+    result = run_inprocess(RECIPE, *common, "--run-dir", tmp_path / "auto")
+    assert result.code == 0 and " classes\n" in result.stdout, result.stderr  # (the training split's count)
+    assert "warning: target column 'price': 10 of 200 values are not numbers (such as 'unknown'), so it is read as " \
+           "191 classes; to predict numbers, give --task regression\n" in result.stderr
+    regression = run_inprocess(RECIPE, *common, "--task", "regression", "--run-dir", tmp_path / "regression")
+    assert regression.code == 1 and regression.stderr == ("error: target column 'price' has 10 missing or non-numeric "
+                                                          "value(s) (the first in data row 1); fill them in, or remove "
+                                                          "those rows\n")
 
 
 def test_drop_leaves_a_column_out_of_the_features(run_inprocess, tmp_path):
