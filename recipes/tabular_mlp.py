@@ -268,17 +268,22 @@ def target_task(column: pa.ChunkedArray, name: str, task: str, rows: str = "") -
         stray, present, example = stray_words(column)  # (decided already, a regression takes any column with a number)
         values = numbers(column, strict=False) \
             if stray <= STRAY_WORDS * present or (task == "regression" and stray < present) else None
-        if values is None and task == "auto" and stray < present / 2 and len(labels) > 20:  # prices, say, and "n/k"
+        loose = numbers(column, strict=False) if values is None and task == "auto" and stray < present / 2 else None
+        if loose is not None and not few_integers(known := loose[~np.isnan(loose)], len(np.unique(known))):
             print(f"warning: target column {name!r}: {stray:,} of {present:,} values are not numbers (such as "
-                  f"{example!r}), so it is read as {len(labels):,} classes; to predict numbers, give --task "
-                  "regression", file=sys.stderr)
+                  f"{example!r}), so it is read as {len(labels):,} classes; to predict numbers, fill in or remove "
+                  "those rows and give --task regression", file=sys.stderr)
     if task == "regression" and values is None:
         raise cli.RecipeError(f"--task regression needs a numeric target, but {name!r} holds text")
     if task == "auto":
-        present = values[~np.isnan(values)] if values is not None else None
-        few_integers = present is not None and len(labels) <= 20 and bool(np.all(present == np.round(present)))
-        task = "classification" if values is None or few_integers else "regression"
+        task = "classification" if values is None or few_integers(values[~np.isnan(values)], len(labels)) \
+            else "regression"
     return task
+
+
+def few_integers(values: np.ndarray, distinct: int) -> bool:
+    """Whether numbers, ``distinct`` values in all, are a handful (20 or fewer) of integers: a label code."""
+    return distinct <= 20 and bool(np.all(values == np.round(values)))
 
 
 def mean_and_std(values: np.ndarray) -> tuple[float, float]:

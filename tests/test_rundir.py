@@ -306,7 +306,6 @@ def test_a_folder_with_files_no_run_of_the_recipe_wrote_is_not_overwritten(run_i
     assert json.loads((failed / "config.json").read_text())["lr"] == 1e-3
 
 
-
 def test_a_folder_holding_another_recipes_run_is_refused_without_advice_to_resume_it(run_inprocess, tmp_path):
     """"continue it with --resume auto" would only lead to a second refusal: the checkpoint is another recipe's."""
     assert run_inprocess("mixed_precision", *MP_TINY, "--run-dir", tmp_path).code == 0
@@ -318,6 +317,7 @@ def test_a_folder_holding_another_recipes_run_is_refused_without_advice_to_resum
     assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
     resumed = run_inprocess("compiled_model", *MP_TINY, "--run-dir", tmp_path, "--resume", "auto")
     assert resumed.code == 1 and "written by recipe 'mixed_precision', not 'compiled_model'" in resumed.stderr
+
 
 def test_a_full_disk_at_metrics_json_is_one_line_and_leaves_the_checkpoints(run_inprocess, tmp_path, monkeypatch):
     import errno

@@ -1150,7 +1150,13 @@ def test_a_numeric_target_with_more_than_a_few_stray_words_is_read_as_classes_wi
     result = run_inprocess(RECIPE, *common, "--run-dir", tmp_path / "auto")
     assert result.code == 0 and " classes\n" in result.stdout, result.stderr  # (the training split's count)
     assert "warning: target column 'price': 10 of 200 values are not numbers (such as 'unknown'), so it is read as " \
-           "191 classes; to predict numbers, give --task regression\n" in result.stderr
+           "191 classes; to predict numbers, fill in or remove those rows and give --task regression\n" in result.stderr
+    # and 16 prices (15.5 the highest), which a few more words made 16 classes, as quietly
+    (tmp_path / "few.csv").write_text("x,price\n" + "".join(f"{i},{'unknown' if i % 20 == 0 else 1.5 + i % 15}\n"
+                                                            for i in range(200)))
+    few = run_inprocess(RECIPE, "--csv", tmp_path / "few.csv", "--target", "price", "--max-steps", 1, "--run-dir",
+                        tmp_path / "few")
+    assert few.code == 0 and "so it is read as 16 classes; to predict numbers" in few.stderr, few.stderr
     regression = run_inprocess(RECIPE, *common, "--task", "regression", "--run-dir", tmp_path / "regression")
     assert regression.code == 1 and regression.stderr == ("error: target column 'price' has 10 missing or non-numeric "
                                                           "value(s) (the first in data row 1); fill them in, or remove "
