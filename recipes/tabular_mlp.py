@@ -948,7 +948,7 @@ def train(csv_path: Path | None, target: str, task: str, drop: list[str] | None,
                               "could be predicted on: rename it")
     if task == "classification":  # a row without a class is in no split: its loss would be skipped, not its batch
         indices, words = class_names(table[target])
-        if no_class := int(pc.is_null(words).to_numpy(zero_copy_only=False)[indices].sum()):  # "None": yours?
+        if no_class := int(pc.is_null(words).to_numpy(zero_copy_only=False)[indices].sum()):  # "None" may be yours
             print(f"note: {no_class:,} of {table.num_rows:,} rows have no {target!r} (empty, or a word such as NA, "
                   "null or None) and are left out of training and validation", file=sys.stderr)
             table = table.filter(pc.is_valid(words).to_numpy(zero_copy_only=False)[indices])

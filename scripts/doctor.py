@@ -364,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: cannot write --json {args.json}: {why}", file=sys.stderr)
         return 1
     try:
-        if refused := refused_options(recipe, options):  # the doctor's own --max-steps after them would hide it
+        if refused := refused_options(recipe, options):  # its own --epochs or --steps after them would hide them
             raise DoctorError(f"the recipe refused its options: {refused}", exit_code=2)
         recipe_path = Path(recipe.__file__).resolve()
         known = recipe_options(recipe)
