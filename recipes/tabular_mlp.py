@@ -266,10 +266,10 @@ def target_task(column: pa.ChunkedArray, name: str, task: str, rows: str = "") -
     values = numbers(column, strict=True)
     if values is None:  # numbers but for a stray few ("unknown", a typo): a regression, which then names their rows
         stray, present, example = stray_words(column)  # (decided already, a regression takes any column with a number)
-        values = numbers(column, strict=False) \
-            if stray <= STRAY_WORDS * present or (task == "regression" and stray < present) else None
-        loose = numbers(column, strict=False) if values is None and task == "auto" and stray < present / 2 else None
-        if loose is not None and not few_integers(known := loose[~np.isnan(loose)], len(np.unique(known))):
+        loose = numbers(column, strict=False)  # the words missing
+        values = loose if stray <= STRAY_WORDS * present or (task == "regression" and stray < present) else None
+        known = loose[~np.isnan(loose)]  # mostly numbers, which auto would read as a regression but for the words:
+        if values is None and task == "auto" and stray < present / 2 and not few_integers(known, len(np.unique(known))):
             print(f"warning: target column {name!r}: {stray:,} of {present:,} values are not numbers (such as "
                   f"{example!r}), so it is read as {len(labels):,} classes; to predict numbers, fill in or remove "
                   "those rows and give --task regression", file=sys.stderr)
@@ -948,10 +948,11 @@ def train(csv_path: Path | None, target: str, task: str, drop: list[str] | None,
                               "could be predicted on: rename it")
     if task == "classification":  # a row without a class is in no split: its loss would be skipped, not its batch
         indices, words = class_names(table[target])
-        if no_class := int(pc.is_null(words).to_numpy(zero_copy_only=False)[indices].sum()):  # "None" may be yours
+        labelled = pc.is_valid(words).to_numpy(zero_copy_only=False)[indices]
+        if no_class := int((~labelled).sum()):  # "None" may be a class to you: the note says how it was read
             print(f"note: {no_class:,} of {table.num_rows:,} rows have no {target!r} (empty, or a word such as NA, "
                   "null or None) and are left out of training and validation", file=sys.stderr)
-            table = table.filter(pc.is_valid(words).to_numpy(zero_copy_only=False)[indices])
+            table = table.filter(labelled)
     if fold is None:
         order = torch.randperm(table.num_rows, generator=torch.Generator().manual_seed(seed)).numpy()
         n_val = max(1, round(val_frac * table.num_rows))
