@@ -412,13 +412,14 @@ def main(
                                      f"{', '.join(map(cli.option_name, unused))}", param_hint="--traps")
         resolve_device("cpu")  # (which quiets the C++ toolchain's warning of a CUDA it will not use)
         show_traps(seed, backend)
+    elif batch_size > samples:  # known now, not after a minute of --compare's timing
+        raise typer.BadParameter(f"is larger than --samples ({samples}): every step takes a full batch",
+                                 param_hint="--batch-size")
     elif compare_compiled:
         if resume is not None:
             raise typer.BadParameter("--compare always starts fresh runs", param_hint="--resume")
         if cli.option_given("compile"):  # it would be ignored
             raise typer.BadParameter("--compare trains both eager and compiled: leave it out", param_hint="--compile")
-        if batch_size > samples:  # as the training runs would say, but before a minute of timing
-            raise cli.RecipeError(f"--batch-size {batch_size} is larger than the training set ({samples} samples)")
         compare(options, open_run_dir(RECIPE, run_dir, None, resumable=False).path)
     else:
         if not compile and (unused := [n for n in ("mode", "dynamic", "fullgraph", "backend")

@@ -291,14 +291,15 @@ def main(
 ):
     """Train a matmul-bound MLP with autocast (fp32, bf16, fp16), or compare all three."""
     options = locals()
+    if batch_size > samples:  # known now, not after a minute of --compare's timing
+        raise typer.BadParameter(f"is larger than --samples ({samples}): every step takes a full batch",
+                                 param_hint="--batch-size")
     if compare_precisions:
         if resume is not None:
             raise typer.BadParameter("--compare always starts fresh runs", param_hint="--resume")
         if cli.option_given("precision"):  # it would be ignored
             raise typer.BadParameter("--compare trains in each of fp32, bf16 and fp16: leave it out",
                                      param_hint="--precision")
-        if batch_size > samples:  # as the training runs would say, but before the timing
-            raise cli.RecipeError(f"--batch-size {batch_size} is larger than the training set ({samples} samples)")
         compare(options, open_run_dir(RECIPE, run_dir, None, resumable=False).path, max_slowdown)
         return
     if cli.option_given("max_slowdown") and resume is None:  # ignored (a resume of a --compare's run may keep it)

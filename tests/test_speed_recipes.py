@@ -212,13 +212,18 @@ def test_ctrl_c_in_a_compare_says_to_run_it_again_not_to_resume(run_inprocess, t
 
 
 @pytest.mark.parametrize("recipe", ["mixed_precision", "compiled_model"])
-def test_compare_refuses_a_batch_larger_than_the_training_set_before_timing(run_inprocess, tmp_path, monkeypatch,
-                                                                              recipe):
-    """It used to time the models first (a minute, compiling), then fail in the first training run."""
+@pytest.mark.parametrize("compare", [["--compare"], []])
+def test_a_batch_larger_than_the_training_set_is_a_usage_error_before_timing(run_inprocess, tmp_path, monkeypatch,
+                                                                             recipe, compare):
+    """--compare used to time the models first (a minute, compiling), then fail in the first training run; both
+    modes then said it as a runtime error (exit 1), though the two options alone decide it."""
     module = load_recipe(recipe)
     monkeypatch.setattr(module, "measure_speed", lambda *args, **kwargs: pytest.fail("timed before the check"))
-    result = run_inprocess(recipe, "--compare", "--batch-size", 64, "--samples", 32, "--run-dir", tmp_path / "cmp")
-    assert (result.code, result.stderr) == (1, "error: --batch-size 64 is larger than the training set (32 samples)\n")
+    monkeypatch.setattr(module, "train", lambda **options: pytest.fail("trained before the check"))
+    result = run_inprocess(recipe, *compare, "--batch-size", 64, "--samples", 32, "--run-dir", tmp_path / "cmp")
+    assert result.code == 2
+    message = "Invalid value for --batch-size: is larger than --samples (32): every step takes a full batch"
+    assert message in result.stderr
     assert not (tmp_path / "cmp").exists()
 
 
