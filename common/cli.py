@@ -51,15 +51,15 @@ def device_name(value: str) -> str:
     return value
 
 
-def folder(value: str | Path) -> Path:
-    """A folder option's value; an empty one (an unset shell variable, say) is refused rather than read as '.'."""
+def given_path(value: str | Path) -> Path:
+    """A path option's value; refuses an empty one (an unset shell variable?), not '.', and a non-UTF-8 name."""
     if not str(value).strip():
-        raise typer.BadParameter("is empty; give a folder")
+        raise typer.BadParameter("is empty; give a path")
     try:
         str(value).encode("utf-8")
     except UnicodeEncodeError:  # a name in another encoding reaches Python as lone surrogates
         raise typer.BadParameter(f"{ascii(str(value))} is not a UTF-8 name (the run's records need one): rename "
-                                 "the folder") from None
+                                 "it") from None
     return Path(value)
 
 
@@ -84,9 +84,9 @@ Precision = Annotated[Literal["auto", "fp32", "bf16", "fp16"], typer.Option(
 Compile = Annotated[bool, typer.Option("--compile/--no-compile", help="Wrap the model in torch.compile.")]
 NumWorkers = Annotated[int, typer.Option(min=0, max=4 * (os.cpu_count() or 1), help="DataLoader worker processes "
                                          "(0: load in the main one; at most 4 per CPU core: each is a process).")]
-DataDir = Annotated[Path, typer.Option(parser=folder, metavar="<path>", help="Where data sets are cached on download.")]
-RunDir = Annotated[Path | None, typer.Option(parser=folder, metavar="<path>", help="Where this run writes everything "
-                                             "[default: runs/RECIPE/YYYYmmdd-HHMMSS].")]
+DataDir = Annotated[Path, typer.Option(parser=given_path, metavar="<path>", help="Where data sets are downloaded.")]
+RunDir = Annotated[Path | None, typer.Option(parser=given_path, metavar="<path>", help="Where this run writes "
+                                             "everything [default: runs/RECIPE/YYYYmmdd-HHMMSS].")]
 Resume = Annotated[str | None, typer.Option(callback=resume_target, help="Continue from this checkpoint file, or "
                                             "'auto': the newest one in --run-dir, else start fresh.")]
 CheckpointEvery = Annotated[int | None, typer.Option(min=1, help="Also save checkpoints/last.pt every N steps.")]

@@ -399,7 +399,8 @@ def main(
     val_size: Annotated[int | None, typer.Option(
         min=1, help="Training digits held out to choose best.pt [default: 5,000, or 1/12 of fewer].")] = None,
     finetune: Annotated[
-        Path | None, typer.Option(help="Start from this checkpoint's conv layers, with a fresh linear head.")
+        Path | None, typer.Option(parser=cli.given_path, metavar="<path>",
+                                  help="Start from this checkpoint's conv layers, with a fresh linear head.")
     ] = None,
     backbone_lr_scale: Annotated[
         float, typer.Option(min=0.0, max=1.0, help="With --finetune: the conv layers' rate as a share of --max-lr "

@@ -581,11 +581,13 @@ def leave_process_group() -> None:
 
 def main(
     ctx: typer.Context,
-    text: Annotated[Path | None, typer.Option(help="Train on this UTF-8 file [default: Python's stdlib].")] = None,
+    text: Annotated[Path | None, typer.Option(parser=cli.given_path, metavar="<path>",
+                                              help="Train on this UTF-8 file [default: Python's stdlib].")] = None,
     vocab_kind: Annotated[Literal["bytes", "chars"] | None, typer.Option(
         "--vocab", help="Tokens: bytes (256) or the characters seen [default: bytes; --init-from: the folder's].")
     ] = None,
     init_from: Annotated[Path | None, typer.Option(
+        parser=cli.given_path, metavar="<path>",
         help="Start from a GPT-2 folder in Hugging Face's format (gpt2 as `hf download` saves it, or an export): "
              "its shape, weights and tokenizer.")] = None,
     steps: cli.Steps = 1200,

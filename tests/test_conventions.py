@@ -138,20 +138,25 @@ def test_more_workers_than_4_per_core_is_a_usage_error(recipe, run_inprocess, tm
     assert not (tmp_path / "run").exists()
 
 
+PATH_OPTIONS = {"mnist_onecycle": ["--finetune"], "tabular_mlp": ["--csv", "--predict", "--output"],
+                "tiny_transformer": ["--text", "--init-from"]}
+
+
 @pytest.mark.parametrize("recipe", RECIPES)
-def test_an_empty_folder_option_is_a_usage_error_not_the_current_folder(recipe, run_inprocess, tmp_path, monkeypatch):
-    """`--run-dir "$RUN"` with RUN unset: writing checkpoints into wherever the command ran is refused."""
+def test_an_empty_path_option_is_a_usage_error_not_the_current_folder(recipe, run_inprocess, tmp_path, monkeypatch):
+    """`--run-dir "$RUN"` with RUN unset: writing checkpoints into wherever the command ran is refused; so is
+    `--csv "$TABLE"`, which read the current folder as the table (exit 1, "is a directory")."""
     monkeypatch.chdir(tmp_path)
-    for option in ("--run-dir", "--data-dir"):
+    for option in ("--run-dir", "--data-dir", *PATH_OPTIONS.get(recipe, [])):
         if option == "--data-dir" and option not in run_inprocess(recipe, "--help").stdout:
             continue
         result = run_inprocess(recipe, option, "")
-        assert result.code == 2 and f"Invalid value for '{option}': is empty; give a folder" in result.stderr
+        assert result.code == 2 and f"Invalid value for '{option}': is empty; give a path" in result.stderr
         # a name in another encoding (Latin-1's \xff), which reaches Python as a lone surrogate: TensorBoard's
         # writer failed on it with a traceback
         result = run_inprocess(recipe, option, os.fsdecode(b"run-\xff"))
         assert result.code == 2 and f"Invalid value for '{option}': 'run-\\udcff' is not a UTF-8 name " \
-            "(the run's records need one): rename the folder" in result.stderr
+            "(the run's records need one): rename it" in result.stderr
     assert list(tmp_path.iterdir()) == []
 
 
