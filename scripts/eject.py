@@ -556,6 +556,10 @@ def main(argv: list[str] | None = None) -> int:
             part = {core: "the core the recipes import", recipes: "another recipe" if output.exists() else
                     "the recipes' folder"}.get(home, "not a copy eject wrote")
             raise EjectError(f"{output} is part of this repository ({part}); write the script somewhere else")
+        package = ROOT / output.stem  # modules without an __init__.py: a scripts.py beside them is found first
+        if home == ROOT and not (package / "__init__.py").exists() and any(package.glob("*.py")):
+            raise EjectError(f"{output} would hide this repository's {output.stem}/ from its tools' imports; write "
+                             "the script somewhere else")
         if output.exists() and not args.overwrite:  # it may be a copy the user has edited since
             raise EjectError(f"{output} exists; choose another name, or add --overwrite to replace it")
         # Python puts a script's folder first on sys.path: a typer.py would be what its own `import typer` finds

@@ -243,9 +243,11 @@ def save_png(fig, out: Path) -> None:
 
 
 def write_atomically(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
+    # a name of its own, made new ("x"): a file of the user's called .curves.png.tmp is neither written nor removed
+    tmp = path.with_name(f".{path.name[:100]}.{os.getpid()}.{os.urandom(6).hex()}.tmp")
     try:
-        tmp.write_bytes(data)
+        with open(tmp, "xb") as file:
+            file.write(data)
         os.replace(tmp, path)  # readers see the old file or the new one, never half of one
     finally:
         tmp.unlink(missing_ok=True)

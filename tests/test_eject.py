@@ -295,11 +295,17 @@ def test_a_copy_is_never_written_over_the_core_or_another_recipe():
             result = run_subprocess(["scripts/eject.py", "mnist_onecycle", output, "--overwrite"])
             assert result.code == 1 and result.stderr == f"error: {output} is part of this repository ({what}); " \
                 "write the script somewhere else\n", result.stderr
+        for package in ("scripts", "recipes"):  # scripts.py was written; then find_lr and doctor failed to import
+            output = ROOT / f"{package}.py"
+            result = run_subprocess(["scripts/eject.py", "mnist_onecycle", output])
+            assert result.code == 1 and result.stderr == f"error: {output} would hide this repository's {package}/ " \
+                "from its tools' imports; write the script somewhere else\n", result.stderr
+            assert not output.exists()
         assert not core.exists() and not new_recipe.exists()
         assert (other.read_bytes(), tool.read_bytes(), itself.read_bytes()) == before
     finally:  # a failure leaves the repository as it was
-        core.unlink(missing_ok=True)
-        new_recipe.unlink(missing_ok=True)
+        for path in (core, new_recipe, ROOT / "scripts.py", ROOT / "recipes.py"):
+            path.unlink(missing_ok=True)
         other.write_bytes(before[0])
         tool.write_bytes(before[1])
         itself.write_bytes(before[2])

@@ -43,6 +43,16 @@ def test_two_runs_make_a_small_valid_png(tmp_path):
     assert list(bits.get_ydata()) == pytest.approx([0.5 + step / 50 for step in (5, 10, 15, 20)])
 
 
+def test_a_file_named_as_the_old_temporary_file_is_kept(tmp_path):
+    """The PNG was written to .OUT.tmp, then renamed: a user's file of that name was replaced, then removed."""
+    notes = tmp_path / ".keep.png.tmp"
+    notes.write_text("my notes")
+    result = plot(make_run(tmp_path / "a"), "--out", tmp_path / "keep.png")
+    assert result.code == 0, result.stderr
+    assert (tmp_path / "keep.png").read_bytes()[:8] == PNG_MAGIC
+    assert notes.read_text() == "my notes" and sorted(tmp_path.glob(".*")) == [notes]  # nor a temporary file left
+
+
 def drawn_figure(run_dirs, out):
     """plot_runs.plot's figure, kept open to look at."""
     sys.path.insert(0, str(ROOT / "scripts"))
