@@ -118,8 +118,11 @@ def sum_dtype(device: torch.device) -> torch.dtype:
 
 def epochs_left(step: int, steps_per_epoch: int, total_steps: int) -> range:
     """The epochs still to train after ``step`` optimizer steps: from the one it stopped in (a resumed run
-    goes on mid-epoch) to the one holding the last step; none once the last step is done."""
-    return range(step // steps_per_epoch, math.ceil(total_steps / steps_per_epoch)) if step < total_steps else range(0)
+    goes on mid-epoch) to the one holding the last step; none once the last step is done, but where that step
+    ends no epoch: its checkpoint was saved mid-epoch, before any evaluation, and a --max-steps lowered to it on
+    resuming runs the epoch's evaluation with no batch left to train."""
+    done = step > total_steps or step == total_steps and step % steps_per_epoch == 0
+    return range(0) if done else range(step // steps_per_epoch, math.ceil(total_steps / steps_per_epoch))
 
 
 def batches_left(loader: DataLoader, step: int, total_steps: int) -> Iterator:

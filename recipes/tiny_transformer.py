@@ -862,6 +862,28 @@ def main(
         val = mean_over_ranks(evaluate(weights, val_batches, lm_loss, device=device, precision=precision), device)
         return val | {f"bits_per_{unit}": val["loss"] / math.log(2)}
 
+    def evaluate_and_save() -> None:  # evaluate, sample, keep the best, save
+        log.flush()  # the training steps' time ends here: evaluating is not training
+        # MFU: the model FLOPs of every rank's tokens over the peak of every rank's device
+        mfu = flops_per_token * log.throughput / (peak_flops * world_size)
+        val = validate(model)
+        log.eval(step, val=val, note=f"mfu {mfu:.1%}")
+        # Every rank samples (under FSDP each forward gathers the shards from all of them), the same tokens.
+        # Not with the KV cache there: FSDP's pre-forward hooks copy a module's arguments (casting them to
+        # bf16, moving them to the GPU), so the cache dicts the blocks fill in would be copies.
+        sample = sample_text(model, vocab, prompt, sample_tokens, temperature, top_k, seed, device,
+                             use_cache=not (sharded and dist.is_initialized()))
+        log.print(f"--- sample at step {step} ---\n{sample}\n---")
+        if log.writer:
+            log.writer.add_scalar("perf/mfu", mfu, step)
+            log.writer.add_text("sample", "    " + sample.replace("\n", "\n    "), step)  # indented: verbatim
+        improved = best.improved(val["loss"], step)
+        save()  # first: if the step is the best, last.pt says so (and a resume here writes best.pt)
+        if improved:
+            save("best.pt")
+
+    if step == total_steps and step % eval_every:  # saved between evaluations, resumed with --max-steps at its step
+        evaluate_and_save()
     while step < total_steps:
         current_lr = scheduler.get_last_lr()[0]
         # Gradient accumulation: grad_accum micro-batches, each loss divided by their number, add up to the
@@ -903,25 +925,8 @@ def main(
             memory = memory_account(model, optimizer, device)
             log.print(format_account(memory, type(optimizer).__name__))
 
-        if step % eval_every == 0 or step == total_steps:  # evaluate, sample, keep the best, save
-            log.flush()  # the training steps' time ends here: evaluating is not training
-            # MFU: the model FLOPs of every rank's tokens over the peak of every rank's device
-            mfu = flops_per_token * log.throughput / (peak_flops * world_size)
-            val = validate(model)
-            log.eval(step, val=val, note=f"mfu {mfu:.1%}")
-            # Every rank samples (under FSDP each forward gathers the shards from all of them), the same tokens.
-            # Not with the KV cache there: FSDP's pre-forward hooks copy a module's arguments (casting them to
-            # bf16, moving them to the GPU), so the cache dicts the blocks fill in would be copies.
-            sample = sample_text(model, vocab, prompt, sample_tokens, temperature, top_k, seed, device,
-                                 use_cache=not (sharded and dist.is_initialized()))
-            log.print(f"--- sample at step {step} ---\n{sample}\n---")
-            if log.writer:
-                log.writer.add_scalar("perf/mfu", mfu, step)
-                log.writer.add_text("sample", "    " + sample.replace("\n", "\n    "), step)  # indented: verbatim
-            improved = best.improved(val["loss"], step)
-            save()  # first: if the step is the best, last.pt says so (and a resume here writes best.pt)
-            if improved:
-                save("best.pt")
+        if step % eval_every == 0 or step == total_steps:
+            evaluate_and_save()
             if stop_agreed(stop, device):
                 stop_saved()
         elif (step % every == 0 or world_size == 1) and stop_agreed(stop, device):  # Ctrl-C, SIGTERM

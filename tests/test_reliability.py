@@ -503,6 +503,38 @@ def test_a_stop_at_the_last_step_of_a_cut_run_evaluates_first_and_resumes_to_the
                             torch.load(tmp_path / "whole" / "checkpoints" / name, weights_only=True)["model"])
 
 
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_a_stop_between_evaluations_resumed_with_max_steps_at_its_step_evaluates_there(recipe, run_inprocess,
+                                                                                      request, tmp_path, monkeypatch):
+    """Stopped at step 2 mid-epoch (the transformer: between evaluations), saved unevaluated, and resumed with
+    --max-steps 2: the resume trained nothing and evaluated nothing, so it finished with no scores and no best.pt (or
+    failed for want of it, with a test set)."""
+    from common.runlog import RunLog
+
+    args = smoke_args(recipe, request)
+    assert run_inprocess(recipe, *args, "--max-steps", 2, "--run-dir", tmp_path / "whole").code == 0
+    train = RunLog.train
+
+    def stopped_at_step_2(self, step, stats, **kwargs):
+        train(self, step, stats, **kwargs)
+        if step == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(RunLog, "train", stopped_at_step_2)
+    run_dir = tmp_path / "stopped"
+    assert run_inprocess(recipe, *args, "--run-dir", run_dir).code == 143
+    assert not (run_dir / "checkpoints" / "best.pt").exists()  # saved before any evaluation
+    monkeypatch.undo()
+    resumed = run_inprocess(recipe, *args, "--run-dir", run_dir, "--resume", "auto", "--max-steps", 2)
+    assert resumed.code == 0, resumed.stderr
+    whole, metrics = read_metrics(tmp_path / "whole"), read_metrics(run_dir)
+    assert metrics["steps"] == 2 and metrics["best_step"] == 2
+    assert {k: v for k, v in metrics.items() if k.startswith(("val_", "test_", "best_"))} == \
+        {k: v for k, v in whole.items() if k.startswith(("val_", "test_", "best_"))}
+    assert_same_weights(torch.load(run_dir / "checkpoints" / "best.pt", weights_only=True)["model"],
+                        torch.load(tmp_path / "whole" / "checkpoints" / "best.pt", weights_only=True)["model"])
+
+
 class Killed(BaseException):
     """The process dying between two writes: no handler catches it, only the clean-ups run (as they do not on
     SIGKILL, where the kernel drops the folder's lock instead)."""

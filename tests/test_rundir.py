@@ -253,6 +253,7 @@ class Loader(list):
     (20, 30, range(2, 3), list(range(10))),  # at an epoch's end: the next one, whole
     (13, 15, range(1, 2), [3, 4]),  # cut by --max-steps 15 within the epoch
     (30, 30, range(0), []),  # done: nothing left
+    (13, 13, range(1, 2), []),  # saved mid-epoch, resumed with --max-steps 13: the epoch's evaluation, no batch
 ])
 def test_a_resumed_loop_goes_on_where_it_stopped(step, total, epochs, batches):
     assert epochs_left(step, 10, total) == epochs
