@@ -37,10 +37,9 @@ def checked(accepts: Callable[[float], bool], rule: str) -> Callable[[float | No
 
 
 # Optimizers hold rates in float32 tensors: near float32's 3.4e38 (Adam's lr / (1 - beta1) too) they overflow
-FLOAT32_MAX = torch.finfo(torch.float32).max
 positive_float = checked(lambda v: 0 < v <= 1e30, "a finite number > 0 (at most 1e30)")
 clip_norm = checked(lambda v: v > 0, "> 0 (inf: no clipping)")
-finite_non_negative = checked(lambda v: 0 <= v <= FLOAT32_MAX, "a finite number >= 0 (at most float32's 3.4e38)")
+finite_non_negative = checked(lambda v: 0 <= v <= 3.4e38, "a finite number >= 0 (at most float32's 3.4e38)")
 ema_decay = checked(lambda v: 0 < v < 1, "between 0 and 1 (e.g. 0.999)")
 decay_rate = checked(lambda v: 0 <= v < 1, "in [0, 1)")
 
@@ -247,4 +246,5 @@ def run_recipe(main: Callable[..., object], argv: list[str] | None = None) -> No
         if "TORCHELASTIC_RUN_ID" in os.environ and isinstance(end := sys.exc_info()[1], SystemExit | None):
             for worker in torch.multiprocessing.active_children():  # a DataLoader's, that shutdown would have ended
                 worker.kill()  # (SIGKILL: its SIGTERM is ignored, as the main process alone answers one)
+            time.sleep(5 if quiet and getattr(end, "code", 0) in (1, 2) else 0)  # rank 0 prints, then torchrun ends all
             sys.stdout.flush(), sys.stderr.flush(), os._exit(getattr(end, "code", 0) or 0)  # (each exit: an int)

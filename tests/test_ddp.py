@@ -177,6 +177,19 @@ def test_a_failure_on_the_ranks_ends_them_all_with_the_one_line_error(mnist_dir,
     assert f"traceback : checkpoint {tmp_path / 'missing.pt'} does not exist" in result.stdout + result.stderr
 
 
+def test_a_failure_before_the_process_group_is_printed_by_rank_0_every_time(tmp_path):
+    """Met by every rank before the group exists (--backend nccl on a CPU, --device cuda without one): rank 1 exited
+    at once, torchrun then ended rank 0 with SIGTERM, often before it had printed: no error line (2 of 4 tries)."""
+    for attempt in range(3):  # a race: one try could pass by luck
+        result = run_subprocess([*TORCHRUN, "--nproc_per_node=2", "recipes/ddp_mlp.py", "--backend", "nccl",
+                                 "--device", "cpu", "--run-dir", tmp_path / f"run{attempt}"], timeout=120)
+        errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+        assert result.code == 1 and errors == ["error: --backend nccl runs on CUDA devices only, not cpu: use "
+                                               "--backend gloo or auto"], result.stderr
+        assert "exitcode  : 143" not in result.stderr  # rank 0 ended by torchrun
+    assert not list(tmp_path.iterdir())
+
+
 def test_a_failure_found_by_rank_0_alone_ends_every_rank_with_its_one_line_error(mnist_dir, tmp_path):
     """Rank 0 alone resolves the run directory; what it refuses (here: checkpoints a fresh run would overwrite)
     reaches every rank as the same error, instead of a lost connection and a traceback on the others."""
