@@ -22,6 +22,7 @@ import contextlib
 import gzip
 import json
 import math
+import os
 import re
 import sys
 from pathlib import Path
@@ -682,14 +683,15 @@ def predict(checkpoint_path: Path, table_path: Path, output: Path, device: torch
     else:
         table = table.append_column("prediction", pa.array(out.double().numpy() * spec["target_std"]
                                                            + spec["target_mean"]))
-    tmp = output.with_name(f".{output.name}.tmp")  # whole or not at all: an earlier file survives a failure
+    # whole or not at all (an earlier file survives a failure), under a name of its own, made new ("x" below): a
+    tmp = output.with_name(f".{output.name[:100]}.{os.getpid()}.{os.urandom(6).hex()}.tmp")  # user's .OUT.tmp stays
     try:
-        with open(tmp, "wb") as f:  # as read: .parquet, .tsv (tabs), else CSV; .gz compressed
+        with open(tmp, "xb") as f:  # as read: .parquet, .tsv (tabs), else CSV; .gz compressed
             name = output.name.lower()
             if name.endswith(".parquet"):  # a CSV's cells as text, as spelled: a type guessed here could drop a
                 pq.write_table(table, f)       # code's leading zeros or round a long ID
             else:
-                with pa.CompressedOutputStream(f, "gzip") if name.endswith(".gz") else pa.PythonFile(f) as out:
+                with pa.CompressedOutputStream(f, "gzip") if name.endswith(".gz") else pa.PythonFile(f, "w") as out:
                     delimiter = "\t" if name.removesuffix(".gz").endswith(".tsv") else ","
                     pacsv.write_csv(table, out, pacsv.WriteOptions(delimiter=delimiter))
         tmp.replace(output)

@@ -545,6 +545,18 @@ def test_a_regression_model_predicts_a_table_that_has_a_probability_column(run_i
         assert list(next(csv.reader(f))) == ["x", "probability", "y", "prediction"]
 
 
+def test_predict_keeps_a_users_file_named_as_the_old_temporary_file(run_inprocess, table_csv, tmp_path):
+    """The predictions were written to .OUT.tmp, then renamed: a user's file of that name was replaced, then gone."""
+    run_dir = tmp_path / "run"
+    assert run_inprocess(RECIPE, "--csv", table_csv, "--target", "label", "--epochs", 1, "--run-dir", run_dir).code == 0
+    new, notes = write_table(tmp_path / "new.csv", n=5, seed=9, target=False), tmp_path / ".new.predictions.csv.tmp"
+    notes.write_text("my notes")
+    result = run_inprocess(RECIPE, "--predict", new, "--resume", run_dir / "checkpoints" / "last.pt")
+    assert result.code == 0, result.stderr
+    assert len((tmp_path / "new.predictions.csv").read_text().splitlines()) == 6  # the header and 5 rows
+    assert notes.read_text() == "my notes" and sorted(tmp_path.glob(".*")) == [notes]  # nor a temporary file left
+
+
 def test_predict_on_a_directory_is_a_one_line_error(run_inprocess, table_csv, tmp_path):
     run_dir = tmp_path / "run"
     assert run_inprocess(RECIPE, "--csv", table_csv, "--target", "label", "--epochs", 1, "--run-dir", run_dir).code == 0
