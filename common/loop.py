@@ -116,12 +116,12 @@ def sum_dtype(device: torch.device) -> torch.dtype:
     return torch.float32 if device.type == "mps" else torch.float64
 
 
-def epochs_left(step: int, steps_per_epoch: int, total_steps: int) -> range:
+def epochs_left(step: int, steps_per_epoch: int, total_steps: int, evaluated_at: int | None) -> range:
     """The epochs still to train after ``step`` optimizer steps: from the one it stopped in (a resumed run
-    goes on mid-epoch) to the one holding the last step; none once the last step is done, but where that step
-    ends no epoch: its checkpoint was saved mid-epoch, before any evaluation, and a --max-steps lowered to it on
-    resuming runs the epoch's evaluation with no batch left to train."""
-    done = step > total_steps or step == total_steps and step % steps_per_epoch == 0
+    goes on mid-epoch) to the one holding the last step; none once the last step is done and evaluated
+    (``evaluated_at``: the step of the last evaluation). A checkpoint saved mid-epoch, before its evaluation, and
+    resumed with --max-steps at its step gets its epoch with no batch left: the evaluation of the cut."""
+    done = step > total_steps or step == total_steps and (step % steps_per_epoch == 0 or evaluated_at == step)
     return range(0) if done else range(step // steps_per_epoch, math.ceil(total_steps / steps_per_epoch))
 
 

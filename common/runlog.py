@@ -58,6 +58,7 @@ class RunLog:
         self.loss_sum, self.loss_steps, self.train_loss = 0.0, 0, math.nan  # over the evaluation period so far
         self.skipped_steps = self.skipped_in_a_row = 0  # fp16 steps the GradScaler skipped for overflowing
         self.evals: dict[str, dict[str, float]] = {}  # the last evaluation: {"val": {"loss": ..., "acc": ...}}
+        self.evaluated_at: int | None = None  # its step: a checkpoint saved there needs no evaluation on resuming
         self.items, self.seconds, self.first_window = 0, 0.0, None  # throughput leaves the first window out
         self.seconds_per_step = 0.0  # the last timed window's, for the eta
         self.earlier_wall_s = 0.0  # earlier launches', up to their last checkpoint: wall_s is the whole run's
@@ -167,7 +168,7 @@ class RunLog:
         self.window_start = None  # what follows an evaluation (saving, sampling) is not training time either
         if self.loss_steps:  # the training loss shown: the mean over the evaluation period so far
             self.train_loss = self.loss_sum / self.loss_steps
-        self.evals = results
+        self.evals, self.evaluated_at = results, step
         for prefix, metrics in results.items():
             for name, value in metrics.items():
                 if self.writer:
@@ -187,11 +188,13 @@ class RunLog:
         self.window_start = None  # a checkpoint is being saved: not training time
         return {"loss_sum": self.loss_sum, "loss_steps": self.loss_steps, "train_loss": self.train_loss,
                 "skipped_steps": self.skipped_steps, "skipped_in_a_row": self.skipped_in_a_row, "evals": self.evals,
+                "evaluated_at": self.evaluated_at,
                 "items": self.items, "seconds": self.seconds, "first_window": self.first_window, "wall_s": self.wall_s}
 
     def load_state_dict(self, state: dict) -> None:
         self.loss_sum, self.loss_steps, self.train_loss = state["loss_sum"], state["loss_steps"], state["train_loss"]
         self.skipped_steps, self.evals = state["skipped_steps"], state["evals"]
+        self.evaluated_at = state.get("evaluated_at")  # (None in checkpoints before it was kept: evaluate again)
         self.skipped_in_a_row = state.get("skipped_in_a_row", 0)  # (not in checkpoints before it was kept, nor these:)
         items, seconds, first = state.get("items", 0), state.get("seconds", 0.0), state.get("first_window")
         if first and items > first[0]:  # the earlier launches' start-up left out now: this launch's own first window

@@ -151,7 +151,7 @@ def train(epochs: int, max_steps: int | None, batch_size: int, lr: float, sample
     profiler = StepProfiler(run.path, profile, device)  # --profile N
 
     step_seconds, eval_seconds = [], []
-    for epoch in epochs_left(step, steps_per_epoch, total_steps):
+    for epoch in epochs_left(step, steps_per_epoch, total_steps, log.evaluated_at):
         train_loader.sampler.set_epoch(epoch)
         for batch in batches_left(train_loader, step, total_steps):
             current_lr = scheduler.get_last_lr()[0]

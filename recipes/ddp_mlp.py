@@ -235,7 +235,7 @@ def main(
     stop = StopRequest()  # Ctrl-C and SIGTERM: save and exit at the end of the step
     profiler = StepProfiler(run.path, profile, device, write=rank == 0)  # --profile N
 
-    for epoch in epochs_left(step, steps_per_epoch, total_steps):
+    for epoch in epochs_left(step, steps_per_epoch, total_steps, log.evaluated_at):
         # set_epoch reseeds the shuffle: without it every epoch would repeat the first one's order
         sampler.set_epoch(epoch)
         for batch in batches_left(train_loader, step, total_steps):

@@ -506,7 +506,7 @@ def main(
     stop = StopRequest()  # Ctrl-C and SIGTERM: save and exit at the end of the step
     profiler = StepProfiler(run.path, profile, device)  # --profile N
 
-    for epoch in epochs_left(step, steps_per_epoch, total_steps):
+    for epoch in epochs_left(step, steps_per_epoch, total_steps, log.evaluated_at):
         train_loader.sampler.set_epoch(epoch)  # a new shuffle every epoch
         for images, labels in batches_left(train_loader, step, total_steps):
             current_lr = scheduler.get_last_lr()[-1]  # the head's rate for this step

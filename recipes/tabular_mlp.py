@@ -1047,7 +1047,7 @@ def train(csv_path: Path | None, target: str, task: str, drop: list[str] | None,
         return metrics
 
     stopped_early = early_stop.stopped and step < total_steps  # killed after its early stop's checkpoint: done
-    for epoch in () if stopped_early else epochs_left(step, steps_per_epoch, total_steps):
+    for epoch in () if stopped_early else epochs_left(step, steps_per_epoch, total_steps, log.evaluated_at):
         train_loader.sampler.set_epoch(epoch)
         for batch in batches_left(train_loader, step, total_steps):
             current_lr = scheduler.get_last_lr()[0]

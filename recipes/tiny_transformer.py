@@ -882,7 +882,7 @@ def main(
         if improved:
             save("best.pt")
 
-    if step == total_steps and step % eval_every:  # saved between evaluations, resumed with --max-steps at its step
+    if step == total_steps and log.evaluated_at != step:  # saved between evaluations, resumed with --max-steps there
         evaluate_and_save()
     while step < total_steps:
         current_lr = scheduler.get_last_lr()[0]

@@ -163,7 +163,8 @@ def test_ctrl_c_or_sigterm_saves_prints_how_to_resume_and_exits(recipe, signum, 
 def test_sigterm_after_the_training_loop_exits_143_and_the_resume_finishes(recipe, run_inprocess, request, tmp_path,
                                                                           monkeypatch):
     """A SIGTERM in the test evaluation or as the run finishes printed "saving a checkpoint after this step",
-    saved nothing more and exited 0, as if done. Now: 143 at once, the command that resumes, which finishes."""
+    saved nothing more and exited 0, as if done. Now: 143 at once, the command that resumes, which finishes, without
+    evaluating the cut's step again (which tabular_mlp's --keep-best and --patience counted as a new evaluation)."""
     from common.runlog import RunLog
 
     finish = RunLog.finish
@@ -172,7 +173,7 @@ def test_sigterm_after_the_training_loop_exits_143_and_the_resume_finishes(recip
         signal.raise_signal(signal.SIGTERM)  # as a scheduler's, once the loop is over
         return finish(log, *args, **kwargs)
 
-    args = [*smoke_args(recipe, request), "--run-dir", tmp_path / "run"]
+    args = [*smoke_args(recipe, request), "--max-steps", 3, "--run-dir", tmp_path / "run"]  # a cut mid-epoch
     with monkeypatch.context() as patched:
         patched.setattr(RunLog, "finish", sigterm_then_finish)
         stopped = run_inprocess(recipe, *args)
@@ -185,7 +186,8 @@ def test_sigterm_after_the_training_loop_exits_143_and_the_resume_finishes(recip
     step = int(lines[-2].split("interrupted at step ")[1].split(";")[0])
     resumed = run_inprocess(recipe, *args, "--resume", "auto")
     assert resumed.code == 0, resumed.stderr
-    assert read_metrics(tmp_path / "run")["steps"] == step and resumed.done_line.startswith("done: ")
+    assert read_metrics(tmp_path / "run")["steps"] == step == 3 and resumed.done_line.startswith("done: ")
+    assert "val_loss " not in resumed.stdout, resumed.stdout  # an evaluation's line (the done line has val_loss=)
 
 
 def test_divergence_stops_with_the_step_and_keeps_the_last_good_checkpoint(run_inprocess, table_csv, tmp_path):

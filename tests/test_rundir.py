@@ -256,7 +256,8 @@ class Loader(list):
     (13, 13, range(1, 2), []),  # saved mid-epoch, resumed with --max-steps 13: the epoch's evaluation, no batch
 ])
 def test_a_resumed_loop_goes_on_where_it_stopped(step, total, epochs, batches):
-    assert epochs_left(step, 10, total) == epochs
+    assert epochs_left(step, 10, total, evaluated_at=None) == epochs
+    assert epochs_left(step, 10, total, evaluated_at=step) == (range(0) if step == total else epochs)  # done with it
     loader = Loader(10)
     assert list(batches_left(loader, step, total)) == batches
     assert loader.sampler.skip == 0  # put back for the next epoch
