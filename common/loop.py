@@ -119,10 +119,12 @@ def sum_dtype(device: torch.device) -> torch.dtype:
 def epochs_left(step: int, steps_per_epoch: int, total_steps: int, evaluated_at: int | None) -> range:
     """The epochs still to train after ``step`` optimizer steps: from the one it stopped in (a resumed run
     goes on mid-epoch) to the one holding the last step; none once the last step is done and evaluated
-    (``evaluated_at``: the step of the last evaluation). A checkpoint saved mid-epoch, before its evaluation, and
-    resumed with --max-steps at its step gets its epoch with no batch left: the evaluation of the cut."""
-    done = step > total_steps or step == total_steps and (step % steps_per_epoch == 0 or evaluated_at == step)
-    return range(0) if done else range(step // steps_per_epoch, math.ceil(total_steps / steps_per_epoch))
+    (``evaluated_at``: the step of the last evaluation; None, unknown, is taken as this one). A checkpoint saved
+    mid-epoch, before its evaluation, and resumed with --max-steps at its step gets its epoch with no batch left:
+    the evaluation of the cut."""
+    evaluated = step % steps_per_epoch == 0 or evaluated_at in (step, None)
+    return range(0) if step > total_steps or step == total_steps and evaluated else \
+        range(step // steps_per_epoch, math.ceil(total_steps / steps_per_epoch))
 
 
 def batches_left(loader: DataLoader, step: int, total_steps: int) -> Iterator:

@@ -58,7 +58,7 @@ class RunLog:
         self.loss_sum, self.loss_steps, self.train_loss = 0.0, 0, math.nan  # over the evaluation period so far
         self.skipped_steps = self.skipped_in_a_row = 0  # fp16 steps the GradScaler skipped for overflowing
         self.evals: dict[str, dict[str, float]] = {}  # the last evaluation: {"val": {"loss": ..., "acc": ...}}
-        self.evaluated_at: int | None = None  # its step: a checkpoint saved there needs no evaluation on resuming
+        self.evaluated_at: int | None = 0  # its step (0: none yet): a checkpoint saved there is not evaluated again
         self.items, self.seconds, self.first_window = 0, 0.0, None  # throughput leaves the first window out
         self.seconds_per_step = 0.0  # the last timed window's, for the eta
         self.earlier_wall_s = 0.0  # earlier launches', up to their last checkpoint: wall_s is the whole run's
@@ -194,7 +194,7 @@ class RunLog:
     def load_state_dict(self, state: dict) -> None:
         self.loss_sum, self.loss_steps, self.train_loss = state["loss_sum"], state["loss_steps"], state["train_loss"]
         self.skipped_steps, self.evals = state["skipped_steps"], state["evals"]
-        self.evaluated_at = state.get("evaluated_at")  # (None in checkpoints before it was kept: evaluate again)
+        self.evaluated_at = state.get("evaluated_at")  # (None, unknown, in checkpoints from before it was kept)
         self.skipped_in_a_row = state.get("skipped_in_a_row", 0)  # (not in checkpoints before it was kept, nor these:)
         items, seconds, first = state.get("items", 0), state.get("seconds", 0.0), state.get("first_window")
         if first and items > first[0]:  # the earlier launches' start-up left out now: this launch's own first window

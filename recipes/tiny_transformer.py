@@ -882,7 +882,8 @@ def main(
         if improved:
             save("best.pt")
 
-    if step == total_steps and log.evaluated_at != step:  # saved between evaluations, resumed with --max-steps there
+    # saved between evaluations and resumed with --max-steps there (None: a checkpoint from before evaluated_at)
+    if step == total_steps and step % eval_every and log.evaluated_at not in (step, None):
         evaluate_and_save()
     while step < total_steps:
         current_lr = scheduler.get_last_lr()[0]

@@ -572,7 +572,7 @@ def main(argv: list[str] | None = None) -> int:
         ejection = Ejection(recipe)
         target = output.resolve()  # through a symbolic link: the file it points to is replaced
         # named before it is made (mkstemp names it after): a SIGTERM at any moment from here finds it to remove
-        draft = target.with_name(f".{target.name[:100]}.{os.getpid()}.{os.urandom(6).hex()}.tmp")
+        draft = target.with_name(f".{target.name[:40]}.{os.getpid()}.{os.urandom(6).hex()}.tmp")
         with open(draft, "x", encoding="utf-8", newline="\n") as f:  # "x": made new, with the usual mode
             f.write(ejection.text(output.name))
         if failure := check_imports(draft, output):

@@ -510,7 +510,7 @@ def tempfile_dir(out_dir: Path) -> str:
     """A fresh folder on ``out_dir``'s mount, so that putting the export in place is renames: beside it (one rename
     replaces the folder), or in it where it is a mount point of its own or its parent is not writable (a volume
     of a container, say; its files then move in one by one)."""
-    prefix = f".{out_dir.name[:100]}."
+    prefix = f".{out_dir.name[:40]}."
     try:
         beside = Path(tempfile.mkdtemp(prefix=prefix, suffix=".tmp", dir=out_dir.parent))
     except OSError:

@@ -244,7 +244,7 @@ def save_png(fig, out: Path) -> None:
 
 def write_atomically(path: Path, data: bytes) -> None:
     # a name of its own, made new ("x"): a file of the user's called .curves.png.tmp is neither written nor removed
-    tmp = path.with_name(f".{path.name[:100]}.{os.getpid()}.{os.urandom(6).hex()}.tmp")
+    tmp = path.with_name(f".{path.name[:40]}.{os.getpid()}.{os.urandom(6).hex()}.tmp")
     try:
         with open(tmp, "xb") as file:
             file.write(data)

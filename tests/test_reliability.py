@@ -190,6 +190,26 @@ def test_sigterm_after_the_training_loop_exits_143_and_the_resume_finishes(recip
     assert "val_loss " not in resumed.stdout, resumed.stdout  # an evaluation's line (the done line has val_loss=)
 
 
+@pytest.mark.parametrize("recipe", ["tabular_mlp", "tiny_transformer"])
+def test_a_checkpoint_from_before_evaluated_at_was_kept_is_not_evaluated_again(recipe, run_inprocess, request,
+                                                                                tmp_path, monkeypatch):
+    """Killed after a cut's last save: a checkpoint without the step of its last evaluation is taken as evaluated,
+    as it always was (evaluated again, tabular_mlp's --keep-best held the step twice)."""
+    from common.runlog import RunLog
+
+    args = [*smoke_args(recipe, request), "--max-steps", 3, "--run-dir", tmp_path / "run"]
+    with monkeypatch.context() as patched:
+        patched.setattr(RunLog, "finish", lambda *args, **kwargs: signal.raise_signal(signal.SIGTERM))
+        assert run_inprocess(recipe, *args).code == 143
+    path = tmp_path / "run" / "checkpoints" / "last.pt"
+    checkpoint = torch.load(path, weights_only=True)
+    assert checkpoint["log"].pop("evaluated_at") == 3
+    torch.save(checkpoint, path)
+    resumed = run_inprocess(recipe, *args, "--resume", "auto")
+    assert resumed.code == 0 and "val_loss " not in resumed.stdout, resumed.stdout
+    assert read_metrics(tmp_path / "run")["steps"] == 3
+
+
 def test_divergence_stops_with_the_step_and_keeps_the_last_good_checkpoint(run_inprocess, table_csv, tmp_path):
     result = run_inprocess("tabular_mlp", "--csv", table_csv, "--target", "label", "--optimizer", "sgd",
                            "--lr", 1e30, "--checkpoint-every", 1, "--batch-size", 16, "--run-dir", tmp_path)

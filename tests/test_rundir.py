@@ -256,8 +256,10 @@ class Loader(list):
     (13, 13, range(1, 2), []),  # saved mid-epoch, resumed with --max-steps 13: the epoch's evaluation, no batch
 ])
 def test_a_resumed_loop_goes_on_where_it_stopped(step, total, epochs, batches):
-    assert epochs_left(step, 10, total, evaluated_at=None) == epochs
+    assert epochs_left(step, 10, total, evaluated_at=0) == epochs  # the last evaluation at step 0: none yet
     assert epochs_left(step, 10, total, evaluated_at=step) == (range(0) if step == total else epochs)  # done with it
+    # None: a checkpoint from before evaluated_at was kept, taken as evaluated (as such checkpoints were resumed)
+    assert epochs_left(step, 10, total, evaluated_at=None) == (range(0) if step == total else epochs)
     loader = Loader(10)
     assert list(batches_left(loader, step, total)) == batches
     assert loader.sampler.skip == 0  # put back for the next epoch

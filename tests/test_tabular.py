@@ -555,6 +555,10 @@ def test_predict_keeps_a_users_file_named_as_the_old_temporary_file(run_inproces
     assert result.code == 0, result.stderr
     assert len((tmp_path / "new.predictions.csv").read_text().splitlines()) == 6  # the header and 5 rows
     assert notes.read_text() == "my notes" and sorted(tmp_path.glob(".*")) == [notes]  # nor a temporary file left
+    long_name = tmp_path / ("数" * 80 + ".csv")  # 244 bytes, a valid name: the temporary one must fit too
+    result = run_inprocess(RECIPE, "--predict", new, "--resume", run_dir / "checkpoints" / "last.pt", "--output",
+                           long_name)
+    assert result.code == 0 and len(long_name.read_text().splitlines()) == 6, result.stderr
 
 
 def test_predict_on_a_directory_is_a_one_line_error(run_inprocess, table_csv, tmp_path):
