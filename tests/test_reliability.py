@@ -490,6 +490,20 @@ def test_a_full_disk_under_tensorboard_is_one_line_and_the_run_resumes(tmp_path)
     assert read_metrics(run_dir)["steps"] == 640
 
 
+def stop_after_step(last: int, monkeypatch) -> None:
+    """A SIGTERM once step ``last`` is logged: the recipe's StopRequest saves that step and exits 143."""
+    from common.runlog import RunLog
+
+    train = RunLog.train
+
+    def stopped(self, step, stats, **kwargs):
+        train(self, step, stats, **kwargs)
+        if step == last:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(RunLog, "train", stopped)
+
+
 # each cut by --max-steps 3 part-way through its first epoch
 @pytest.mark.parametrize("recipe", ["mixed_precision", "compiled_model", "mnist_onecycle", "ddp_mlp", "tabular_mlp"])
 def test_a_stop_at_the_last_step_of_a_cut_run_evaluates_first_and_resumes_to_the_same_end(recipe, run_inprocess,
@@ -498,18 +512,9 @@ def test_a_stop_at_the_last_step_of_a_cut_run_evaluates_first_and_resumes_to_the
     """The cut's evaluation comes before its checkpoint, as an epoch's does: stopped there, the run had saved the
     step unevaluated, and its resume finished without scores or best.pt (or, with a test set, failed for want of
     best.pt)."""
-    from common.runlog import RunLog
-
     args = [*smoke_args(recipe, request), "--max-steps", 3]
     assert run_inprocess(recipe, *args, "--run-dir", tmp_path / "whole").code == 0
-    train = RunLog.train
-
-    def stopped_at_the_last_step(self, step, stats, **kwargs):
-        train(self, step, stats, **kwargs)
-        if step == 3:
-            os.kill(os.getpid(), signal.SIGTERM)
-
-    monkeypatch.setattr(RunLog, "train", stopped_at_the_last_step)
+    stop_after_step(3, monkeypatch)  # the last one
     run_dir = tmp_path / "stopped"
     assert run_inprocess(recipe, *args, "--run-dir", run_dir).code == 143
     assert torch.load(run_dir / "checkpoints" / "best.pt", weights_only=True)["step"] == 3
@@ -531,18 +536,9 @@ def test_a_stop_between_evaluations_resumed_with_max_steps_at_its_step_evaluates
     """Stopped at step 2 mid-epoch (the transformer: between evaluations), saved unevaluated, and resumed with
     --max-steps 2: the resume trained nothing and evaluated nothing, so it finished with no scores and no best.pt (or
     failed for want of it, with a test set)."""
-    from common.runlog import RunLog
-
     args = smoke_args(recipe, request)
     assert run_inprocess(recipe, *args, "--max-steps", 2, "--run-dir", tmp_path / "whole").code == 0
-    train = RunLog.train
-
-    def stopped_at_step_2(self, step, stats, **kwargs):
-        train(self, step, stats, **kwargs)
-        if step == 2:
-            os.kill(os.getpid(), signal.SIGTERM)
-
-    monkeypatch.setattr(RunLog, "train", stopped_at_step_2)
+    stop_after_step(2, monkeypatch)
     run_dir = tmp_path / "stopped"
     assert run_inprocess(recipe, *args, "--run-dir", run_dir).code == 143
     assert not (run_dir / "checkpoints" / "best.pt").exists()  # saved before any evaluation
