@@ -51,7 +51,7 @@ def device_name(value: str) -> str:
 
 
 def given_path(value: str | Path) -> Path:
-    """A path option's value; refuses an empty one (an unset shell variable?), not '.', and a non-UTF-8 name."""
+    """A path option's value: an empty one (an unset shell variable) is refused, not read as '.'; a non-UTF-8 too."""
     if not str(value).strip():
         raise typer.BadParameter("is empty; give a path")
     try:
@@ -83,7 +83,7 @@ Precision = Annotated[Literal["auto", "fp32", "bf16", "fp16"], typer.Option(
 Compile = Annotated[bool, typer.Option("--compile/--no-compile", help="Wrap the model in torch.compile.")]
 NumWorkers = Annotated[int, typer.Option(min=0, max=4 * (os.cpu_count() or 1), help="DataLoader worker processes "
                                          "(0: load in the main one; at most 4 per CPU core: each is a process).")]
-DataDir = Annotated[Path, typer.Option(parser=given_path, metavar="<path>", help="Where data sets are downloaded.")]
+DataDir = Annotated[Path, typer.Option(parser=given_path, metavar="<path>", help="Where data sets are found or put.")]
 RunDir = Annotated[Path | None, typer.Option(parser=given_path, metavar="<path>", help="Where this run writes "
                                              "everything [default: runs/RECIPE/YYYYmmdd-HHMMSS].")]
 Resume = Annotated[str | None, typer.Option(callback=resume_target, help="Continue from this checkpoint file, or "

@@ -683,8 +683,9 @@ def predict(checkpoint_path: Path, table_path: Path, output: Path, device: torch
     else:
         table = table.append_column("prediction", pa.array(out.double().numpy() * spec["target_std"]
                                                            + spec["target_mean"]))
-    # whole or not at all (an earlier file survives a failure), under a name of its own, made new ("x" below): a
-    tmp = output.with_name(f".{output.name[:40]}.{os.getpid()}.{os.urandom(6).hex()}.tmp")  # user's .OUT.tmp stays
+    # Whole or not at all: an earlier file survives a failure. The temporary file has a name of its own, made new
+    # ("x"), so that a user's file named .OUT.tmp is neither written over nor removed.
+    tmp = output.with_name(f".{output.name[:40]}.{os.getpid()}.{os.urandom(6).hex()}.tmp")
     try:
         with open(tmp, "xb") as f:  # as read: .parquet, .tsv (tabs), else CSV; .gz compressed
             name = output.name.lower()
