@@ -1,7 +1,6 @@
 """The options every recipe shares, declared once, and the error handling around a recipe's command.
 
-A recipe declares a common option in one line (``epochs: cli.Epochs = 3``). A bad value is a usage error (exit 2)
-naming the option and what it accepts; a problem the user can fix, a ``RecipeError``: ``error: ...``, exit 1."""
+A common option is one line; a bad value is a usage error (exit 2), a ``RecipeError`` one ``error:`` line (exit 1)."""
 
 import atexit
 import json
@@ -32,7 +31,6 @@ def checked(accepts: Callable[[float], bool], rule: str) -> Callable[[float | No
         if value is not None and not accepts(value):
             raise typer.BadParameter(f"must be {rule}, got {value}")
         return value
-
     return check
 
 
@@ -51,15 +49,17 @@ def device_name(value: str) -> str:
 
 
 def given_path(value: str | Path) -> Path:
-    """A path option's value: an empty one (an unset shell variable) is refused, not read as '.'; a non-UTF-8 too."""
+    """A path option's value; an empty one (an unset shell variable, say) is refused rather than read as '.'."""
     if not str(value).strip():
         raise typer.BadParameter("is empty; give a path")
-    try:
-        str(value).encode("utf-8")
-    except UnicodeEncodeError:  # a name in another encoding reaches Python as lone surrogates
-        raise typer.BadParameter(f"{ascii(str(value))} is not a UTF-8 name (the run's records need one): rename "
-                                 "it") from None
     return Path(value)
+
+
+def folder(value: str | Path) -> Path:
+    """A folder option's value: a given path, in UTF-8 (a name in another encoding arrives as lone surrogates)."""
+    if str(value) != str(value).encode("utf-8", "replace").decode():  # which TensorBoard's writer fails on
+        raise typer.BadParameter(f"{ascii(str(value))} is not a UTF-8 name (the run's records need one): rename it")
+    return given_path(value)
 
 
 def resume_target(value: str | None) -> str | None:
@@ -83,8 +83,8 @@ Precision = Annotated[Literal["auto", "fp32", "bf16", "fp16"], typer.Option(
 Compile = Annotated[bool, typer.Option("--compile/--no-compile", help="Wrap the model in torch.compile.")]
 NumWorkers = Annotated[int, typer.Option(min=0, max=4 * (os.cpu_count() or 1), help="DataLoader worker processes "
                                          "(0: load in the main one; at most 4 per CPU core: each is a process).")]
-DataDir = Annotated[Path, typer.Option(parser=given_path, metavar="<path>", help="Where data sets are found or put.")]
-RunDir = Annotated[Path | None, typer.Option(parser=given_path, metavar="<path>", help="Where this run writes "
+DataDir = Annotated[Path, typer.Option(parser=folder, metavar="<path>", help="Where data sets are cached on download.")]
+RunDir = Annotated[Path | None, typer.Option(parser=folder, metavar="<path>", help="Where this run writes "
                                              "everything [default: runs/RECIPE/YYYYmmdd-HHMMSS].")]
 Resume = Annotated[str | None, typer.Option(callback=resume_target, help="Continue from this checkpoint file, or "
                                             "'auto': the newest one in --run-dir, else start fresh.")]

@@ -152,6 +152,8 @@ def test_an_empty_path_option_is_a_usage_error_not_the_current_folder(recipe, ru
             continue
         result = run_inprocess(recipe, option, "")
         assert result.code == 2 and f"Invalid value for '{option}': is empty; give a path" in result.stderr
+        if option not in ("--run-dir", "--data-dir"):  # a file's name in another encoding is read (and recorded
+            continue  # escaped, tests/test_transformer.py), or refused in the recipe's words (tests/test_tabular.py)
         # a name in another encoding (Latin-1's \xff), which reaches Python as a lone surrogate: TensorBoard's
         # writer failed on it with a traceback
         result = run_inprocess(recipe, option, os.fsdecode(b"run-\xff"))
