@@ -178,7 +178,8 @@ def load_adult(data_dir: Path) -> tuple[pa.Table, pa.Table]:
         try:
             path = download(ADULT_URL + name, data_dir / "adult" / name, md5)
         except cli.RecipeError as err:
-            raise cli.RecipeError(f"{err}; or train on your own table with --csv FILE --target COLUMN") from None
+            raise cli.RecipeError(f"{err} (both {' and '.join(ADULT_FILES)} go in that folder); or train on your own "
+                                  "table with --csv FILE --target COLUMN") from None
         lines = path.read_text(encoding="utf-8").splitlines()
         if name == "adult.test":
             lines = lines[1:]  # its first line is "|1x3 Cross validator", not data

@@ -372,7 +372,9 @@ def test_adult_offline_suggests_csv(run_inprocess, tmp_path, monkeypatch):
     monkeypatch.setattr(urllib.request, "urlopen", offline)
     result = run_inprocess(RECIPE, "--data-dir", tmp_path / "data", "--run-dir", tmp_path / "run")
     assert result.code == 1 and result.stderr.count("\n") == 1
-    assert "adult.data" in result.stderr and "--csv FILE --target COLUMN" in result.stderr
+    assert f"place the file at {tmp_path / 'data' / 'adult' / 'adult.data'} (both adult.data and adult.test go in " \
+        "that folder)" in result.stderr  # a user who placed adult.data alone met a second error for adult.test
+    assert "--csv FILE --target COLUMN" in result.stderr
     assert not (tmp_path / "data").exists()  # the folder made for the download is gone with it
 
 
