@@ -90,6 +90,15 @@ def item(module: str, function: str, *args) -> Callable[[], dict]:
     return run
 
 
+def unwritable(folder: Path) -> str | None:
+    """Why no file can be created in ``folder`` (read-only, say), or None: tried with a file of our own."""
+    try:
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".benchmark-probe-"):
+            return None
+    except OSError as err:
+        return err.strerror or str(err)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, help="write the figures as JSON here")
@@ -104,10 +113,14 @@ def main() -> None:
     # checked before any item runs: a bad --out found after 40 minutes of measuring would lose them
     if args.out and (args.out.is_dir() or not args.out.parent.is_dir()):
         parser.error(f"argument --out: {args.out} is a folder or in a missing one; give a .json file's path")
+    if args.out and (problem := unwritable(args.out.parent)):
+        parser.error(f"argument --out: cannot write in {args.out.parent}: {problem}")
     if args.mnist_dir and (absent := [name for name in MNIST_FILES if not (args.mnist_dir / name).is_file()]):
         parser.error(f"argument --mnist-dir: {args.mnist_dir} holds no {' or '.join(absent)} (MNIST's test set)")
     if args.adult_csv and not args.adult_csv.is_file():
         parser.error(f"argument --adult-csv: {args.adult_csv} is not a file")
+    # the items run the recipes from the repository's root: a path relative to here must not change meaning
+    args.mnist_dir, args.adult_csv = (path and path.resolve() for path in (args.mnist_dir, args.adult_csv))
     if problem := check_device(args.device):
         print(f"error: {problem}", file=sys.stderr)
         sys.exit(1)

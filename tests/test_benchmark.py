@@ -130,6 +130,8 @@ def test_bad_options_are_usage_errors_naming_them(tmp_path, monkeypatch, capsys)
                                                     "t10k-labels-idx1-ubyte.gz (MNIST's test set)"),
              (["--out", tmp_path / "missing" / "b.json"], "argument --out: "),
              (["--out", tmp_path], "argument --out: ")]
+    if Path("/proc").is_dir():  # a folder no file can be made in (as root a read-only folder is still writable)
+        cases.append((["--out", "/proc/bench.json"], "argument --out: cannot write in /proc: "))
     for args, message in cases:  # in this process: each is refused before anything is imported or measured
         monkeypatch.setattr(sys, "argv", ["benchmarks/run.py", "--only", "1", *map(str, args)])
         with pytest.raises(SystemExit) as exit_:
@@ -184,6 +186,7 @@ def test_the_input_pipeline_has_a_batch_for_every_step_it_times(quick, monkeypat
     result = item.input_pipeline(quick, None)
     assert trained == [torch.Size([32, 1, 28, 28])] * (15 if quick else 150)
     assert 0 <= result["wait_percent"] <= 100
+    assert result["real_mnist"] is False and "; on stand-in digits (no --mnist-dir))" in result["result"]
 
 
 @pytest.fixture
@@ -217,6 +220,18 @@ def test_every_recipe_subprocess_gets_the_device(bench, monkeypatch, tmp_path):
     bench.ddp(True, tmp_path)  # one process and two, twice each in quick mode: once each
     devices = [args[args.index("--device") + 1] for args in bench.calls]
     assert devices == ["cpu", "cuda:1", "cuda", "cuda"]  # under torchrun each rank picks cuda:LOCAL_RANK
+
+
+def test_data_paths_relative_to_where_it_was_started_reach_the_recipes(bench, monkeypatch, tmp_path, capsys):
+    """The recipes run from the repository's root: a relative --adult-csv was checked here, then not found there."""
+    import runpy
+
+    (tmp_path / "adult.csv").write_text("x\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["benchmarks/run.py", "--quick", "--only", "8", "--adult-csv", "adult.csv"])
+    runpy.run_path(str(ROOT / "benchmarks" / "run.py"), run_name="__main__")
+    assert "| 8 | Tabular MLP" in capsys.readouterr().out
+    assert {args[args.index("--csv") + 1] for args in bench.calls} == {str(tmp_path / "adult.csv")}
 
 
 def test_adult_is_judged_by_the_mean_of_three_seeds_not_by_seed_0(monkeypatch, tmp_path):
