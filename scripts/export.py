@@ -426,6 +426,9 @@ def export_checkpoint(checkpoint: Path, out_dir: Path, overwrite: bool = False, 
         raise ExportError(f"{checkpoint} lacks what rebuilding its {recipe} model needs ({err})") from None
     except (ValueError, RuntimeError) as err:  # a negative width, say
         raise ExportError(f"{checkpoint} is damaged: its {recipe} model cannot be rebuilt ({err})") from None
+    weights = (exportable.reference or exportable.model).named_parameters()  # (a buffer may hold -inf by design)
+    if unfinite := next((k for k, v in weights if not v.isfinite().all()), None):
+        raise ExportError(f"{checkpoint} is damaged: its weight {unfinite} holds NaN or inf; nothing was exported")
 
     created = make_parents(out_dir)
     try:

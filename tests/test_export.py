@@ -285,6 +285,19 @@ def test_a_library_that_fails_its_own_import_is_named_in_one_line(checkpoints, t
     assert capsys.readouterr().err == f"error: {said}: pip install -r requirements.txt\n"
 
 
+@pytest.mark.parametrize("format", ["graph", "safetensors"])
+def test_weights_holding_nan_are_refused_in_every_format(checkpoints, tmp_path, capsys, format):
+    """safetensors wrote them and said "max difference 0.00e+00": max() passed a NaN by unless it came first."""
+    state = torch.load(checkpoints["ddp_mlp"], weights_only=True)
+    last = list(state["model"])[-1]
+    state["model"][last][0] = float("nan")
+    torch.save(state, tmp_path / "edited.pt")
+    assert export.main([str(tmp_path / "edited.pt"), str(tmp_path / "out"), "--format", format]) == 1
+    assert capsys.readouterr().err == (f"error: {tmp_path / 'edited.pt'} is damaged: its weight {last} holds NaN or "
+                                       "inf; nothing was exported\n")
+    assert not (tmp_path / "out").exists()
+
+
 def test_overwrite_through_a_link_replaces_the_folder_it_names_and_keeps_the_link(checkpoints, tmp_path):
     real, link = tmp_path / "real", tmp_path / "link"
     assert export.main([str(checkpoints["ddp_mlp"]), str(real)]) == 0
