@@ -207,7 +207,10 @@ def main(
     model = MLP(hidden).to(device)
     if dist.is_initialized():  # under torchrun, even as one process: DDP runs for real, as on a one-GPU machine
         # DDP broadcasts rank 0's weights at construction, then all-reduces (averages) the gradients during the
-        # backward pass, bucket by bucket, overlapping communication with the rest of the backward.
+        # backward pass, bucket by bucket, overlapping communication with the rest of the backward. Not the older
+        # nn.DataParallel(model): one process drives every GPU from threads, so the GIL and GPU 0 (which scatters
+        # each batch and gathers the outputs) throttle it. A quick prototype at most; PyTorch recommends DDP even
+        # on one machine.
         model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     if compile:
         model = torch.compile(model)  # after DDP, so that Dynamo can split the graph at its gradient buckets
