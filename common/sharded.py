@@ -112,12 +112,11 @@ def load_full(path: Path, checkpoint: dict, model: nn.Module, optimizer: torch.o
 def to_single_file(step_dir: Path, out: Path, recipe: str) -> None:
     """A DCP checkpoint folder as the usual single file (full tensors, one process), which ``--sample-only`` and
     scripts/export.py read. The optimizer state stays keyed by parameter name, as get_state_dict gives it."""
-    trainer = load_trainer_state(step_dir, recipe)
-    trainer.pop("sharded", None)
+    trainer = {key: value for key, value in load_trainer_state(step_dir, recipe).items() if key != "sharded"}
     tmp = out.with_name(f".{out.name}.{os.getpid()}.dcp.tmp")
     try:
-        with quiet_single_process():
-            dcp_to_torch_save(step_dir, tmp)
+        with quiet_single_process(), open(tmp, "wb") as f:  # a file: a failed write is then a Python OSError
+            dcp_to_torch_save(step_dir, f)
         tensors = torch.load(tmp, map_location="cpu", weights_only=True)
     finally:
         tmp.unlink(missing_ok=True)
@@ -164,7 +163,7 @@ class ShardedCheckpointer:
                 dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=tmp)
         except (OSError, CheckpointException) as err:  # DCP wraps a rank's OSError in its BaseException
             from_rank_0(lambda: shutil.rmtree(tmp, ignore_errors=True))
-            raise not_written(final, failure(err), self.last_step or self.files.last_step) from None
+            raise not_written(final, failure(err, self.dcp_dir), self.last_step or self.files.last_step) from None
         from_rank_0(lambda: self.complete(state, tmp, final))  # no rank goes on before it is complete
         self.last_good, self.last_step = final, step
 
@@ -239,12 +238,13 @@ def raise_if_interrupted(err: BaseException) -> None:
         raise interrupted[0] from None
 
 
-def failure(err: BaseException) -> OSError:
-    """The OSError behind a failed save (a Ctrl-C wrapped in DCP's CheckpointException is raised: no failed save)."""
+def failure(err: BaseException, folder: Path | None = None) -> OSError:
+    """The OSError behind a failed save (else the first error, with ``folder``'s free space); a Ctrl-C is raised."""
     raise_if_interrupted(err)
     if not isinstance(err, CheckpointException):
         return err
-    # a shard's write, like torch.save's, fails as a RuntimeError ("unexpected pos") whose context is the OSError
+    # a failed write: a RuntimeError ("unexpected pos") from the OSError, which another rank's loses in its pickle
     causes = [e.__context__ if isinstance(e.__context__, OSError) else e for e, _ in err.failures.values()]
-    return next((e for e in causes if isinstance(e, OSError)), OSError(str(causes[0]) if causes else str(err)))
+    free = f"; {shutil.disk_usage(folder).free / 2**20:,.1f} MB free on that disk" if folder else ""  # a full one?
+    return next((e for e in causes if isinstance(e, OSError)), None) or OSError(f"{causes[0] if causes else err}{free}")
 

@@ -4,6 +4,7 @@ with the same weights, and FSDP holds about 1/N of the model state per rank."""
 
 import os
 import pickle
+import re
 import shutil
 import signal
 import socket
@@ -581,6 +582,52 @@ def test_a_full_disk_at_the_single_file_copies_is_one_line_and_leaves_the_sharde
         f"error: could not write the single-file checkpoints in {run_dir / 'checkpoints'}: {why}; the sharded "
         f"checkpoints in {run_dir / 'checkpoints' / 'dcp'} are intact"]
     assert (run_dir / "checkpoints" / "dcp" / "step-000006" / ".metadata").is_file()
+
+
+def test_a_really_full_disk_at_the_single_file_copies_says_so(run_inprocess, corpus_txt, tmp_path, monkeypatch):
+    """The copy of a step folder went through a file that torch.save opened itself: a full disk was "the write failed
+    ([enforce fail at inline_container.cc:672] . unexpected pos ...)"."""
+    import contextlib
+
+    import common.sharded
+
+    disk = tmp_path / "small-disk"
+    disk.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(disk)]).returncode:
+        pytest.skip("no tmpfs can be mounted here (not root)")
+    convert = common.sharded.to_single_file
+
+    def on_a_full_disk(*args):
+        with open(disk / "filler", "wb", buffering=0) as filler, contextlib.suppress(OSError):
+            while True:
+                filler.write(b"x" * 1024)
+        return convert(*args)
+
+    monkeypatch.setattr(common.sharded, "to_single_file", on_a_full_disk)
+    try:
+        run_dir = disk / "run"
+        result = run_inprocess("tiny_transformer", "--text", corpus_txt, *TINY, "--parallel", "fsdp",
+                               "--batch-size", 8, "--run-dir", run_dir)
+        assert result.code == 1 and result.stderr.strip().splitlines() == [
+            f"error: could not write the single-file checkpoints in {run_dir / 'checkpoints'}: No space left on "
+            f"device; the sharded checkpoints in {run_dir / 'checkpoints' / 'dcp'} are intact"]
+        assert [p.name for p in (run_dir / "checkpoints").iterdir()] == ["dcp"]  # no temporary file left
+    finally:
+        subprocess.run(["umount", str(disk)], check=True)
+
+
+def test_another_ranks_failed_write_is_said_with_the_free_space(tmp_path):
+    """Another rank's error reaches rank 0 pickled, without the OSError behind it: torch's words alone."""
+    from torch.distributed.checkpoint.api import CheckpointException, _wrap_exception
+
+    from common.sharded import failure
+
+    err = CheckpointException("CheckpointException ranks", {1: _wrap_exception(write_failed())})
+    said = str(failure(err, tmp_path))
+    assert re.fullmatch(re.escape(TORCH_WRITE_FAILED) + r"; [\d,]+\.\d MB free on that disk", said), said
+    err = CheckpointException("ranks", {1: _wrap_exception(write_failed()), 0: _wrap_exception(write_failed(
+        OSError(28, "No space left on device")))})
+    assert str(failure(err, tmp_path)) == "[Errno 28] No space left on device"  # the one OSError there is
 
 
 def test_the_last_good_checkpoint_is_the_resumed_one_until_the_run_saves_its_own(tmp_path):
