@@ -10,9 +10,8 @@
 
 Every rank writes its shards into the ``.tmp`` folder; once all have (DCP writes ``.metadata`` last, on rank 0),
 rank 0 adds ``trainer.pt`` and renames the folder to ``step-N``: atomic, so a crash leaves it absent or complete.
-The last ``KEEP`` complete checkpoints and the best one are kept. ``get_state_dict`` keys the model and optimizer
-state by parameter name (DTensor shards under FSDP); ``dcp.load`` reads into whatever layout the loading run has
-(a checkpoint written at 2 ranks loads at 1 or 4; without a process group, DCP reads and writes in one process).
+``get_state_dict`` keys the state by parameter name (DTensor shards under FSDP); ``dcp.load`` reads into the
+loading run's layout (written at 2 ranks, it loads at 1 or 4; without a process group DCP works in one process).
 """
 
 import logging
@@ -233,9 +232,8 @@ def clear_unfinished(dcp_dir: Path) -> None:
 def raise_if_interrupted(err: BaseException) -> None:
     """DCP's CheckpointException holds each failing rank's exception: a Ctrl-C (or exit) among them is raised."""
     causes = [e for e, _ in err.failures.values()] if isinstance(err, CheckpointException) else []
-    interrupted = [e for e in causes if isinstance(e, KeyboardInterrupt | SystemExit)]
-    if interrupted:
-        raise interrupted[0] from None
+    if interrupted := next((e for e in causes if isinstance(e, KeyboardInterrupt | SystemExit)), None):
+        raise interrupted from None
 
 
 def failure(err: BaseException, folder: Path | None = None) -> OSError:
@@ -243,8 +241,10 @@ def failure(err: BaseException, folder: Path | None = None) -> OSError:
     raise_if_interrupted(err)
     if not isinstance(err, CheckpointException):
         return err
-    # a failed write: a RuntimeError ("unexpected pos") from the OSError, which another rank's loses in its pickle
-    causes = [e.__context__ if isinstance(e.__context__, OSError) else e for e, _ in err.failures.values()]
-    free = f"; {shutil.disk_usage(folder).free / 2**20:,.1f} MB free on that disk" if folder else ""  # a full one?
-    return next((e for e in causes if isinstance(e, OSError)), None) or OSError(f"{causes[0] if causes else err}{free}")
+    # a failed write: a RuntimeError ("unexpected pos") from the OSError, lost where DCP gathers the ranks' errors
+    causes = [e.__context__ if isinstance(e.__context__, OSError) else e for e, _ in err.failures.values()] or [err]
+    found = next((e for e in causes if isinstance(e, OSError)), None)
+    free = (f"; {shutil.disk_usage(folder).free / 2**20:,.1f} MB free on that disk" if folder and folder.is_dir()
+            else "")  # without the OSError, the free space tells whether the disk filled up
+    return found or OSError(f"{causes[0]}{free}")
 

@@ -376,13 +376,14 @@ def export_hf(exportable: Exportable, state: dict, out: Path) -> dict[str, float
 
 def export_safetensors(exportable: Exportable, out: Path, recipe: str) -> dict[str, float]:
     """Write the model's state_dict as model.safetensors; returns the largest difference of the file read back."""
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file, save
 
     state = (exportable.reference or exportable.model).state_dict()
     # safetensors stores no tensor twice: a tied weight (the transformer's lm_head.weight is wte.weight) gets a copy
     # under each of its names, so the file is the state_dict as load_state_dict takes it (which ties them again)
-    save_file({key: value.detach().cpu().clone().contiguous() for key, value in state.items()},
-              out / "model.safetensors", metadata={"format": "pt", "recipe": recipe})
+    tensors = {key: value.detach().cpu().clone().contiguous() for key, value in state.items()}
+    # written by Python, not by safetensors' Rust: a full disk is then an OSError, said as for the other formats
+    (out / "model.safetensors").write_bytes(save(tensors, metadata={"format": "pt", "recipe": recipe}))
     read = load_file(out / "model.safetensors")
     if read.keys() != state.keys():
         return {"safetensors": math.inf}
@@ -426,8 +427,8 @@ def export_checkpoint(checkpoint: Path, out_dir: Path, overwrite: bool = False, 
         raise ExportError(f"{checkpoint} lacks what rebuilding its {recipe} model needs ({err})") from None
     except (ValueError, RuntimeError) as err:  # a negative width, say
         raise ExportError(f"{checkpoint} is damaged: its {recipe} model cannot be rebuilt ({err})") from None
-    weights = (exportable.reference or exportable.model).named_parameters()  # (a buffer may hold -inf by design)
-    if unfinite := next((k for k, v in weights if not v.isfinite().all()), None):
+    weights = (exportable.reference or exportable.model).state_dict().items()  # batch norm's statistics too
+    if unfinite := next((k for k, v in weights if v.is_floating_point() and not v.isfinite().all()), None):
         raise ExportError(f"{checkpoint} is damaged: its weight {unfinite} holds NaN or inf; nothing was exported")
 
     created = make_parents(out_dir)

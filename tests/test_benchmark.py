@@ -130,8 +130,11 @@ def test_bad_options_are_usage_errors_naming_them(tmp_path, monkeypatch, capsys)
                                                     "t10k-labels-idx1-ubyte.gz (MNIST's test set)"),
              (["--out", tmp_path / "missing" / "b.json"], "argument --out: "),
              (["--out", tmp_path], "argument --out: ")]
-    if Path("/proc").is_dir():  # a folder no file can be made in (as root a read-only folder is still writable)
-        cases.append((["--out", "/proc/bench.json"], "argument --out: cannot write in /proc: "))
+    if Path("/sys").is_dir():  # a folder no file can be made in (as root a read-only folder is still writable)
+        cases.append((["--out", "/sys/bench.json"], "argument --out: cannot write /sys/bench.json: Permission denied"))
+    if Path("/sys/kernel/notes").is_file():  # a file that cannot be written (as root a read-only file still can)
+        cases.append((["--out", "/sys/kernel/notes"], "argument --out: cannot write /sys/kernel/notes: Permission "
+                                                       "denied"))
     for args, message in cases:  # in this process: each is refused before anything is imported or measured
         monkeypatch.setattr(sys, "argv", ["benchmarks/run.py", "--only", "1", *map(str, args)])
         with pytest.raises(SystemExit) as exit_:

@@ -617,7 +617,7 @@ def test_a_really_full_disk_at_the_single_file_copies_says_so(run_inprocess, cor
 
 
 def test_another_ranks_failed_write_is_said_with_the_free_space(tmp_path):
-    """Another rank's error reaches rank 0 pickled, without the OSError behind it: torch's words alone."""
+    """DCP gathers the ranks' errors pickled, without the OSError behind them: torch's words alone, and the space."""
     from torch.distributed.checkpoint.api import CheckpointException, _wrap_exception
 
     from common.sharded import failure
@@ -625,6 +625,7 @@ def test_another_ranks_failed_write_is_said_with_the_free_space(tmp_path):
     err = CheckpointException("CheckpointException ranks", {1: _wrap_exception(write_failed())})
     said = str(failure(err, tmp_path))
     assert re.fullmatch(re.escape(TORCH_WRITE_FAILED) + r"; [\d,]+\.\d MB free on that disk", said), said
+    assert str(failure(err, tmp_path / "gone")) == TORCH_WRITE_FAILED  # a folder since removed: no second error
     err = CheckpointException("ranks", {1: _wrap_exception(write_failed()), 0: _wrap_exception(write_failed(
         OSError(28, "No space left on device")))})
     assert str(failure(err, tmp_path)) == "[Errno 28] No space left on device"  # the one OSError there is
