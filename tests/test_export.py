@@ -295,7 +295,7 @@ def test_weights_holding_nan_are_refused_in_every_format(checkpoints, tmp_path, 
     state["model"][last][0] = float("nan")
     torch.save(state, tmp_path / "edited.pt")
     assert export.main([str(tmp_path / "edited.pt"), str(tmp_path / "out"), "--format", format]) == 1
-    assert capsys.readouterr().err == (f"error: {tmp_path / 'edited.pt'} is damaged: its weight {last} holds NaN or "
+    assert capsys.readouterr().err == (f"error: {tmp_path / 'edited.pt'} is damaged: its model's {last} holds NaN or "
                                        "inf; nothing was exported\n")
     assert not (tmp_path / "out").exists()
 
