@@ -207,7 +207,7 @@ class ShardedCheckpointer:
             reason = (str(failure(err)).strip().splitlines() or ["unreadable"])[-1][:300]  # a Ctrl-C in it: raised
             raise RecipeError(f"could not write the single-file checkpoints in {self.files.folder}: a step folder in "
                               f"{self.dcp_dir} is damaged ({reason})") from None
-        except (OSError, RuntimeError) as err:  # a full disk, say (which torch.save to a path raises as RuntimeError)
+        except (OSError, RuntimeError) as err:  # a full disk, say (torch.save's RuntimeError, from the OSError)
             err = err.__context__ if isinstance(err.__context__, OSError) else err
             why = err.strerror if isinstance(err, OSError) and err.strerror else f"the write failed ({err})"
             raise RecipeError(f"could not write the single-file checkpoints in {self.files.folder}: {why}; the "

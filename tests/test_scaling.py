@@ -616,7 +616,7 @@ def test_a_really_full_disk_at_the_single_file_copies_says_so(run_inprocess, cor
         subprocess.run(["umount", str(disk)], check=True)
 
 
-def test_another_ranks_failed_write_is_said_with_the_free_space(tmp_path):
+def test_a_failed_write_gathered_from_the_ranks_is_said_with_the_free_space(tmp_path):
     """DCP gathers the ranks' errors pickled, without the OSError behind them: torch's words alone, and the space."""
     from torch.distributed.checkpoint.api import CheckpointException, _wrap_exception
 
