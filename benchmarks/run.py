@@ -38,6 +38,7 @@ import torch
 
 from benchmarks import harness
 from benchmarks.harness import CPU, cpu_hardware, describe_hardware
+from scripts.plot_runs import cannot_write_in
 
 MNIST_FILES = ("t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz")  # the official test set (torchvision's)
 
@@ -90,16 +91,6 @@ def item(module: str, function: str, *args) -> Callable[[], dict]:
     return run
 
 
-def unwritable(path: Path) -> str | None:
-    """Why no file can be made in the folder ``path`` (read-only, say), or the file ``path`` cannot be written, or
-    None: tried with a file of our own, or by opening the file to append (which changes nothing in it)."""
-    try:
-        with tempfile.NamedTemporaryFile(dir=path, prefix=".benchmark-probe-") if path.is_dir() else open(path, "ab"):
-            return None
-    except OSError as err:
-        return err.strerror or str(err)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, help="write the figures as JSON here")
@@ -114,8 +105,13 @@ def main() -> None:
     # checked before any item runs: a bad --out found after 40 minutes of measuring would lose them
     if args.out and (args.out.is_dir() or not args.out.parent.is_dir()):
         parser.error(f"argument --out: {args.out} is a folder or in a missing one; give a .json file's path")
-    if args.out and (problem := unwritable(args.out if args.out.exists() else args.out.parent)):
-        parser.error(f"argument --out: cannot write {args.out}: {problem}")
+    if args.out and args.out.exists():
+        try:
+            open(args.out, "ab").close()  # to append: nothing in it changes
+        except OSError as err:
+            parser.error(f"argument --out: cannot write {args.out}: {err.strerror or err}")
+    elif args.out and (problem := cannot_write_in(args.out.parent)):
+        parser.error(f"argument --out: {problem}")
     if args.mnist_dir and (absent := [name for name in MNIST_FILES if not (args.mnist_dir / name).is_file()]):
         parser.error(f"argument --mnist-dir: {args.mnist_dir} holds no {' or '.join(absent)} (MNIST's test set)")
     if args.adult_csv and not args.adult_csv.is_file():
