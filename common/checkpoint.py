@@ -143,8 +143,8 @@ def resume_checkpoint(run: RunFolder, recipe: str, config: dict, may_change: set
         return None
     checkpoint = load(run.resume_from, recipe)
     if checkpoint.get("averaged"):
-        raise RecipeError(f"checkpoint {run.resume_from} holds the averaged (--ema) weights, not the trained ones, so "
-                          "no run can go on from it: resume from last.pt, or use it as it is (evaluate, export)")
+        raise RecipeError(f"checkpoint {run.resume_from} holds the averaged (EMA) weights, not the trained ones, so "
+                          "no run can go on from it: resume from last.pt, or use it as it is")
     check_same_run(checkpoint, run.resume_from, config, may_change)
     if run.held is not None and run.resume_from.resolve() != run.held.resolve():
         raise RecipeError(f"{run.path} already holds checkpoints, and --resume {run.resume_from} is not its last one: "

@@ -142,7 +142,7 @@ def as_config(options: dict) -> dict:
 
 class Command(NamedTuple):
     """The recipe command that runs now (``run_recipe`` sets it, as click keeps its current context)."""
-    flags: dict[str, list[str]]  # parameter -> its flags: csv_path -> [--csv], dynamic -> [--dynamic, --no-dynamic]
+    flags: dict[str, list[str]]  # parameter -> its flags: run_dir -> [--run-dir], a switch -> [--x, --no-x]
     cleanup: ExitStack  # what to release when the command ends, however it ends
     argv: list[str]  # its arguments
 

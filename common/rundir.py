@@ -53,8 +53,8 @@ def open_run_dir(recipe: str, run_dir: Path | None, resume: str | None,
     """``--run-dir`` (default runs/RECIPE/TIME) and ``--resume`` (a file, or ``auto``: ``last_checkpoint``). A fresh
     run never starts where checkpoints are, so nothing is overwritten; the folder is this process's until its
     command ends (another run is refused it), and removed then if this call made it and it holds no checkpoint.
-    ``holds_runs``: the folder holds runs in sub-folders (--cv's folds), not one of its own. ``resumable``: False for
-    a command that always starts afresh (--compare), which a refusal then does not tell to resume."""
+    ``holds_runs``: the folder holds runs in sub-folders (folds, say), not one of its own. ``resumable``: False for a
+    command that always starts afresh (a comparison, say), which a refusal then does not tell to resume."""
     if resume == "auto" and run_dir is None:
         raise typer.BadParameter("'auto' looks for checkpoints in --run-dir; give --run-dir too", param_hint="--resume")
     if resume != "auto" and os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") not in ("", "0"):  # torchrun's
@@ -67,7 +67,7 @@ def open_run_dir(recipe: str, run_dir: Path | None, resume: str | None,
     foreign = []  # a config.json or metrics.json that no run of this recipe wrote: a model's folder, a project's
     if run_dir.is_dir():
         last = last_checkpoint(run_dir)
-        held = last or next(run_dir.rglob("*.pt"), None)  # --cv and --compare: runs in sub-folders
+        held = last or next(run_dir.rglob("*.pt"), None)  # folds or comparisons: runs in sub-folders
         held = held or next(run_dir.glob("checkpoints/dcp/step-*/*.distcp"), None)  # shards, incomplete (a copy?)
         foreign = [name for name in ("config.json", "metrics.json") if recorded_recipe(run_dir / name) not in
                    (recipe, None)]
@@ -220,7 +220,7 @@ def write_json(path: Path, data: dict) -> None:
 def already_finished(run: RunFolder, checkpoint: dict | None, *, max_steps: int | None, epochs: int | None = None,
                      steps: int | None = None) -> bool:
     """Whether metrics.json says the run ended at the checkpoint's step: where its schedule ends (``epochs`` of the
-    checkpoint's epoch length, or ``steps``), ``--max-steps``, or early (``--patience``); then a relaunch (the same
+    checkpoint's epoch length, or ``steps``), ``--max-steps``, or early (patience); then a relaunch (the same
     command) says so and leaves the results as they are. A checkpoint past the end of an unfinished run: RecipeError."""
     try:
         step, schedule = checkpoint["step"], steps or epochs * checkpoint["steps_per_epoch"]
@@ -236,13 +236,13 @@ def already_finished(run: RunFolder, checkpoint: dict | None, *, max_steps: int 
     # (a checkpoint at the end, without metrics: the run was killed as it finished, and finishes now)
     if (run.resumes_another_run and step >= end) or (not done and step > end):
         where = "where this run ends" if step == end else f"past where this run ends (step {end})"
-        goes_on = "use the checkpoint as it is: export it, predict or sample" if run.resumes_another_run else \
+        goes_on = "use the checkpoint as it is" if run.resumes_another_run else \
             f"a --max-steps above {step}, or none, goes on with it"
         raise RecipeError(f"checkpoint {run.resume_from} is at step {step}, {where}: nothing is left to train in "
                           f"{run.path} ({goes_on})")
     if done and launched_as_rank_0():
-        why = ("stopped early by --patience" if early else "its schedule is done" if step >= schedule else
-               "a larger --max-steps goes on with it")  # (a smaller one than the run's is no reason)
+        why = ("stopped early: its score no longer improved" if early else  # (a smaller --max-steps is no reason)
+               "its schedule is done" if step >= schedule else "a larger --max-steps goes on with it")
         print(f"already finished: step {step} of {min(schedule, max(end, step))}; nothing trained, {run.path} left as "
               f"it was ({why})", flush=True)
     return done

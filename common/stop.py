@@ -24,7 +24,7 @@ class StopRequest:
     Ctrl-C, the terminal's whole group) hears the same one twice: torchrun's SIGKILL, after its grace period, is the
     quit. Exit status: 128 + signal. The previous handlers come back when the recipe's command ends."""
 
-    def __init__(self):  # (a request after an earlier run of this command, --cv's fold say, exited there)
+    def __init__(self):  # (a request after an earlier run of this command, a fold say, exited there)
         self.signal: int | None = None
         self.previous = {s: signal.signal(s, self.handle) for s in (signal.SIGINT, signal.SIGTERM)}
         self.ended_at: tuple[int, Path | None] | None = None  # (step, run_dir) once the loop is over

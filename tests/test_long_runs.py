@@ -156,9 +156,9 @@ def test_patience_stops_after_n_evaluations_without_a_better_score(run_inprocess
     assert (metrics["steps"], metrics["stopped_early"], metrics["best_step"]) == (35, True, 14)
     again = run_inprocess("tabular_mlp", *args)  # the same command once more: it has finished
     assert again.code == 0 and "already finished: step 35" in again.stdout
-    assert "(stopped early by --patience)" in again.stdout and "--max-steps" not in again.stdout
+    assert "(stopped early: its score no longer improved)" in again.stdout and "--max-steps" not in again.stdout
     shorter = run_inprocess("tabular_mlp", *args, "--max-steps", 20)  # the reason is the record's, not the steps'
-    assert shorter.code == 0 and "(stopped early by --patience)" in shorter.stdout, shorter.stdout
+    assert shorter.code == 0 and "(stopped early: its score no longer improved)" in shorter.stdout, shorter.stdout
 
 
 def test_a_run_going_on_from_another_folders_early_stop_has_patience_of_its_own(run_inprocess, table_csv, tmp_path,

@@ -504,7 +504,7 @@ def test_the_test_set_is_scored_with_the_weights_best_pt_holds(run_inprocess, mn
     resumed = run_inprocess(RECIPE, "--epochs", 3, "--batch-size", 32, "--width", 4, "--ema", 0.9, "--precision",
                             "fp32", "--data-dir", mnist_dir, "--run-dir", tmp_path / "on",
                             "--resume", run_dir / "checkpoints" / "best.pt")
-    assert resumed.code == 1 and "holds the averaged (--ema) weights, not the trained ones" in resumed.stderr
+    assert resumed.code == 1 and "holds the averaged (EMA) weights, not the trained ones" in resumed.stderr
     assert not (tmp_path / "on").exists()
 
 

@@ -352,7 +352,7 @@ def test_a_finished_checkpoint_continued_in_another_folder_is_one_line(run_inpro
     result = run_inprocess("mixed_precision", *MP_TINY, "--resume", last, "--run-dir", tmp_path / "more")
     assert result.code == 1
     assert result.stderr == (f"error: checkpoint {last} is at step 2, where this run ends: nothing is left to train "
-                             f"in {tmp_path / 'more'} (use the checkpoint as it is: export it, predict or sample)\n")
+                             f"in {tmp_path / 'more'} (use the checkpoint as it is)\n")
     assert not (tmp_path / "more").exists()
     shorter = run_inprocess("mixed_precision", *MP_TINY, "--max-steps", 1, "--resume", last, "--run-dir",
                             tmp_path / "more")  # it said "at step 2, where this run ends" of a run to step 1
