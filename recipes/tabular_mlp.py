@@ -886,7 +886,6 @@ def main(
         if precision in ("bf16", "fp16"):
             raise typer.BadParameter("lbfgs needs fp32: its line search compares losses too closely for autocast",
                                      param_hint="--precision")
-        precision = "fp32"  # what auto gives it
         if batch_size is not None:
             raise typer.BadParameter("lbfgs trains on the whole table at once; leave --batch-size out",
                                      param_hint="--batch-size")
@@ -942,6 +941,8 @@ def train(csv_path: Path | None, target: str, task: str, drop: list[str] | None,
     seed_everything(seed)
     device = resolve_device(device)
     precision, why = resolve_precision(precision, device, checkpoint)  # --precision auto: bf16 where native
+    if optimizer_name == "lbfgs" and precision != "fp32":  # auto's bf16 (a bf16 or fp16 given was refused above)
+        precision, why = "fp32", "auto: lbfgs needs fp32"
     config |= {"precision": precision, "precision_reason": why}
 
     # Data: a table -> preprocessing fitted on the training split -> tensors

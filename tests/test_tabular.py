@@ -481,6 +481,17 @@ def test_each_optimizer_lowers_the_loss(run_inprocess, table_csv, tmp_path, opti
     assert losses[-1] < 0.8 * losses[0]
 
 
+def test_lbfgs_under_auto_precision_says_why_it_runs_in_fp32(run_inprocess, table_csv, tmp_path, monkeypatch):
+    """On a CPU with native bf16, auto gave lbfgs fp32 and the header called that "as given"."""
+    import common.runtime as runtime
+
+    monkeypatch.setattr(runtime, "cpu_flags", lambda: {"avx512_bf16"})
+    result = run_inprocess(RECIPE, "--csv", table_csv, "--target", "label", "--optimizer", "lbfgs", "--precision",
+                           "auto", "--max-steps", 1, "--run-dir", tmp_path)
+    assert result.code == 0 and "| precision fp32 (auto: lbfgs needs fp32) |" in result.stdout, result.stdout
+    assert json.loads((tmp_path / "config.json").read_text())["precision_reason"] == "auto: lbfgs needs fp32"
+
+
 @pytest.mark.parametrize(("extra", "message"), [
     (["--batch-size", "32"], "lbfgs trains on the whole table at once"),
     (["--precision", "bf16"], "lbfgs needs fp32"),
