@@ -121,9 +121,9 @@ def replay(ctx: typer.Context, path: Path | None) -> Path | None:
         raise typer.BadParameter(f"{path} is not a run's config.json (a JSON object of settings)") from None
     names = {param.name for param in ctx.command.params}
     if unknown := sorted(saved.keys() - names - RECORD_KEYS):
-        raise typer.BadParameter(f"{path} holds settings this recipe does not have ({', '.join(unknown[:6])}): "
-                                 "another recipe's config?")
-    ctx.default_map = {k: v for k, v in saved.items() if k in names - {"run_dir", "resume", "config_file"}}
+        raise typer.BadParameter(f"{path} has settings this recipe lacks ({', '.join(unknown[:6])}): another recipe's?")
+    ctx.default_map = {k: v for k, v in saved.items() if k in names - {"run_dir", "resume", "config_file"}} | (
+        {"precision": "auto"} if str(saved.get("precision_reason")).startswith("auto") else {})  # auto chooses again
     per_process = "global_batch" not in names  # a batch per process, or a global batch kept at any process count
     if per_process and str(saved.get("world_size", 1)) != os.environ.get("WORLD_SIZE", "1") and launched_as_rank_0():
         print(f"warning: {path} ran as {saved['world_size']} processes, this run as {os.environ.get('WORLD_SIZE', 1)}:"

@@ -107,7 +107,7 @@ def test_a_config_of_another_recipe_or_no_config_is_a_usage_error(run_inprocess,
     first = run_inprocess("mixed_precision", *smoke_args("mixed_precision", request), "--run-dir", tmp_path / "a")
     assert first.code == 0
     other = run_inprocess("tabular_mlp", "--config", tmp_path / "a" / "config.json")
-    assert other.code == 2 and "'--config'" in other.stderr and "another recipe's config?" in other.stderr
+    assert other.code == 2 and "'--config'" in other.stderr and "another recipe's?" in other.stderr
     (tmp_path / "bad.json").write_text("{not json")
     (tmp_path / "list.json").write_text("[1, 2]")  # JSON, but not an object of settings
     not_settings = "is not a run's config.json (a JSON object of settings)"

@@ -873,6 +873,23 @@ def test_the_header_says_where_a_precision_came_from(run_inprocess, tmp_path):
         assert json.loads((tmp_path / run / "config.json").read_text())["precision_reason"] == why
 
 
+def test_a_replay_chooses_again_where_auto_chose(run_inprocess, tmp_path, monkeypatch):
+    """A config.json from a CPU with native bf16 replayed bf16 on one without, where it is emulated and slow: what
+    auto chose is auto again on replay, and a precision given to the replay still wins."""
+    import common.runtime as runtime
+
+    small = ["--max-steps", 1, "--samples", 256, "--batch-size", 128, "--width", 8, "--depth", 1, "--device", "cpu"]
+    monkeypatch.setattr(runtime, "cpu_flags", lambda: {"avx512_bf16"})
+    there = run_inprocess("mixed_precision", *small, "--precision", "auto", "--run-dir", tmp_path / "there")
+    assert there.code == 0 and "| precision bf16 (auto: the CPU has avx512_bf16) |" in there.stdout, there.stdout
+    monkeypatch.setattr(runtime, "cpu_flags", lambda: {"avx2"})
+    replay = ["--config", tmp_path / "there" / "config.json"]
+    here = run_inprocess("mixed_precision", *small, *replay, "--run-dir", tmp_path / "here")
+    assert here.code == 0 and "| precision fp32 (auto: no native bf16 matmul on this cpu) |" in here.stdout
+    given = run_inprocess("mixed_precision", *small, *replay, "--precision", "bf16", "--run-dir", tmp_path / "given")
+    assert given.code == 0 and "| precision bf16 (as given) |" in given.stdout
+
+
 GRAVITON3 = """processor\t: 0
 BogoMIPS\t: 2100.00
 Features\t: fp asimd evtstrm aes pmull sha1 sha2 crc32 atomics fphp asimdhp cpuid asimdrdm jscvt fcma lrcpc dcpop \
