@@ -48,8 +48,7 @@ def resolve_device(name: str) -> torch.device:
             raise RecipeError(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA device(s)")
     if device.type == "mps" and not torch.backends.mps.is_available():
         raise RecipeError(f"--device {name}: MPS is not available on this machine; use --device cpu or auto")
-    # fp32 means fp32: PyTorch keeps TF32 off for matmuls by default but lets cuDNN's convolutions use it (10
-    # mantissa bits on Ampere and later); --precision bf16 or fp16 is how a recipe asks for fewer bits.
+    # fp32 is fp32: cuDNN's convolutions use TF32 (10 mantissa bits) by default, matmuls not; fewer: --precision
     torch.backends.cudnn.allow_tf32 = False
     if device.type != "cuda":  # torch.compile's C++ toolchain warns of a CUDA it will not use: noise on a CPU
         logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
@@ -92,9 +91,10 @@ def resolve_precision(precision: str, device: torch.device, checkpoint: dict | N
     """``--precision``, with ``auto`` resolved: bf16 where the device runs bf16 matmuls natively, else fp32 (never
     fp16, which needs loss scaling to be safe); a resumed run keeps its checkpoint's precision unless
     --precision is given. Returns the precision and why, for the header and config.json."""
-    started = (checkpoint or {}).get("config", {}).get("precision")
-    if started in PRECISION_DTYPES and (precision == "auto" or not option_given("precision")):
-        return started, "as its checkpoint ran"
+    started = (checkpoint or {}).get("config", {})
+    if started.get("precision") in PRECISION_DTYPES and (precision == "auto" or not option_given("precision")):
+        auto = str(started.get("precision_reason")).startswith("auto")  # (which a --config replay chooses again)
+        return started["precision"], "auto: as its checkpoint ran" if auto else "as its checkpoint ran"
     if precision != "auto":  # (a replayed bf16 may have been auto's choice on another machine: said so)
         return precision, "as given" if option_given("precision") else "from --config" if option_given(
             "config_file") else "the default"

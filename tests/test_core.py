@@ -859,6 +859,9 @@ def test_auto_precision_keeps_what_a_resumed_run_started_with(monkeypatch):
     started_in_fp32 = {"config": {"precision": "fp32"}}
     assert runtime.resolve_precision("auto", CPU, started_in_fp32) == ("fp32", "as its checkpoint ran")
     assert runtime.resolve_precision("bf16", CPU, started_in_fp32) == ("bf16", "as given")  # unless told otherwise
+    # auto's choice stays auto's through a resume, so that a replay of the resumed run's config.json chooses again
+    chosen_by_auto = {"config": {"precision": "bf16", "precision_reason": "auto: the CPU has avx512_bf16"}}
+    assert runtime.resolve_precision("auto", CPU, chosen_by_auto) == ("bf16", "auto: as its checkpoint ran")
 
 
 def test_the_header_says_where_a_precision_came_from(run_inprocess, tmp_path):
@@ -882,6 +885,10 @@ def test_a_replay_chooses_again_where_auto_chose(run_inprocess, tmp_path, monkey
     monkeypatch.setattr(runtime, "cpu_flags", lambda: {"avx512_bf16"})
     there = run_inprocess("mixed_precision", *small, "--precision", "auto", "--run-dir", tmp_path / "there")
     assert there.code == 0 and "| precision bf16 (auto: the CPU has avx512_bf16) |" in there.stdout, there.stdout
+    small[1] = 2  # resumed there: its config.json says "as its checkpoint ran", auto's choice still
+    resumed = run_inprocess("mixed_precision", *small, "--precision", "auto", "--resume", "auto", "--run-dir",
+                            tmp_path / "there")
+    assert resumed.code == 0 and "| precision bf16 (auto: as its checkpoint ran) |" in resumed.stdout, resumed.stdout
     monkeypatch.setattr(runtime, "cpu_flags", lambda: {"avx2"})
     replay = ["--config", tmp_path / "there" / "config.json"]
     here = run_inprocess("mixed_precision", *small, *replay, "--run-dir", tmp_path / "here")
