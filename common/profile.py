@@ -48,8 +48,8 @@ class StepProfiler:
 
     def stop(self) -> None:
         if self.profiler is not None:
-            # Steps still to profile: the open one would hold whatever followed the loop (the evaluation, the
-            # sampling). report() sees None and keeps none of them.
+            # Steps still to profile: the open one would hold whatever followed the loop (an evaluation,
+            # say). report() sees None and keeps none of them.
             profiler, self.profiler = self.profiler, None
             profiler.stop()
             if not self.table and self.write:

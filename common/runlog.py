@@ -165,7 +165,7 @@ class RunLog:
         """Log an evaluation, ``val={"loss": ..., "acc": ...}`` (``ema_val=...``); a non-finite loss is a divergence.
         With several processes the figures must be the whole group's, so that every rank decides alike."""
         self.flush()
-        self.window_start = None  # what follows an evaluation (saving, sampling) is not training time either
+        self.window_start = None  # what follows an evaluation (saving, say) is not training time either
         if self.loss_steps:  # the training loss shown: the mean over the evaluation period so far
             self.train_loss = self.loss_sum / self.loss_steps
         self.evals, self.evaluated_at = results, step
