@@ -95,7 +95,7 @@ def resolve_precision(precision: str, device: torch.device, checkpoint: dict | N
     if started.get("precision") in PRECISION_DTYPES and (precision == "auto" or not option_given("precision")):
         auto = str(started.get("precision_reason")).startswith("auto")  # (which a --config replay chooses again)
         return started["precision"], "auto: as its checkpoint ran" if auto else "as its checkpoint ran"
-    if precision != "auto":  # (a replayed bf16 may have been auto's choice on another machine: said so)
+    if precision != "auto":  # (from --config: one the replayed run was given; auto's choice replays as auto)
         return precision, "as given" if option_given("precision") else "from --config" if option_given(
             "config_file") else "the default"
     why = native_bf16(device)
