@@ -4,6 +4,7 @@ Recipes run in-process where that is enough (fast: torch is imported once) and a
 where the process itself is under test (signals, exit codes seen by a shell, torchrun).
 """
 
+import functools
 import importlib.util
 import json
 import os
@@ -78,6 +79,17 @@ def load_recipe(name: str):
         sys.modules[module_name] = module
         spec.loader.exec_module(module)
     return sys.modules[module_name]
+
+
+@functools.cache
+def recipe_options(name: str) -> frozenset[str]:
+    """Every flag of recipes/NAME.py's command (--x and --no-x both)."""
+    import typer
+
+    app = typer.Typer()
+    app.command()(load_recipe(name).main)
+    params = typer.main.get_command(app).params
+    return frozenset(opt for param in params for opt in [*param.opts, *param.secondary_opts])
 
 
 @pytest.fixture

@@ -70,12 +70,9 @@ def test_no_file_names_a_document_that_is_not_in_the_project():
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_help_mentions_only_options_the_recipe_has(recipe, run_inprocess):
     """e.g. no "--epochs" in a step-based recipe's help, and metavars that read as words, not Python types."""
-    import typer
-    from conftest import load_recipe
+    from conftest import recipe_options
 
-    app = typer.Typer()
-    app.command()(load_recipe(recipe).main)
-    options = {opt for param in typer.main.get_command(app).params for opt in [*param.opts, *param.secondary_opts]}
+    options = recipe_options(recipe)
     text = run_inprocess(recipe, "--help").stdout
     mentioned = set(re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*)", text))
     assert mentioned - options - {"--help"} == set(), text

@@ -1,7 +1,6 @@
 """scripts/eject.py: every recipe, ejected into one self-contained script, trains exactly like the recipe."""
 
 import ast
-import functools
 import importlib.util
 import os
 import re
@@ -82,19 +81,11 @@ def test_ejected_script_is_self_contained_and_holds_nothing_unused(name, ejected
     assert copied and not copied - read, f"copied from common/ but never used: {sorted(copied - read)}"
 
 
-@functools.cache
-def recipe_options(name: str) -> set[str]:
-    import typer
-    from conftest import load_recipe
-
-    app = typer.Typer()
-    app.command()(load_recipe(name).main)
-    return {opt for param in typer.main.get_command(app).params for opt in [*param.opts, *param.secondary_opts]}
-
-
 @pytest.mark.parametrize("name", RECIPES)
 def test_ejected_script_names_no_option_only_another_recipe_has(name, ejected):
     """A copy's comments, docstrings and messages speak of its own options (e.g. no --cv or --ema where it has none)."""
+    from conftest import recipe_options
+
     others = set().union(*(recipe_options(other) for other in RECIPES if other != name)) - recipe_options(name)
     named = set(re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*)", ejected(name).read_text()))
     assert not named & others, sorted(named & others)
