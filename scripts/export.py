@@ -427,8 +427,8 @@ def export_checkpoint(checkpoint: Path, out_dir: Path, overwrite: bool = False, 
         raise ExportError(f"{checkpoint} lacks what rebuilding its {recipe} model needs ({err})") from None
     except (ValueError, RuntimeError) as err:  # a negative width, say
         raise ExportError(f"{checkpoint} is damaged: its {recipe} model cannot be rebuilt ({err})") from None
-    weights = (exportable.reference or exportable.model).state_dict().items()  # batch norm's statistics too
-    if unfinite := next((k for k, v in weights if v.is_floating_point() and not v.isfinite().all()), None):
+    tensors = (exportable.reference or exportable.model).state_dict().items()  # batch norm's statistics too
+    if unfinite := next((k for k, v in tensors if v.is_floating_point() and not v.isfinite().all()), None):
         raise ExportError(f"{checkpoint} is damaged: its model's {unfinite} holds NaN or inf; nothing was exported")
 
     created = make_parents(out_dir)
