@@ -211,15 +211,14 @@ def device_peak_flops(device: torch.device, dtype: torch.dtype = torch.float32) 
 
 
 def measured_peak(device: torch.device, dtype: torch.dtype, where: str) -> tuple[float, str]:
-    """``measure_matmul_flops``, the best of 5 (another job only ever lowers a figure; fewer if each takes seconds,
-    as emulated bf16 does), measured once per machine, dtype, thread count and torch version and cached in
-    ~/.cache/torch-recipes/peak_flops.json: MFU of two runs then differs only by their speed, not by how busy the
-    machine was at each one's start."""
+    """``measure_matmul_flops``'s best reading yet on this machine, dtype, thread count and torch version, kept in
+    ~/.cache/torch-recipes/peak_flops.json. A first run takes the best of 5 (fewer if each takes seconds, as emulated
+    bf16 does), later runs one more, kept only if higher: a busy machine only lowers readings, so MFU of two runs
+    differs by their speed, and a first reading taken under load (once an MFU of 236%) does not stay."""
     if where == "cpu":  # another machine (a different cloud instance) is measured anew
         models = re.findall(r"model name\s*:\s*(.+)", Path("/proc/cpuinfo").read_text()) if Path(
             "/proc/cpuinfo").is_file() else []
-        # A virtual machine's model name may be only "AMD EPYC", with or without AVX-512 and bf16 units (bf16
-        # 4x fp32 on one, 0.01x on another): the vector units are part of the machine
+        # A VM's model name may be only "AMD EPYC", with or without bf16 units (4x fp32, or 0.01x): units count too
         units = f"{torch.backends.cpu.get_cpu_capability()}; {native_bf16(device) or 'no native bf16'}"
         where = f"{models[0] if models else platform.processor() or 'cpu'} ({units}), {torch.get_num_threads()} threads"
     key = f"{where} | {dtype} | torch {torch.__version__}"
@@ -230,16 +229,17 @@ def measured_peak(device: torch.device, dtype: torch.dtype, where: str) -> tuple
         known = {}
     known = known if isinstance(known, dict) else {}  # a damaged file is measured over, and replaced
     source, entry = f"measured: back-to-back {dtype} matmuls on {where}", known.get(key)
-    if isinstance(entry, dict) and type(entry.get("flops")) in (int, float) and 0 < entry["flops"] < float("inf"):
-        return entry["flops"], f"{source}, on {entry.get('date', 'an earlier day')} (cached in {cache})"
-    started, readings = time.perf_counter(), []
-    while len(readings) < 5 and (not readings or time.perf_counter() - started < 3.0):
+    kept = entry["flops"] if isinstance(entry, dict) and type(entry.get("flops")) in (int, float) and \
+        0 < entry["flops"] < float("inf") else None
+    started, readings = time.perf_counter(), [measure_matmul_flops(device, dtype)]
+    while kept is None and len(readings) < 5 and time.perf_counter() - started < 3.0:
         readings.append(measure_matmul_flops(device, dtype))
-    flops = max(readings)
+    if kept is not None and kept >= max(readings):
+        return kept, f"{source}, best reading on {entry.get('date', 'an earlier day')} (cached in {cache})"
     with contextlib.suppress(OSError, RecipeError):  # write_json's, of a read-only or full disk: measured next time
         cache.parent.mkdir(parents=True, exist_ok=True)
-        write_json(cache, {**known, key: {"flops": flops, "date": datetime.date.today().isoformat()}})
-    return flops, source
+        write_json(cache, {**known, key: {"flops": max(readings), "date": datetime.date.today().isoformat()}})
+    return max(readings), source
 
 
 def synchronize(device: torch.device) -> None:
