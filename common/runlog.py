@@ -162,7 +162,8 @@ class RunLog:
         return items / seconds if seconds else 0.0
 
     def eval(self, step: int, note: str = "", **results: dict[str, float]) -> None:
-        """Log an evaluation, ``val={"loss": ..., "acc": ...}`` (``ema_val=...``); a non-finite loss is a divergence.
+        """Log an evaluation, a keyword per set of figures (``val={"loss": ..., "acc": ...}``); a non-finite loss
+        is a divergence.
         With several processes the figures must be the whole group's, so that every rank decides alike."""
         self.flush()
         self.window_start = None  # what follows an evaluation (saving, say) is not training time either
@@ -179,7 +180,7 @@ class RunLog:
                    f"{'  ' + note if note else ''}")
         for prefix, metrics in results.items():  # finite weights can still overflow in a forward pass
             if not math.isfinite(metrics.get("loss", 0.0)):
-                what = prefix.replace("_", " ").replace("val", "validation")  # val: "validation", ema_val: "ema ..."
+                what = prefix.replace("_", " ").replace("val", "validation")  # val_x: "validation x"
                 raise diverged(f"the {what} loss is {metrics['loss']} at step {step}", self.last_good())
 
     def state_dict(self) -> dict:
