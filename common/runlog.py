@@ -162,8 +162,7 @@ class RunLog:
         return items / seconds if seconds else 0.0
 
     def eval(self, step: int, note: str = "", **results: dict[str, float]) -> None:
-        """Log an evaluation, a keyword per set of figures (``val={"loss": ..., "acc": ...}``); a non-finite loss
-        is a divergence.
+        """Log an evaluation, ``val={"loss": ..., "acc": ...}`` (a keyword per set); a non-finite loss is a divergence.
         With several processes the figures must be the whole group's, so that every rank decides alike."""
         self.flush()
         self.window_start = None  # what follows an evaluation (saving, say) is not training time either
