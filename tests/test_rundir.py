@@ -143,6 +143,19 @@ def test_a_best_checkpoint_without_its_last_is_not_started_over(tmp_path, capsys
     assert capsys.readouterr().err == "" and (run_dir / "checkpoints" / "best.pt").is_file()
 
 
+def test_only_a_step_folder_counts_as_an_incomplete_sharded_checkpoint(tmp_path):
+    """glob("step-*/") matches files too on Python 3.10 (folders only from 3.11), which the project supports: a stray
+    file named like a step folder refused --resume auto there as an incomplete checkpoint."""
+    dcp = tmp_path / "run" / "checkpoints" / "dcp"
+    dcp.mkdir(parents=True)
+    (dcp / "step-000004").write_text("a note, not a checkpoint")
+    assert open_run_dir("t", tmp_path / "run", "auto") == RunFolder(tmp_path / "run", None)
+    (dcp / "step-000004").unlink()
+    (dcp / "step-000004").mkdir()  # a folder without its files: a copy in progress
+    with pytest.raises(RecipeError, match=r"only checkpoints are incomplete \(step-000004 lacks its trainer.pt"):
+        open_run_dir("t", tmp_path / "run", "auto")
+
+
 def test_torchrun_max_restarts_needs_resume_auto(tmp_path, monkeypatch):
     """Each restart ran the same command: without --resume auto it started over (in a new default folder, or was
     refused the folder it had filled), though the recipes say --max-restarts resumes."""
