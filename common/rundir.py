@@ -89,8 +89,7 @@ def open_run_dir(recipe: str, run_dir: Path | None, resume: str | None,
         what = f"a single run ({other})" if holds_runs else f"runs in sub-folders ({other})"
         raise RecipeError(f"{run_dir} holds {what}, which this command would not continue but start afresh beside: "
                           "choose another --run-dir, or to continue it, give the options it was started with")
-    steps = run_dir.glob("checkpoints/dcp/step-*") if last is None and run_dir.is_dir() else ()  # "step-*/": 3.11+
-    partial = next((path for path in steps if path.is_dir()), None)
+    partial = next(filter(Path.is_dir, run_dir.glob("checkpoints/dcp/step-*")), None) if last is None else None
     if resume == "auto" and partial is not None:  # sharded, and none complete (a file missing, or cut short)
         raise RecipeError(f"{run_dir}'s only checkpoints are incomplete ({partial.name} lacks its trainer.pt, "
                           ".metadata or a shard: a copy in progress?), which this run would start afresh over and "
