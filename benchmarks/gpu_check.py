@@ -82,7 +82,7 @@ def probe(need_cuda: bool) -> int:
     environment = f"torch {torch.__version__} (CUDA {torch.version.cuda}), {gpu}"
     peaks = {"bf16": "-", "fp16": "-"}  # "-": unknown (an empty field would vanish in the shell's read)
     if n:
-        from common.runtime import datasheet_peak
+        from common.peak_flops import datasheet_peak
 
         name = torch.cuda.get_device_name(0)
         for key, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16)):

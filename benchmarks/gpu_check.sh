@@ -172,7 +172,7 @@ variant_flags() {
     esac
 }
 # The transformer's MFU against the GPU's datasheet peak where the probe knows the GPU (the recipe would
-# otherwise measure its own matmul peak, after the model is on the GPU: see common/runtime.py::device_peak_flops).
+# otherwise measure its own matmul peak, after the model is on the GPU: see common/peak_flops.py::device_peak_flops).
 peak_flags() {  # peak_flags RECIPE VARIANT
     local peak=""
     case "$2" in bf16*) peak=$PEAK_BF16 ;; fp16*) peak=$PEAK_FP16 ;; esac

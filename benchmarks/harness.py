@@ -16,7 +16,8 @@ from pathlib import Path
 
 import torch
 
-from common.runtime import cpu_flags, measure_matmul_flops
+from common.peak_flops import measure_matmul_flops
+from common.runtime import cpu_flags
 
 BF16_FLAGS = {"avx512_bf16", "amx_bf16", "bf16"}  # as common.runtime.native_bf16 reads them; bf16: Arm's
 

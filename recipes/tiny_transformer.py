@@ -66,6 +66,7 @@ from common.best import BestScore
 from common.checkpoint import Checkpointer, load_model_state, resume_checkpoint
 from common.data import checksum, ignore_stop_signals
 from common.loop import StepStats, evaluate
+from common.peak_flops import device_peak_flops
 from common.profile import StepProfiler
 from common.resources import format_account, memory_account, reset_peak_memory, with_peaks
 from common.rundir import already_finished, last_file, open_run_dir
@@ -73,7 +74,6 @@ from common.runlog import RunLog, log_interval
 from common.runtime import (
     PRECISION_DTYPES,
     autocast,
-    device_peak_flops,
     from_rank_0,
     resolve_device,
     resolve_precision,

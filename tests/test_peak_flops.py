@@ -6,8 +6,9 @@ import json
 import pytest
 import torch
 
+import common.peak_flops as peak_flops
 import common.runtime as runtime
-from common.runtime import datasheet_peak, device_peak_flops, measure_matmul_flops
+from common.peak_flops import datasheet_peak, device_peak_flops, measure_matmul_flops
 
 
 @pytest.mark.parametrize("name, dtype, tf32, expected", [
@@ -35,7 +36,7 @@ def fake_gpu(monkeypatch, tmp_path):
 
     def install(name: str):
         monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
-        monkeypatch.setattr(runtime, "measure_matmul_flops", lambda device, dtype: 1.5e12)
+        monkeypatch.setattr(peak_flops, "measure_matmul_flops", lambda device, dtype: 1.5e12)
     return install
 
 
@@ -86,18 +87,18 @@ def test_a_measured_peak_is_the_best_reading_yet_on_this_machine(monkeypatch, tm
     good, and a quiet run's MFU read 236%."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     readings = iter([1.0e11, 3.0e11, 2.0e11, 2.5e11, 0.5e11])
-    monkeypatch.setattr(runtime, "measure_matmul_flops", lambda device, dtype: next(readings))
+    monkeypatch.setattr(peak_flops, "measure_matmul_flops", lambda device, dtype: next(readings))
     flops, source = device_peak_flops(torch.device("cpu"), torch.float32)
     assert flops == 3.0e11 and source.startswith("measured: back-to-back torch.float32 matmuls on ")
     calls = []
-    monkeypatch.setattr(runtime, "measure_matmul_flops", lambda device, dtype: calls.append(dtype) or 2.9e11)
+    monkeypatch.setattr(peak_flops, "measure_matmul_flops", lambda device, dtype: calls.append(dtype) or 2.9e11)
     again, cached = device_peak_flops(torch.device("cpu"), torch.float32)  # a busier machine: the best is kept
     assert calls == [torch.float32] and again == 3.0e11
     assert f"(cached in {tmp_path / 'torch-recipes' / 'peak_flops.json'})" in cached
     assert source in cached and f"{torch.get_num_threads()} threads" in cached
-    monkeypatch.setattr(runtime, "measure_matmul_flops", lambda device, dtype: 6.0e11)  # a quieter one: replaced
+    monkeypatch.setattr(peak_flops, "measure_matmul_flops", lambda device, dtype: 6.0e11)  # a quieter one: replaced
     assert device_peak_flops(torch.device("cpu"), torch.float32) == (6.0e11, source)
-    monkeypatch.setattr(runtime, "measure_matmul_flops", lambda device, dtype: 1.0e11)
+    monkeypatch.setattr(peak_flops, "measure_matmul_flops", lambda device, dtype: 1.0e11)
     assert device_peak_flops(torch.device("cpu"), torch.float32)[0] == 6.0e11
 
 
@@ -106,19 +107,20 @@ def test_a_cpu_with_other_vector_units_under_the_same_name_is_measured_anew(monk
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setattr(runtime, "cpu_flags", lambda: {"avx2", "avx512f", "avx512_bf16"})
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
-    monkeypatch.setattr(runtime, "measure_matmul_flops", lambda device, dtype: 4.0e11)
+    monkeypatch.setattr(peak_flops, "measure_matmul_flops", lambda device, dtype: 4.0e11)
     flops, source = device_peak_flops(torch.device("cpu"), torch.bfloat16)
     assert flops == 4.0e11 and "(AVX512; the CPU has avx512_bf16)" in source
     monkeypatch.setattr(runtime, "cpu_flags", lambda: {"avx2"})
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
-    monkeypatch.setattr(runtime, "measure_matmul_flops", lambda device, dtype: {torch.bfloat16: 1.0e9}.get(dtype, 1e11))
+    monkeypatch.setattr(peak_flops, "measure_matmul_flops",
+                        lambda device, dtype: {torch.bfloat16: 1.0e9}.get(dtype, 1e11))
     flops, source = device_peak_flops(torch.device("cpu"), torch.bfloat16)
     # bf16 emulated (converted, multiplied in fp32): fp32's peak is its yardstick; its own 1 GFLOP/s gave an MFU of 185%
     assert flops == 1e11 and "torch.float32 matmuls" in source and "(AVX2; no native bf16)" in source
     assert "cached" not in source
     monkeypatch.setattr(runtime, "cpu_flags", lambda: {"avx2", "avx512f", "avx512_bf16"})  # bf16 units, and fp16?
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
-    monkeypatch.setattr(runtime, "measure_matmul_flops", lambda device, dtype: {torch.float32: 2e11}.get(dtype, 1e9))
+    monkeypatch.setattr(peak_flops, "measure_matmul_flops", lambda device, dtype: {torch.float32: 2e11}.get(dtype, 1e9))
     flops, source = device_peak_flops("cpu", torch.float16)  # a device's name will do
     assert flops == 2e11 and "torch.float32 matmuls" in source  # fp16 is converted there too: 5x MFU against its own
     monkeypatch.setattr(runtime, "cpu_flags", lambda: {"avx2", "avx512f", "avx512_bf16"})
@@ -136,7 +138,7 @@ def test_an_emulated_dtype_is_measured_in_one_product_and_fewer_readings(monkeyp
         clock[0] += 1.1
 
     monkeypatch.setattr(torch, "matmul", slow_matmul)
-    monkeypatch.setattr(runtime, "time", type("Clock", (), {"perf_counter": staticmethod(lambda: clock[0])}))
+    monkeypatch.setattr(peak_flops, "time", type("Clock", (), {"perf_counter": staticmethod(lambda: clock[0])}))
     flops = measure_matmul_flops(torch.device("cpu"), torch.float32, 64)
     assert len(products) == 1 and flops == pytest.approx(2 * 64**3 / 1.1)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
@@ -150,12 +152,12 @@ def test_an_emulated_dtype_is_measured_in_one_product_and_fewer_readings(monkeyp
 def test_a_damaged_cache_is_measured_over_and_replaced(monkeypatch, tmp_path, damaged):
     """Was an AttributeError traceback (a list), or a string or NaN returned as the peak."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    monkeypatch.setattr(runtime, "measure_matmul_flops", lambda device, dtype: 2.0e11)
+    monkeypatch.setattr(peak_flops, "measure_matmul_flops", lambda device, dtype: 2.0e11)
     cache = tmp_path / "torch-recipes" / "peak_flops.json"
     device_peak_flops(torch.device("cpu"), torch.float32)  # the key this machine uses
     (key,) = json.loads(cache.read_text())
     cache.write_text(damaged.replace("KEY", key))
-    monkeypatch.setattr(runtime, "measure_matmul_flops", lambda device, dtype: 3.0e11)
+    monkeypatch.setattr(peak_flops, "measure_matmul_flops", lambda device, dtype: 3.0e11)
     flops, source = device_peak_flops(torch.device("cpu"), torch.float32)
     assert flops == 3.0e11 and "cached" not in source
     assert json.loads(cache.read_text())[key]["flops"] == 3.0e11
@@ -166,7 +168,35 @@ def test_a_cache_that_cannot_be_written_costs_only_a_measurement_next_time(monke
     ~/.cache/torch-recipes/peak_flops.json"): the cache is a convenience, not a file of the run."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     readings = iter([2.0e11] * 5 + [2.5e11] * 5)  # the second call's five readings differ from the first's
-    monkeypatch.setattr(runtime, "measure_matmul_flops", lambda device, dtype: next(readings))
+    monkeypatch.setattr(peak_flops, "measure_matmul_flops", lambda device, dtype: next(readings))
     (tmp_path / "torch-recipes" / "peak_flops.json").mkdir(parents=True)  # replacing a folder fails, even as root
     assert device_peak_flops(torch.device("cpu"), torch.float32)[0] == 2.0e11
     assert device_peak_flops(torch.device("cpu"), torch.float32)[0] == 2.5e11  # measured again, no error
+
+
+def test_without_a_home_folder_the_peak_is_measured_and_nothing_is_cached(monkeypatch, tmp_path):
+    """HOME unset and a uid with no passwd entry (env -i, docker -u N): Path.home() raised, a traceback before the
+    first step, even with XDG_CACHE_HOME set; an empty XDG_CACHE_HOME wrote ./torch-recipes/ into the working
+    folder (XDG: an empty or relative value is unset)."""
+    import pwd
+
+    monkeypatch.setattr(peak_flops, "measure_matmul_flops", lambda device, dtype: 2.0e11)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    for unset in ("", "relative/cache"):
+        monkeypatch.setenv("XDG_CACHE_HOME", unset)
+        assert device_peak_flops(torch.device("cpu"), torch.float32)[0] == 2.0e11
+    assert (tmp_path / "home" / ".cache" / "torch-recipes" / "peak_flops.json").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["home"]
+    monkeypatch.delenv("HOME")
+    monkeypatch.delenv("XDG_CACHE_HOME")
+
+    def no_entry(uid):
+        raise KeyError(f"getpwuid(): uid not found: {uid}")
+
+    monkeypatch.setattr(pwd, "getpwuid", no_entry)
+    readings = []
+    monkeypatch.setattr(peak_flops, "measure_matmul_flops", lambda device, dtype: readings.append(1) or 3.0e11)
+    flops, source = device_peak_flops(torch.device("cpu"), torch.float32)
+    assert flops == 3.0e11 and "cached" not in source and len(readings) == 5  # the best of five, every run
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["home"]  # nothing written here ("~" taken as a folder)

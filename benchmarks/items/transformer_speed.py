@@ -10,7 +10,7 @@ from benchmarks import harness
 from benchmarks.harness import interleaved, load_recipe, summarise
 from benchmarks.nanogpt import NanoGPT
 from common.loop import train_step
-from common.runtime import device_peak_flops, measure_matmul_flops
+from common.peak_flops import device_peak_flops, measure_matmul_flops
 
 
 def tokens_per_second(model: nn.Module, precision: str, steps: int, fused: bool, batch: int = 32,
