@@ -36,10 +36,7 @@ def checked(accepts: Callable[[float], bool], rule: str) -> Callable[[float | No
 
 # Optimizers hold rates in float32 tensors: near float32's 3.4e38 (Adam's lr / (1 - beta1) too) they overflow
 positive_float = checked(lambda v: 0 < v <= 1e30, "a finite number > 0 (at most 1e30)")
-clip_norm = checked(lambda v: v > 0, "> 0 (inf: no clipping)")
 finite_non_negative = checked(lambda v: 0 <= v <= 3.4e38, "a finite number >= 0 (at most float32's 3.4e38)")
-ema_decay = checked(lambda v: 0 < v < 1, "between 0 and 1 (e.g. 0.999)")
-decay_rate = checked(lambda v: 0 <= v < 1, "in [0, 1)")
 
 
 def device_name(value: str) -> str:
@@ -93,20 +90,23 @@ LogEvery = Annotated[int | None, typer.Option(min=1, help="Print a line (and rea
                                               "[default: a tenth of an epoch or evaluation interval, at most 50].")]
 Profile = Annotated[int | None, typer.Option(min=1, help="Profile N training steps after a warm-up: a trace in "
                                              "--run-dir, a table of a step's time (and slower samples/s).")]
-EMADecay = Annotated[float | None, typer.Option("--ema", callback=ema_decay, help="Also keep an average of the "
-                                                "weights, decay e.g. 0.999 (warmed up): evaluated beside them, it "
-                                                "chooses best.pt, which then holds it.")]
+EMADecay = Annotated[float | None, typer.Option("--ema", callback=checked(lambda v: 0 < v < 1, "between 0 and 1 "
+                                                "(e.g. 0.999)"), help="Also average the weights, decay e.g. 0.999: "
+                                                "evaluated beside them, it chooses best.pt, which then holds it.")]
 KeepBest = Annotated[int, typer.Option(min=1, help="Keep the K best checkpoints (best-stepN.pt); best.pt is the best.")]
 Patience = Annotated[int | None, typer.Option(min=1, help="Stop after N evaluations without a better score.")]
-
 
 # Settings a recipe derives from its options and the machine (MFU's denominator, say): free to differ on a resume
 DERIVED_KEYS = {"precision_reason", "peak_flops_used", "peak_source", "attention_used", "num_embedding_used", "lr_used"}
 # What config.json records beside the options: where and how the run ran, the fold of a cross-validation
 RECORD_KEYS = DERIVED_KEYS | {"recipe", "torch_version", "device_used", "world_size", "tf32", "checkpoint_format",
                              "fold"}
-# What torch.compile's backend raised where it is not installed here (a C++ compiler, tvm's package), not a bug
-COMPILER_MISSING = ("ImportError", "ModuleNotFoundError", "OSError", "InvalidCxxCompiler", "CppCompileError")
+
+
+def compiler_missing(err: Exception) -> BaseException | None:  # what torch.compile's backend lacks here: no bug
+    cause = getattr(err, "inner_exception", None)  # a C++ compiler, say (PermissionError: one not executable)
+    kinds = {kind.__name__ for kind in type(cause).__mro__}  # the error's kind, and the kinds it belongs to
+    return cause if kinds & {"ImportError", "OSError", "InvalidCxxCompiler", "CppCompileError"} else None
 
 
 def replay(ctx: typer.Context, path: Path | None) -> Path | None:
@@ -204,7 +204,7 @@ def run_recipe(main: Callable[..., object], argv: list[str] | None = None) -> No
                     quiet or print(f"interrupted: the step failed as the signal reached its helpers too ({reason}); "
                                    "nothing saved since the last checkpoint", flush=True)
                     sys.exit(128 + stop.signal)
-                if type(cause := getattr(err, "inner_exception", None)).__name__ in COMPILER_MISSING:
+                if cause := compiler_missing(err):  # (PermissionError: a compiler that is not executable)
                     raise RecipeError(f"torch.compile cannot compile the model here: {type(cause).__name__}: "
                                       + str(cause).split("\n")[0]) from None
                 if re.search("out of memory|can't allocate|not enough memory|overflow when unpacking", reason, re.I):

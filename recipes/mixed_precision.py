@@ -185,7 +185,7 @@ def seconds_per_step(device: torch.device, precision: str, width: int, depth: in
             synchronize(device)
             seconds.append(time.perf_counter() - start)
     except RuntimeError as err:  # e.g. an autocast dtype the device cannot run
-        if precision == "fp32" and type(getattr(err, "inner_exception", None)).__name__ in cli.COMPILER_MISSING:
+        if precision == "fp32" and cli.compiler_missing(err):
             raise  # fp32, timed first, compiles nowhere: the command's one error line says so (bf16 alone: a row)
         return float("inf"), str(err).splitlines()[0]
     return statistics.median(seconds[1:]), ""

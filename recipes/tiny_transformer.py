@@ -603,9 +603,10 @@ def main(
                                                      "of --steps if that is less].")] = None,
     weight_decay: Annotated[float, typer.Option(callback=cli.finite_non_negative,
                                                 help="AdamW weight decay on matrices.")] = 0.1,
-    beta1: Annotated[float, typer.Option(callback=cli.decay_rate, help="AdamW's first-moment decay, in [0, 1).")] = 0.9,
+    beta1: Annotated[float, typer.Option(callback=cli.checked(lambda v: 0 <= v < 1, "in [0, 1)"),
+                                         help="AdamW's first-moment decay, in [0, 1).")] = 0.9,
     beta2: Annotated[float, typer.Option(
-        callback=cli.decay_rate,
+        callback=cli.checked(lambda v: 0 <= v < 1, "in [0, 1)"),
         help="AdamW's second-moment decay, in [0, 1): 0.99 averages the squared gradients over ~100 steps, which "
              "suits the small, noisy batches of a CPU run; 0.95 (GPT-2/3's) reacts faster, for large batches."),
     ] = 0.99,

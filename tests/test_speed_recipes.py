@@ -540,6 +540,20 @@ def test_compile_without_a_cpp_compiler_is_one_line(recipe, args, tmp_path):
     assert not (tmp_path / "run").exists()  # a fresh run that saved nothing leaves no folder
 
 
+def test_a_compiler_that_is_not_executable_is_one_line(tmp_path):
+    """A PermissionError (CXX names a file without execute permission) is an OSError, which the recipes said in one
+    line only by its exact class name: it was a traceback."""
+    compiler = tmp_path / "g++"
+    compiler.write_text("not a program")
+    compiler.chmod(0o644)
+    result = run_subprocess([ROOT / "recipes" / "mixed_precision.py", "--compile", *MP_SMALL, "--max-steps", 1,
+                             "--run-dir", tmp_path / "run"], env={"CXX": str(compiler),
+                                                                  "TORCHINDUCTOR_CACHE_DIR": str(tmp_path)})
+    assert result.code == 1 and result.stderr == "error: torch.compile cannot compile the model here: " \
+        f"PermissionError: [Errno 13] Permission denied: '{compiler}'\n", result.stderr
+    assert not (tmp_path / "run").exists()
+
+
 def test_compare_times_the_models_compiled_where_it_trains_them_compiled(run_inprocess, tmp_path, monkeypatch):
     """mixed_precision --compare --compile trained compiled models but timed eager ones."""
     mixed, steps = load_recipe("mixed_precision"), []
