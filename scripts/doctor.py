@@ -329,8 +329,8 @@ def not_a_report(path: Path) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()), allow_abbrev=False,
-                                     usage="%(prog)s RECIPE [options] [recipe options]",
+    parser = argparse.ArgumentParser(description=__doc__ and " ".join(__doc__.split("\n\n")[0].split()),
+                                     allow_abbrev=False, usage="%(prog)s RECIPE [options] [recipe options]",
                                      epilog="Any other option is the recipe's own.")
     parser.add_argument("recipe", metavar="RECIPE", help="a recipe's name (mnist_onecycle) or a path to one")
     # three: on a shared machine one run in a dozen is slowed by a neighbour, and the median of three shrugs it off

@@ -524,7 +524,7 @@ class Parser(argparse.ArgumentParser):
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = Parser(prog="scripts/eject.py", description=__doc__.splitlines()[0])
+    parser = Parser(prog="scripts/eject.py", description=__doc__ and __doc__.splitlines()[0])
     parser.add_argument("recipe", help="a recipe's name (mnist_onecycle) or the path of a recipe file")
     parser.add_argument("output", help="the script to write, e.g. my_train.py")
     parser.add_argument("--overwrite", action="store_true", help="replace OUTPUT if it exists (your edits in it too)")

@@ -633,7 +633,7 @@ def given_path(value: str) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = Parser(prog="scripts/export.py", description=__doc__.splitlines()[0])
+    parser = Parser(prog="scripts/export.py", description=__doc__ and __doc__.splitlines()[0])
     parser.add_argument("checkpoint", type=given_path, help="a checkpoint of any recipe, e.g. .../checkpoints/best.pt, "
                         "or a sharded checkpoint folder (.../checkpoints/dcp/step-NNNNNN)")
     parser.add_argument("out_dir", type=given_path, help="the folder to write the export into")

@@ -344,7 +344,7 @@ def plot(rates: list[float], losses: list[float], smooth: list[float], suggestio
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False,
+    parser = argparse.ArgumentParser(description=__doc__ and __doc__.splitlines()[0], allow_abbrev=False,
                                      usage="%(prog)s RECIPE [options] [recipe options]",
                                      epilog="Any other option is the recipe's own.")
     parser.add_argument("recipe", metavar="RECIPE", help="a recipe's name (mnist_onecycle) or a path to one")

@@ -254,7 +254,7 @@ def write_atomically(path: Path, data: bytes) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__ and __doc__.splitlines()[0])
     parser.add_argument("run_dirs", nargs="*", type=Path, metavar="RUN_DIR",
                         help="run directories to compare, or folders of them [default: runs]")
     parser.add_argument("--out", type=Path, default=Path("curves.png"), metavar="FILE.png",

@@ -1,9 +1,11 @@
 """Every recipe follows docs/conventions.md: the same common options, the same run-directory contents."""
 
+import importlib.util
 import json
 import os
 import re
 import subprocess
+import sys
 import time
 from types import SimpleNamespace
 
@@ -211,3 +213,17 @@ def test_evaluation_time_is_not_counted_as_training_time(recipe, run_inprocess, 
     unit = "tokens" if recipe == "tiny_transformer" else "samples"
     # a window holding an evaluation would be under 0.01 items a second; these models train 50 or more (a loaded CPU)
     assert metrics[f"{unit}_per_s"] > 1 and all(value > 1 for _, value in scalars[f"perf/{unit}_per_s"])
+
+
+@pytest.mark.parametrize("script", ["doctor", "eject", "export", "find_lr", "plot_runs"])
+def test_a_tool_without_its_docstring_still_answers_help(script, monkeypatch, capsys):
+    """python -OO (PYTHONOPTIMIZE=2) drops docstrings, which the tools' --help read their description from: every
+    call, --help too, was an AttributeError traceback."""
+    spec = importlib.util.spec_from_file_location(f"tool_{script}", ROOT / "scripts" / f"{script}.py")
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, module)  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    monkeypatch.setattr(module, "__doc__", None)
+    with pytest.raises(SystemExit) as exit_:
+        module.main(["--help"])
+    assert exit_.value.code == 0 and "usage:" in capsys.readouterr().out
