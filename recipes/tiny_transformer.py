@@ -292,7 +292,9 @@ class GPT(nn.Module):
 def stdlib_corpus() -> bytes:
     """The running Python's standard library, top-level modules in sorted order: always available
     offline, and the same on every machine with the same Python version."""
-    files = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
+    files = sorted((stdlib := Path(sysconfig.get_paths()["stdlib"])).glob("*.py"))
+    if not files:  # only compiled, or zipped (Windows' embeddable Python)
+        raise cli.RecipeError(f"{stdlib} holds no .py files (this Python's standard library) to train on: give --text")
     return b"\n".join(f.read_bytes() for f in files)
 
 

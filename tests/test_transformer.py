@@ -459,6 +459,19 @@ def test_a_resume_takes_the_same_text_by_another_path_and_refuses_another_text(r
     assert resumed.code == 0 and "resumed at step 3" in resumed.stdout, resumed.stderr
 
 
+def test_a_standard_library_without_sources_is_one_line(run_inprocess, tmp_path, monkeypatch):
+    """The default corpus is the standard library's .py files; a Python with only compiled or zipped ones (Windows'
+    embeddable one) gave an empty corpus and a ValueError traceback from torch.frombuffer."""
+    import sysconfig
+
+    paths = sysconfig.get_paths()
+    monkeypatch.setattr(sysconfig, "get_paths", lambda: {**paths, "stdlib": str(tmp_path)})
+    result = run_inprocess(RECIPE, *SMALL, "--steps", 2, "--peak-flops", 1e11, "--run-dir", tmp_path / "run")
+    assert result.code == 1 and result.stderr == f"error: {tmp_path} holds no .py files (this Python's standard " \
+        "library) to train on: give --text\n"
+    assert not (tmp_path / "run").exists()
+
+
 def test_each_rank_draws_its_own_dropout_masks_from_the_seed_and_the_step(run_inprocess, text_file, tmp_path,
                                                                            monkeypatch):
     """With one stream on every rank, each rank would drop the same units in its rows; drawn from (seed, rank,
