@@ -524,6 +524,8 @@ class Parser(argparse.ArgumentParser):
 
 
 def main(argv: list[str] | None = None) -> int:
+    if hasattr(sys.stdout, "reconfigure"):  # a path an ASCII-only terminal cannot show prints as \xfc, not a traceback
+        sys.stdout.reconfigure(errors="backslashreplace")
     parser = Parser(prog="scripts/eject.py", description=__doc__ and __doc__.splitlines()[0])
     parser.add_argument("recipe", help="a recipe's name (mnist_onecycle) or the path of a recipe file")
     parser.add_argument("output", help="the script to write, e.g. my_train.py")

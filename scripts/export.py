@@ -633,6 +633,8 @@ def given_path(value: str) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if hasattr(sys.stdout, "reconfigure"):  # a path an ASCII-only terminal cannot show prints as \xfc, not a traceback
+        sys.stdout.reconfigure(errors="backslashreplace")
     parser = Parser(prog="scripts/export.py", description=__doc__ and __doc__.splitlines()[0])
     parser.add_argument("checkpoint", type=given_path, help="a checkpoint of any recipe, e.g. .../checkpoints/best.pt, "
                         "or a sharded checkpoint folder (.../checkpoints/dcp/step-NNNNNN)")

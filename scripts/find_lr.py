@@ -344,6 +344,8 @@ def plot(rates: list[float], losses: list[float], smooth: list[float], suggestio
 
 
 def main(argv: list[str] | None = None) -> int:
+    if hasattr(sys.stdout, "reconfigure"):  # a path an ASCII-only terminal cannot show prints as \xfc, not a traceback
+        sys.stdout.reconfigure(errors="backslashreplace")
     parser = argparse.ArgumentParser(description=__doc__ and __doc__.splitlines()[0], allow_abbrev=False,
                                      usage="%(prog)s RECIPE [options] [recipe options]",
                                      epilog="Any other option is the recipe's own.")

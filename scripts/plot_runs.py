@@ -254,6 +254,8 @@ def write_atomically(path: Path, data: bytes) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if hasattr(sys.stdout, "reconfigure"):  # a path an ASCII-only terminal cannot show prints as \xfc, not a traceback
+        sys.stdout.reconfigure(errors="backslashreplace")
     parser = argparse.ArgumentParser(description=__doc__ and __doc__.splitlines()[0])
     parser.add_argument("run_dirs", nargs="*", type=Path, metavar="RUN_DIR",
                         help="run directories to compare, or folders of them [default: runs]")

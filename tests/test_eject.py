@@ -691,3 +691,12 @@ if __name__ == "__main__":
             [("seeded.py", {"PYTHONPATH": str(ROOT)}), ("out.py", {"PYTHONPATH": ""}), ("out.py", {"PYTHONPATH": ""})]]
     assert [run.code for run in runs] == [0, 0, 0], [run.stderr for run in runs]
     assert runs[0].stdout == runs[1].stdout == runs[2].stdout
+
+
+def test_a_path_an_ascii_terminal_cannot_show_is_printed_escaped(tmp_path):
+    """With an ASCII-only stdout (PYTHONIOENCODING=ascii, or the C locale without UTF-8 mode) the tools wrote their
+    file, then failed printing its name with a UnicodeEncodeError traceback, exit 1: a rerun then needed --overwrite."""
+    target = tmp_path / "ü" / "train.py"
+    target.parent.mkdir()
+    result = run_subprocess(["scripts/eject.py", "mixed_precision", target], env={"PYTHONIOENCODING": "ascii"})
+    assert result.code == 0 and result.stdout.startswith(f"wrote {tmp_path}/\\xfc/train.py: "), result.stderr
