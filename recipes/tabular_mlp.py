@@ -932,8 +932,7 @@ def train(csv_path: Path | None, target: str, task: str, drop: list[str] | None,
     # --lr left out is the optimizer's own: recorded apart, so a replay with another --optimizer takes that one's
     lr = config["lr_used"] = lr or DEFAULT_LR[optimizer_name]
     run = open_run_dir(RECIPE, run_dir, resume)  # never over another run's checkpoints; one run at a time in it
-    # --csv may name the same file otherwise (from another folder): the data's checksum says whether it is the same
-    checkpoint = resume_checkpoint(run, RECIPE, config, may_change={"keep_best", "patience", "lr", "csv_path"})
+    checkpoint = resume_checkpoint(run, RECIPE, config, may_change={"keep_best", "patience", "lr"})
     if checkpoint:  # the rate, given or default, must match ("lr" alone: older runs recorded a default --lr resolved)
         check_same_run({"config": {"lr": checkpoint["config"].get("lr_used", checkpoint["config"]["lr"])}},
                        run.resume_from, {"lr": lr})

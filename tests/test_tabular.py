@@ -291,25 +291,6 @@ def test_regression_reports_rmse(run_inprocess, tmp_path):
     assert "val_acc" not in metrics and metrics["val_rmse"] < 8.0  # y spans 0..23.6 (std about 7.2)
 
 
-def test_a_resume_takes_the_same_table_by_another_path_and_refuses_another_table(run_inprocess, table_csv, tmp_path,
-                                                                              monkeypatch):
-    """--csv as typed was compared: `--csv table.csv` in the table's folder, resumed from another folder with its full
-    path, was refused as "started with other options"; the data's checksum says whether it is the same table."""
-    common = ["--target", "label", "--epochs", 3, "--batch-size", 32]
-    assert run_inprocess(RECIPE, "--csv", table_csv, *common, "--run-dir", tmp_path / "full").code == 0
-    monkeypatch.chdir(table_csv.parent)
-    cut = run_inprocess(RECIPE, "--csv", table_csv.name, *common, "--max-steps", 10, "--run-dir", tmp_path / "cut")
-    assert cut.code == 0, cut.stderr
-    monkeypatch.chdir(tmp_path)
-    other = write_table(tmp_path / "other.csv", seed=1)
-    refused = run_inprocess(RECIPE, "--csv", other, *common, "--resume", "auto", "--run-dir", tmp_path / "cut")
-    assert refused.code == 1 and "was trained on other data" in refused.stderr, refused.stderr
-    resumed = run_inprocess(RECIPE, "--csv", table_csv, *common, "--resume", "auto", "--run-dir", tmp_path / "cut")
-    assert resumed.code == 0, resumed.stderr
-    assert_same_weights(load_weights(tmp_path / "full" / "checkpoints" / "last.pt"),
-                        load_weights(tmp_path / "cut" / "checkpoints" / "last.pt"))
-
-
 def test_resumed_run_ends_with_the_same_weights(run_inprocess, table_csv, tmp_path):
     common = ["--csv", table_csv, "--target", "label", "--epochs", 3, "--batch-size", 32]
     assert run_inprocess(RECIPE, *common, "--run-dir", tmp_path / "full").code == 0

@@ -442,23 +442,6 @@ def test_resumed_run_ends_with_the_same_weights(run_inprocess, text_file, tmp_pa
                         load_weights(tmp_path / "cut" / "checkpoints" / "last.pt"))
 
 
-def test_a_resume_takes_the_same_text_by_another_path_and_refuses_another_text(run_inprocess, text_file, tmp_path,
-                                                                            monkeypatch):
-    """--text as typed was compared: a run started with a relative path was refused its resume from another folder
-    with the full one; the tokens' checksum says whether it is the same text."""
-    common = [*SMALL, "--steps", 6, "--eval-every", 3, "--peak-flops", 1e11]
-    monkeypatch.chdir(text_file.parent)
-    assert run_inprocess(RECIPE, "--text", text_file.name, *common, "--max-steps", 3, "--run-dir",
-                         tmp_path / "cut").code == 0
-    monkeypatch.chdir(tmp_path)
-    other = tmp_path / "other.txt"
-    other.write_text(text_file.read_text()[::-1])
-    refused = run_inprocess(RECIPE, "--text", other, *common, "--resume", "auto", "--run-dir", tmp_path / "cut")
-    assert refused.code == 1 and "was trained on other data" in refused.stderr, refused.stderr
-    resumed = run_inprocess(RECIPE, "--text", text_file, *common, "--resume", "auto", "--run-dir", tmp_path / "cut")
-    assert resumed.code == 0 and "resumed at step 3" in resumed.stdout, resumed.stderr
-
-
 def test_a_standard_library_without_sources_is_one_line(run_inprocess, tmp_path, monkeypatch):
     """The default corpus is the standard library's .py files; a Python with only compiled or zipped ones (Windows'
     embeddable one) gave an empty corpus and a ValueError traceback from torch.frombuffer."""
