@@ -814,8 +814,7 @@ def main(
         float, typer.Option(callback=cli.finite_non_negative,
                             help="Weight decay on weight matrices (decoupled in adamw, L2 in adam/sgd).")
     ] = 0.01,
-    max_grad_norm: Annotated[float, typer.Option(callback=cli.checked(lambda v: v > 0, "> 0 (inf: no clipping)"),
-                                                 help="Gradient clipping norm.")] = 1.0,
+    max_grad_norm: Annotated[float, typer.Option(min=0.0, help="Gradient clipping norm (0: off).")] = 1.0,
     num_embedding: Annotated[
         Literal["auto", "none", "ple", "periodic"],
         typer.Option(help="Numeric columns as they are, or embedded: piecewise-linear on quantile bins, periodic; "

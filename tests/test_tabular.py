@@ -291,6 +291,18 @@ def test_regression_reports_rmse(run_inprocess, tmp_path):
     assert "val_acc" not in metrics and metrics["val_rmse"] < 8.0  # y spans 0..23.6 (std about 7.2)
 
 
+def test_max_grad_norm_zero_is_off_as_in_the_transformer(run_inprocess, table_csv, tmp_path):
+    """--max-grad-norm took "> 0 (inf: no clipping)" here and "0: off" in tiny_transformer: one option, two rules."""
+    common = ["--csv", table_csv, "--target", "label", "--epochs", 1, "--batch-size", 32, "--lr", 0.05]
+    for norm in (0, "inf", 1e-3):
+        assert run_inprocess(RECIPE, *common, "--max-grad-norm", norm, "--run-dir", tmp_path / str(norm)).code == 0
+    weights = {norm: load_weights(tmp_path / str(norm) / "checkpoints" / "last.pt") for norm in ("0", "inf", "0.001")}
+    assert_same_weights(weights["0"], weights["inf"])
+    assert any(not torch.equal(a, b) for a, b in zip(weights["0"].values(), weights["0.001"].values(), strict=True))
+    refused = run_inprocess(RECIPE, *common, "--max-grad-norm", -1, "--run-dir", tmp_path / "neg")
+    assert refused.code == 2 and "--max-grad-norm" in refused.stderr and not (tmp_path / "neg").exists()
+
+
 def test_resumed_run_ends_with_the_same_weights(run_inprocess, table_csv, tmp_path):
     common = ["--csv", table_csv, "--target", "label", "--epochs", 3, "--batch-size", 32]
     assert run_inprocess(RECIPE, *common, "--run-dir", tmp_path / "full").code == 0
