@@ -97,7 +97,8 @@ KeepBest = Annotated[int, typer.Option(min=1, help="Keep the K best checkpoints 
 Patience = Annotated[int | None, typer.Option(min=1, help="Stop after N evaluations without a better score.")]
 
 # Settings a recipe derives from its options and the machine (MFU's denominator, say): free to differ on a resume
-DERIVED_KEYS = {"precision_reason", "peak_flops_used", "peak_source", "attention_used", "num_embedding_used", "lr_used"}
+DERIVED_KEYS = {"precision_used", "precision_reason", "peak_flops_used", "peak_source", "attention_used",
+                "num_embedding_used", "lr_used"}
 # What config.json records beside the options: where and how the run ran, the fold of a cross-validation
 RECORD_KEYS = DERIVED_KEYS | {"recipe", "torch_version", "device_used", "world_size", "tf32", "checkpoint_format",
                              "fold"}
@@ -122,8 +123,7 @@ def replay(ctx: typer.Context, path: Path | None) -> Path | None:
     names = {param.name for param in ctx.command.params}
     if unknown := sorted(saved.keys() - names - RECORD_KEYS):
         raise typer.BadParameter(f"{path} has settings this recipe lacks ({', '.join(unknown[:6])}): another recipe's?")
-    ctx.default_map = {k: v for k, v in saved.items() if k in names - {"run_dir", "resume", "config_file"}} | (
-        {"precision": "auto"} if str(saved.get("precision_reason")).startswith("auto") else {})  # auto chooses again
+    ctx.default_map = {k: v for k, v in saved.items() if k in names - {"run_dir", "resume", "config_file"}}
     per_process = "global_batch" not in names  # a batch per process, or a global batch kept at any process count
     if per_process and str(saved.get("world_size", 1)) != os.environ.get("WORLD_SIZE", "1") and launched_as_rank_0():
         print(f"warning: {path} ran as {saved['world_size']} processes, this run as {os.environ.get('WORLD_SIZE', 1)}:"

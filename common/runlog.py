@@ -76,7 +76,7 @@ class RunLog:
             on_exit(self.writer.close)  # an error that ends the run still flushes what was logged
         self.started = self.window_start = time.perf_counter()
         resumed = f" | resumed at step {step}" if step else ""
-        precision = f" | precision {config['precision']} ({config['precision_reason']})" if "precision_reason" in \
+        precision = f" | precision {config['precision_used']} ({config['precision_reason']})" if "precision_reason" in \
             config else ""
         threads = f", {torch.get_num_threads()} thread(s)" if device.type == "cpu" else ""  # each process's
         self.print(f"run_dir {self.run.path.resolve()} | device {device}{threads}{precision} | {world_size} process(es)"

@@ -14,7 +14,7 @@ import random
 import re
 from collections.abc import Callable
 from pathlib import Path
-from typing import TypeVar
+from typing import NamedTuple, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -80,19 +80,28 @@ def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> set[str]:
         return set()
 
 
-def resolve_precision(precision: str, device: torch.device, checkpoint: dict | None = None) -> tuple[str, str]:
+class ChosenPrecision(NamedTuple):
+    """What config.json records of ``--precision``: the option as the run takes it (``auto`` stays auto, so that a
+    --config replay chooses again), the precision it runs in, and why."""
+    precision: str
+    precision_used: str
+    precision_reason: str
+
+
+def resolve_precision(precision: str, device: torch.device, checkpoint: dict | None = None) -> ChosenPrecision:
     """``--precision``, with ``auto`` resolved: bf16 where the device runs bf16 matmuls natively, else fp32 (never
     fp16, which needs loss scaling to be safe); a resumed run keeps its checkpoint's precision unless
-    --precision is given. Returns the precision and why, for the header and config.json."""
+    --precision is given."""
     started = (checkpoint or {}).get("config", {})
-    if started.get("precision") in PRECISION_DTYPES and (precision == "auto" or not option_given("precision")):
-        auto = str(started.get("precision_reason")).startswith("auto")  # (which a --config replay chooses again)
-        return started["precision"], "auto: as its checkpoint ran" if auto else "as its checkpoint ran"
-    if precision != "auto":  # (from --config: one the replayed run was given; auto's choice replays as auto)
-        return precision, "as given" if option_given("precision") else "from --config" if option_given(
-            "config_file") else "the default"
-    why = native_bf16(device)
-    return ("bf16", f"auto: {why}") if why else ("fp32", f"auto: no native bf16 matmul on this {device.type}")
+    if started.get("precision_used") in PRECISION_DTYPES and (precision == "auto" or not option_given("precision")):
+        return ChosenPrecision(started["precision"], started["precision_used"], "as its checkpoint ran")
+    if precision != "auto":
+        why = "as given" if option_given("precision") else "from --config" if option_given("config_file") else \
+            "the default"
+        return ChosenPrecision(precision, precision, why)
+    if why := native_bf16(device):
+        return ChosenPrecision("auto", "bf16", f"auto: {why}")
+    return ChosenPrecision("auto", "fp32", f"auto: no native bf16 matmul on this {device.type}")
 
 
 def from_rank_0(work: Callable[[], T]) -> T:

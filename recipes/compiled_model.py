@@ -112,8 +112,9 @@ def train(epochs: int, max_steps: int | None, batch_size: int, lr: float, sample
         return {}
     seed_everything(seed)
     device = resolve_device(device)
-    precision, why = resolve_precision(precision, device, checkpoint)  # --precision auto: bf16 where native
-    config |= {"precision": precision, "precision_reason": why}
+    chosen = resolve_precision(precision, device, checkpoint)  # --precision auto: bf16 where native
+    config |= chosen._asdict()  # the option as given, the precision it runs in, and why
+    precision = chosen.precision_used
     train_set = synthetic_classification(samples, N_FEATURES, N_CLASSES, seed=seed)
     val_set = synthetic_classification(16384, N_FEATURES, N_CLASSES, seed=seed + 1_000_000)
     # drop_last (make_loader's default for training) matters twice here: a smaller last batch would be
@@ -241,7 +242,7 @@ def compare(options: dict, run_dir: Path, repeats: int = 5, block: int = 10) -> 
     """Speed from ``measure_speed`` (interleaved, repeated); then eager and compiled each train the same seeded
     run, whose curves and final losses show that compiling changes the speed, not the training."""
     device = resolve_device(options["device"])
-    precision = resolve_precision(options["precision"], device)[0]  # the training runs' own: both timed in it
+    precision = resolve_precision(options["precision"], device).precision_used  # the training runs': both timed in it
     speed = measure_speed(device, options["width"], options["depth"], options["batch_size"], repeats, block, precision,
                           mode=options["mode"], dynamic=options["dynamic"], fullgraph=options["fullgraph"],
                           backend=options["backend"])

@@ -181,8 +181,9 @@ def main(
         if dist.is_initialized():
             leave_process_group()
         return
-    precision, why = resolve_precision(precision, device, checkpoint)  # --precision auto: bf16 where native
-    config |= {"precision": precision, "precision_reason": why}
+    chosen = resolve_precision(precision, device, checkpoint)  # --precision auto: bf16 where native
+    config |= chosen._asdict()  # the option as given, the precision it runs in, and why
+    precision = chosen.precision_used
     # The same seed on every rank: every rank draws the same random numbers (each shards its data with the
     # sampler instead), so the random streams that rank 0 saves are every rank's to restore.
     seed_everything(seed)

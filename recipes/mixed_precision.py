@@ -104,8 +104,9 @@ def train(epochs: int, max_steps: int | None, batch_size: int, lr: float, sample
         return {}
     seed_everything(seed)
     device = resolve_device(device)
-    precision, why = resolve_precision(precision, device, checkpoint)  # --precision auto: bf16 where native
-    config |= {"precision": precision, "precision_reason": "one of --compare's" if compare_precisions else why}
+    chosen = resolve_precision(precision, device, checkpoint)  # --precision auto: bf16 where native
+    config |= chosen._asdict() | ({"precision_reason": "one of --compare's"} if compare_precisions else {})
+    precision = chosen.precision_used
     train_set = synthetic_classification(samples, 784, 10, seed=seed)
     val_set = synthetic_classification(4096, 784, 10, seed=seed + 1_000_000)  # same task, new inputs
     train_loader = make_loader(train_set, batch_size, train=True, seed=seed,

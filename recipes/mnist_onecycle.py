@@ -450,8 +450,9 @@ def main(
         return
     seed_everything(seed)
     device = resolve_device(device)
-    precision, why = resolve_precision(precision, device, checkpoint)  # --precision auto: bf16 where native
-    config |= {"precision": precision, "precision_reason": why}
+    chosen = resolve_precision(precision, device, checkpoint)  # --precision auto: bf16 where native
+    config |= chosen._asdict()  # the option as given, the precision it runs in, and why
+    precision = chosen.precision_used
 
     train_set, val_set, test_set = mnist_datasets(data_dir, val_size, seed)
     # In-memory tensors: worker processes would only add inter-process copies (hence 0 by default).

@@ -940,10 +940,11 @@ def train(csv_path: Path | None, target: str, task: str, drop: list[str] | None,
         return json.loads((run.path / "metrics.json").read_text())
     seed_everything(seed)
     device = resolve_device(device)
-    precision, why = resolve_precision(precision, device, checkpoint)  # --precision auto: bf16 where native
-    if optimizer_name == "lbfgs" and precision != "fp32":  # auto's bf16 (a bf16 or fp16 given was refused above)
-        precision, why = "fp32", "auto: lbfgs needs fp32"
-    config |= {"precision": precision, "precision_reason": why}
+    chosen = resolve_precision(precision, device, checkpoint)  # --precision auto: bf16 where native
+    if optimizer_name == "lbfgs" and chosen.precision_used != "fp32":  # auto's bf16 (bf16 or fp16 given: refused)
+        chosen = chosen._replace(precision_used="fp32", precision_reason="auto: lbfgs needs fp32")
+    config |= chosen._asdict()  # the option as given, the precision it runs in, and why
+    precision = chosen.precision_used
 
     # Data: a table -> preprocessing fitted on the training split -> tensors
     resumed = saved_features(checkpoint, run.resume_from) if checkpoint else None  # the preprocessing it fitted

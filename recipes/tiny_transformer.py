@@ -742,9 +742,10 @@ def main(
         if dist.is_initialized():
             leave_process_group()
         return
-    precision, why = resolve_precision(precision, device, checkpoint)  # --precision auto: bf16 where native
+    chosen = resolve_precision(precision, device, checkpoint)  # --precision auto: bf16 where native
+    precision = chosen.precision_used
     attention = resolve_attention(attention, device, precision)
-    config |= {"precision": precision, "precision_reason": why, "attention_used": attention}
+    config |= chosen._asdict() | {"attention_used": attention}  # the option as given, the precision used, and why
     # The same seed on every rank: every rank builds the same initial weights (FSDP shards them as they are,
     # DDP checks they agree), and draws the same validation batches. Dropout is seeded per rank (seed_dropout).
     seed_everything(seed)

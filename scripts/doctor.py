@@ -224,7 +224,7 @@ def alternatives(known: set[str], options: list[str], config: dict, wanted: list
 
     device = torch.device(config.get("device_used", "cpu"))
     found, rows = {}, []
-    if "bf16" in wanted and "--precision" in known and config.get("precision") == "fp32":
+    if "bf16" in wanted and "--precision" in known and config.get("precision_used") == "fp32":
         why = native_bf16(device)
         if why:
             found["--precision bf16"] = (["--precision", "bf16"], False)
@@ -275,7 +275,7 @@ def rule_rows(observed: Observed, config: dict, profile: dict, options: list[str
         rows.append(("cudnn.benchmark", str(observed.cudnn_benchmark),
                      "ok" if observed.cudnn_benchmark or not any(k.startswith("Conv") for k in observed.matrices) else
                      "fixed-size convolutions run faster with torch.backends.cudnn.benchmark = True"))
-        if config.get("precision") == "fp32":
+        if config.get("precision_used") == "fp32":
             tf32 = observed.matmul_precision != "highest"  # "high" or "medium": TF32 (or bf16) matmuls already
             rows.append(("TF32 matmuls", f"float32 matmul precision {observed.matmul_precision!r}",
                          "ok: TF32 is on" if tf32 else "fp32 as asked; from compute capability 8.0 (Ampere), "
@@ -298,7 +298,7 @@ def rule_rows(observed: Observed, config: dict, profile: dict, options: list[str
         rows.append(("channels_last convolutions", ", ".join(sorted(observed.convs_not_channels_last)) or
                      "every Conv2d input is channels_last", "ok" if not observed.convs_not_channels_last else
                      "model.to(memory_format=torch.channels_last) and the inputs too"))
-    if on_cuda and config.get("precision") in ("bf16", "fp16"):  # tensor cores: a CPU has none
+    if on_cuda and config.get("precision_used") in ("bf16", "fp16"):  # tensor cores: a CPU has none
         odd = sorted({d for shape in observed.matrices.values() for d in shape if d % 8})
         rows.append(("sizes multiples of 8 under autocast", f"dims not a multiple of 8: {odd}" if odd else
                      "every matrix dim is", "ok" if not odd else "tensor cores work in tiles of 8: pad where you "

@@ -120,9 +120,10 @@ def test_every_recipe_takes_auto_precision_and_says_what_it_chose(recipe, run_in
     result = run_inprocess(recipe, *smoke_args(recipe, request), "--precision", "auto", "--run-dir", tmp_path)
     assert result.code == 0, result.stderr
     config = json.loads((tmp_path / "config.json").read_text())
-    assert config["precision"] == ("bf16" if native_bf16(torch.device(config["device_used"])) else "fp32")
+    assert config["precision"] == "auto"  # as given: a --config replay chooses again
+    assert config["precision_used"] == ("bf16" if native_bf16(torch.device(config["device_used"])) else "fp32")
     assert config["precision_reason"].startswith("auto: ")
-    assert f"precision {config['precision']} ({config['precision_reason']})" in result.stdout
+    assert f"precision {config['precision_used']} ({config['precision_reason']})" in result.stdout
 
 
 @pytest.mark.parametrize("recipe", RECIPES)

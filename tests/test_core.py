@@ -848,20 +848,20 @@ def test_auto_precision_is_bf16_where_the_device_multiplies_it_natively(monkeypa
 
     monkeypatch.setattr(runtime, "cpu_flags", lambda: flags)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
-    assert runtime.resolve_precision("auto", torch.device(device)) == expected
-    assert runtime.resolve_precision("fp16", torch.device(device)) == ("fp16", "as given")
+    assert runtime.resolve_precision("auto", torch.device(device)) == ("auto", *expected)
+    assert runtime.resolve_precision("fp16", torch.device(device)) == ("fp16", "fp16", "as given")
 
 
 def test_auto_precision_keeps_what_a_resumed_run_started_with(monkeypatch):
     import common.runtime as runtime
 
     monkeypatch.setattr(runtime, "cpu_flags", lambda: {"avx512_bf16"})
-    started_in_fp32 = {"config": {"precision": "fp32"}}
-    assert runtime.resolve_precision("auto", CPU, started_in_fp32) == ("fp32", "as its checkpoint ran")
-    assert runtime.resolve_precision("bf16", CPU, started_in_fp32) == ("bf16", "as given")  # unless told otherwise
-    # auto's choice stays auto's through a resume, so that a replay of the resumed run's config.json chooses again
-    chosen_by_auto = {"config": {"precision": "bf16", "precision_reason": "auto: the CPU has avx512_bf16"}}
-    assert runtime.resolve_precision("auto", CPU, chosen_by_auto) == ("bf16", "auto: as its checkpoint ran")
+    started_in_fp32 = {"config": {"precision": "fp32", "precision_used": "fp32"}}
+    assert runtime.resolve_precision("auto", CPU, started_in_fp32) == ("fp32", "fp32", "as its checkpoint ran")
+    assert runtime.resolve_precision("bf16", CPU, started_in_fp32) == ("bf16", "bf16", "as given")  # unless told so
+    # auto stays auto through a resume, so that a replay of the resumed run's config.json chooses again
+    chosen_by_auto = {"config": {"precision": "auto", "precision_used": "bf16"}}
+    assert runtime.resolve_precision("auto", CPU, chosen_by_auto) == ("auto", "bf16", "as its checkpoint ran")
 
 
 def test_the_header_says_where_a_precision_came_from(run_inprocess, tmp_path):
@@ -885,10 +885,11 @@ def test_a_replay_chooses_again_where_auto_chose(run_inprocess, tmp_path, monkey
     monkeypatch.setattr(runtime, "cpu_flags", lambda: {"avx512_bf16"})
     there = run_inprocess("mixed_precision", *small, "--precision", "auto", "--run-dir", tmp_path / "there")
     assert there.code == 0 and "| precision bf16 (auto: the CPU has avx512_bf16) |" in there.stdout, there.stdout
-    small[1] = 2  # resumed there: its config.json says "as its checkpoint ran", auto's choice still
-    resumed = run_inprocess("mixed_precision", *small, "--precision", "auto", "--resume", "auto", "--run-dir",
-                            tmp_path / "there")
-    assert resumed.code == 0 and "| precision bf16 (auto: as its checkpoint ran) |" in resumed.stdout, resumed.stdout
+    small[1] = 2  # resumed there without --precision: its config.json still says auto, beside what auto chose
+    resumed = run_inprocess("mixed_precision", *small, "--resume", "auto", "--run-dir", tmp_path / "there")
+    assert resumed.code == 0 and "| precision bf16 (as its checkpoint ran) |" in resumed.stdout, resumed.stdout
+    config = json.loads((tmp_path / "there" / "config.json").read_text())
+    assert (config["precision"], config["precision_used"]) == ("auto", "bf16")
     monkeypatch.setattr(runtime, "cpu_flags", lambda: {"avx2"})
     replay = ["--config", tmp_path / "there" / "config.json"]
     here = run_inprocess("mixed_precision", *small, *replay, "--run-dir", tmp_path / "here")
@@ -914,9 +915,9 @@ def test_an_arm_cpu_with_bf16_multiplies_it_natively(tmp_path, monkeypatch):
     flags = runtime.cpu_flags(tmp_path / "cpuinfo")
     assert {"asimd", "sve", "bf16"} <= flags
     monkeypatch.setattr(runtime, "cpu_flags", lambda: flags)
-    assert runtime.resolve_precision("auto", CPU) == ("bf16", "auto: the CPU has bf16")
+    assert runtime.resolve_precision("auto", CPU) == ("auto", "bf16", "auto: the CPU has bf16")
     monkeypatch.setattr(runtime, "cpu_flags", lambda: flags - {"bf16", "svebf16"})  # a Graviton2's: no BF16
-    assert runtime.resolve_precision("auto", CPU) == ("fp32", "auto: no native bf16 matmul on this cpu")
+    assert runtime.resolve_precision("auto", CPU) == ("auto", "fp32", "auto: no native bf16 matmul on this cpu")
 
 
 def test_this_machines_cpu_flags_are_read():

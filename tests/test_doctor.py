@@ -50,14 +50,15 @@ def test_the_live_run_sees_each_broken_rule(tmp_path):
     observed, config, profile, _ = doctor.live_run(recipe, [], 6, tmp_path)
     assert observed.steps == 6 and observed.anomaly_mode
     assert observed.grads_reused == 5  # every step after the first found last step's gradient tensors
-    rules = verdicts(doctor.rule_rows(observed, config | {"precision": "bf16"}, profile, []))
+    rules = verdicts(doctor.rule_rows(observed, config | {"precision_used": "bf16"}, profile, []))
     assert rules["no conv bias before batch norm"].startswith("bias=False")
     assert rules["channels_last convolutions"].startswith("model.to(memory_format=torch.channels_last)")
     assert rules["evaluation without autograd"] == "wrap evaluation in torch.no_grad()"
     assert rules["debug APIs off"] == "turn off: they slow every step"
     assert rules["zero_grad(set_to_none=True)"].startswith("free the gradients")
     assert "sizes multiples of 8 under autocast" not in rules  # a CPU has no tensor cores to advise about
-    rules = verdicts(doctor.rule_rows(observed, config | {"precision": "bf16", "device_used": "cuda:0"}, profile, []))
+    on_cuda = config | {"precision_used": "bf16", "device_used": "cuda:0"}
+    rules = verdicts(doctor.rule_rows(observed, on_cuda, profile, []))
     assert rules["sizes multiples of 8 under autocast"].startswith("tensor cores")  # 4, 3 and 144 = 4 x 36: 4, 3
 
 
@@ -65,7 +66,7 @@ def test_a_recipe_that_follows_the_rules_passes_them(tmp_path, mnist_dir):
     recipe = doctor.load_recipe("mnist_onecycle")
     options = ["--data-dir", str(mnist_dir), "--batch-size", "32", "--device", "cpu", "--precision", "fp32"]
     observed, config, profile, unit = doctor.live_run(recipe, options, 12, tmp_path)
-    assert unit == "samples" and config["precision"] == "fp32" and profile["steps"] >= 5
+    assert unit == "samples" and config["precision_used"] == "fp32" and profile["steps"] >= 5
     rules = verdicts(doctor.rule_rows(observed, config, profile, options))
     for rule in ("evaluation without autograd", "debug APIs off", "zero_grad(set_to_none=True)",
                  "no conv bias before batch norm", "channels_last convolutions"):
@@ -223,11 +224,11 @@ def test_bf16_is_tried_where_the_cpu_multiplies_it_natively_and_said_why_not_els
     """The README's first alternative: no test reached it (an inverted check passed)."""
     from common import runtime
 
-    known, fp32 = {"--precision"}, {"device_used": "cpu", "precision": "fp32"}
+    known, fp32 = {"--precision"}, {"device_used": "cpu", "precision_used": "fp32"}
     monkeypatch.setattr(runtime, "cpu_flags", lambda: {"avx2", "avx512f", "avx512_bf16"})
     assert doctor.alternatives(known, [], fp32, ["bf16"]) == ({"--precision bf16": (["--precision", "bf16"], False)},
                                                               [])
-    assert doctor.alternatives(known, [], fp32 | {"precision": "bf16"}, ["bf16"]) == ({}, [])  # bf16 already
+    assert doctor.alternatives(known, [], fp32 | {"precision_used": "bf16"}, ["bf16"]) == ({}, [])  # bf16 already
     monkeypatch.setattr(runtime, "cpu_flags", lambda: {"avx2", "avx512f"})
     assert doctor.alternatives(known, [], fp32, ["bf16"]) == ({}, [("--precision bf16", "not measured", "no native "
                                                                     "bf16 matmul on this cpu: emulated, it would be "
@@ -236,7 +237,7 @@ def test_bf16_is_tried_where_the_cpu_multiplies_it_natively_and_said_why_not_els
 
 def test_on_cuda_tf32_on_is_ok_and_too_few_steps_count_no_syncs():
     """TF32 was advised with the matmul precision already "high"; one step read as "nan per step", a stall."""
-    cuda = {"device_used": "cuda:0", "precision": "fp32"}
+    cuda = {"device_used": "cuda:0", "precision_used": "fp32"}
     assert verdicts(doctor.rule_rows(doctor.Observed(matmul_precision="high"), cuda, {}, []))["TF32 matmuls"] == \
         "ok: TF32 is on"
     assert verdicts(doctor.rule_rows(doctor.Observed(), cuda, {}, []))["TF32 matmuls"].startswith("fp32 as asked")
@@ -247,7 +248,7 @@ def test_on_cuda_tf32_on_is_ok_and_too_few_steps_count_no_syncs():
 
 def test_cudnn_benchmark_is_asked_of_every_convolution_model_on_cuda():
     """It was passed for a model whose convolutions were all channels_last, whatever the flag."""
-    cuda = {"device_used": "cuda:0", "precision": "bf16"}
+    cuda = {"device_used": "cuda:0", "precision_used": "bf16"}
     conv = doctor.Observed(matrices={"Conv2d0": (32, 16)}, cudnn_benchmark=False)
     assert verdicts(doctor.rule_rows(conv, cuda, {}, []))["cudnn.benchmark"].startswith("fixed-size convolutions")
     conv.cudnn_benchmark = True
@@ -288,7 +289,7 @@ def test_sigterm_is_one_line_and_leaves_no_temporary_folder(tmp_path):
 def stub_measurements(monkeypatch, alone: dict[str, list[float]], together: list[float] | str | None = None) -> None:
     """The doctor's live run and side-by-side runs replaced by fixed figures: --compile and --num-workers 1 apply,
     measured ``alone`` each, and ``together`` when both are measured at once."""
-    live = (doctor.Observed(steps=30), {"device_used": "cpu", "precision": "fp32"},
+    live = (doctor.Observed(steps=30), {"device_used": "cpu", "precision_used": "fp32"},
             {"ms_per_step": {"data": 1.0, "forward": 9.0}}, "samples")
     monkeypatch.setattr(doctor, "live_run", lambda recipe, options, steps, work: live)
     monkeypatch.setattr(doctor, "alternatives", lambda known, options, config, wanted: (

@@ -50,7 +50,8 @@ def test_smoke_writes_the_run_directory_of_the_conventions(run_inprocess, mnist_
     from common.runtime import resolve_precision
 
     assert hparams["batch_size"] == 32 and hparams["augment"] is True
-    assert hparams["precision"] == resolve_precision("auto", torch.device("cpu"))[0]  # as --precision auto chose
+    assert hparams["precision"] == "auto"  # the option as given, beside what it chose
+    assert hparams["precision_used"] == resolve_precision("auto", torch.device("cpu")).precision_used
     assert {"val/loss", "val/acc", "test/acc"} <= set(tags) and not [t for t in scalars if t.startswith("hparam")]
     assert len(list(run_dir.glob("events.out.tfevents.*"))) == 1
     events = EventAccumulator(str(run_dir), size_guidance={"images": 0})

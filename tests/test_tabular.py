@@ -501,7 +501,9 @@ def test_lbfgs_under_auto_precision_says_why_it_runs_in_fp32(run_inprocess, tabl
     result = run_inprocess(RECIPE, "--csv", table_csv, "--target", "label", "--optimizer", "lbfgs", "--precision",
                            "auto", "--max-steps", 1, "--run-dir", tmp_path)
     assert result.code == 0 and "| precision fp32 (auto: lbfgs needs fp32) |" in result.stdout, result.stdout
-    assert json.loads((tmp_path / "config.json").read_text())["precision_reason"] == "auto: lbfgs needs fp32"
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert (config["precision"], config["precision_used"], config["precision_reason"]) == (
+        "auto", "fp32", "auto: lbfgs needs fp32")
 
 
 @pytest.mark.parametrize(("extra", "message"), [

@@ -551,13 +551,13 @@ def test_auto_precision_is_recorded_and_a_resume_keeps_the_precision_it_started_
                                                                                      tmp_path):
     from common.runtime import resolve_precision
 
-    expected, why = resolve_precision("auto", torch.device("cpu"))  # bf16 here only if this CPU has native bf16
+    _, expected, why = resolve_precision("auto", torch.device("cpu"))  # bf16 here only if this CPU has native bf16
     args = ["--text", text_file, *SMALL, "--steps", 4, "--eval-every", 2, "--peak-flops", 1e11, "--run-dir",
             tmp_path / "run", "--resume", "auto"]
     first = run_inprocess(RECIPE, *args, "--max-steps", 2)  # the default: --precision auto
     assert first.code == 0, first.stderr
     config = json.loads((tmp_path / "run" / "config.json").read_text())
-    assert (config["precision"], config["precision_reason"]) == (expected, why)
+    assert (config["precision"], config["precision_used"], config["precision_reason"]) == ("auto", expected, why)
     assert f"| precision {expected} ({why}) |" in first.stdout
 
     fp32 = ["--text", text_file, *SMALL, "--steps", 4, "--eval-every", 2, "--peak-flops", 1e11, "--run-dir",
@@ -565,7 +565,8 @@ def test_auto_precision_is_recorded_and_a_resume_keeps_the_precision_it_started_
     assert run_inprocess(RECIPE, *fp32, "--max-steps", 2, "--precision", "fp32").code == 0
     resumed = run_inprocess(RECIPE, *fp32)  # auto again: the run started in fp32 and goes on in fp32
     assert resumed.code == 0, resumed.stderr
-    assert json.loads((tmp_path / "fp32" / "config.json").read_text())["precision"] == "fp32"
+    config = json.loads((tmp_path / "fp32" / "config.json").read_text())
+    assert (config["precision"], config["precision_used"]) == ("fp32", "fp32")  # as it started: a replay runs fp32
     assert "| precision fp32 (as its checkpoint ran) |" in resumed.stdout
 
 
