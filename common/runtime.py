@@ -81,8 +81,8 @@ def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> set[str]:
 
 
 class ChosenPrecision(NamedTuple):
-    """What config.json records of ``--precision``: the option as the run takes it (``auto`` stays auto, so that a
-    --config replay chooses again), the precision it runs in, and why."""
+    """What config.json records of ``--precision``: the option as given (``auto`` stays auto, so that a --config
+    replay chooses again; a resume not given one keeps its checkpoint's), the precision it runs in, and why."""
     precision: str
     precision_used: str
     precision_reason: str
@@ -93,8 +93,9 @@ def resolve_precision(precision: str, device: torch.device, checkpoint: dict | N
     fp16, which needs loss scaling to be safe); a resumed run keeps its checkpoint's precision unless
     --precision is given."""
     started = (checkpoint or {}).get("config", {})
-    if started.get("precision_used") in PRECISION_DTYPES and (precision == "auto" or not option_given("precision")):
-        return ChosenPrecision(started["precision"], started["precision_used"], "as its checkpoint ran")
+    used = started.get("precision_used", started.get("precision"))  # (a checkpoint from before precision_used)
+    if used in PRECISION_DTYPES and (precision == "auto" or not option_given("precision")):
+        return ChosenPrecision(started["precision"], used, "as its checkpoint ran")
     if precision != "auto":
         why = "as given" if option_given("precision") else "from --config" if option_given("config_file") else \
             "the default"

@@ -862,6 +862,8 @@ def test_auto_precision_keeps_what_a_resumed_run_started_with(monkeypatch):
     # auto stays auto through a resume, so that a replay of the resumed run's config.json chooses again
     chosen_by_auto = {"config": {"precision": "auto", "precision_used": "bf16"}}
     assert runtime.resolve_precision("auto", CPU, chosen_by_auto) == ("auto", "bf16", "as its checkpoint ran")
+    older = {"config": {"precision": "bf16"}}  # written before config.json had precision_used: its precision ran
+    assert runtime.resolve_precision("auto", CPU, older) == ("bf16", "bf16", "as its checkpoint ran")
 
 
 def test_the_header_says_where_a_precision_came_from(run_inprocess, tmp_path):
