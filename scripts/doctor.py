@@ -418,7 +418,7 @@ def main(argv: list[str] | None = None) -> int:
             verdict = "faster per sample, but it changes the training: retune --lr"
         table.append((name, spread(result), verdict))
     table += rows + rule_rows(observed, config, profile, options)
-    print(f"doctor: {recipe_path.stem} on {config.get('device_used')} ({config.get('precision')}), {args.rounds} "
+    print(f"doctor: {recipe_path.stem} on {config.get('device_used')} ({config.get('precision_used')}), {args.rounds} "
           f"interleaved round(s) of {steps} steps per variant, throughput without the first {window} (or the first "
           "epoch, if shorter)")
     print("| rule or alternative | measured | verdict |\n|---|---|---|")

@@ -10,8 +10,12 @@ import textwrap
 import time
 
 import pytest
+import torch
 
+from common.runtime import resolve_precision
 from scripts import doctor
+
+CPU = torch.device("cpu")
 
 # A recipe that breaks every rule the live run can see: a convolution with a bias before a batch norm, inputs
 # not in channels_last, anomaly detection on, gradients zeroed in place, and evaluation with autograd recording.
@@ -75,7 +79,7 @@ def test_a_recipe_that_follows_the_rules_passes_them(tmp_path, mnist_dir):
 
 
 @pytest.mark.parametrize(("recipe", "options", "tried"), [
-    ("mixed_precision", ["--samples", "2048", "--width", "64", "--batch-size", "128"], "batch"),
+    ("mixed_precision", ["--samples", "2048", "--width", "64", "--batch-size", "128", "--precision", "auto"], "batch"),
     ("tabular_mlp", ["--csv", "{table_csv}", "--target", "label", "--batch-size", "32"], "workers"),
 ])
 def test_the_table_and_the_recommendation(recipe, options, tried, table_csv, tmp_path, capsys):
@@ -84,7 +88,8 @@ def test_the_table_and_the_recommendation(recipe, options, tried, table_csv, tmp
     assert doctor.main([recipe, *options, "--rounds", "1", "--try", tried, "--json", str(report)]) == 0
     out = capsys.readouterr().out
     lines = out.splitlines()
-    assert lines[0].startswith(f"doctor: {recipe} on cpu")
+    used = resolve_precision("auto", CPU).precision_used if "auto" in options else "fp32"  # what ran, not "auto"
+    assert lines[0].startswith(f"doctor: {recipe} on cpu ({used}), 1 interleaved round(s)"), lines[0]
     assert lines[1] == "| rule or alternative | measured | verdict |"
     alternative = "--batch-size 256" if tried == "batch" else "--num-workers"
     row = next(line for line in lines if line.startswith(f"| {alternative}"))
