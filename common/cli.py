@@ -47,8 +47,8 @@ def device_name(value: str) -> str:
 
 def given_path(value: str | Path) -> Path:
     """A path option's value; an empty one (an unset shell variable, say) is refused rather than read as '.'."""
-    if not str(value).strip():
-        raise typer.BadParameter("is empty; give a path")
+    if not isinstance(value, str | Path) or not str(value).strip():  # (a number or list from --config's JSON too)
+        raise typer.BadParameter("is empty; give a path" if isinstance(value, str) else f"is {value!r}: give a path")
     return Path(value)
 
 

@@ -228,3 +228,14 @@ def test_a_tool_without_its_docstring_still_answers_help(script, monkeypatch, ca
     with pytest.raises(SystemExit) as exit_:
         module.main(["--help"])
     assert exit_.value.code == 0 and "usage:" in capsys.readouterr().out
+
+
+def test_a_config_holding_no_path_where_a_path_goes_is_a_usage_error(run_inprocess, tmp_path):
+    """A hand-edited config.json's {"text": 5} ended in a TypeError traceback (exit 1), not a usage error."""
+    for recipe, key, value, option in [("tiny_transformer", "text", 5, "--text"), ("tabular_mlp", "csv_path", ["a"],
+                                       "--csv"), ("tabular_mlp", "data_dir", {"a": 1}, "--data-dir")]:
+        (tmp_path / "config.json").write_text(json.dumps({key: value}))
+        result = run_inprocess(recipe, "--config", tmp_path / "config.json", "--run-dir", tmp_path / "run")
+        assert result.code == 2 and f"Invalid value for '{option}': is {value!r}: give a path" in result.stderr, \
+            result.stderr
+        assert not (tmp_path / "run").exists()
