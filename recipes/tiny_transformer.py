@@ -471,6 +471,11 @@ def saved_model_config(checkpoint: dict, path: Path) -> GPTConfig:
             or kinds[1] not in ("gelu", "gelu_new") or type(config.bias) is not bool:
         raise cli.RecipeError(f"checkpoint {path} is damaged: its model's dropout {config.dropout!r}, attention, "
                               f"activation and bias {kinds} are not ones this recipe builds")
+    vocab = checkpoint.get("vocab")  # None: the 256 bytes; a string: its characters
+    tokens = len(vocab) if isinstance(vocab, str) else 256 if vocab is None and not checkpoint.get("tokenizer") else 0
+    if tokens > config.vocab_size:  # ids past the embedding's rows: an IndexError at the first sample
+        raise cli.RecipeError(f"checkpoint {path} is damaged: {tokens} tokens for a model of vocab_size "
+                              f"{config.vocab_size}")
     return config
 
 

@@ -281,6 +281,9 @@ def test_warmup_then_cosine_schedule():
      "('sdpa', 'relu', False) are not ones this recipe builds"),
     (lambda s: s["model_config"].update(attention="flash"), "('flash', 'gelu', False) are not ones"),
     (lambda s: s.update(vocab=7), "the checkpoint's vocabulary is damaged (a int, not None or a string"),
+    # an IndexError in the embedding once a prompt held a character past the model's rows
+    (lambda s: s.update(vocab="".join(map(chr, range(32, 332)))), "300 tokens for a model of vocab_size 256"),
+    (lambda s: s["model_config"].update(vocab_size=100), "256 tokens for a model of vocab_size 100"),  # bytes
     (lambda s: s["model"].update({"wpe.weight": 5}), "does not fit this model (wrong shape: wpe.weight)"),
 ])
 def test_a_damaged_checkpoint_is_one_line_when_sampled_from(damage, message, run_inprocess, text_file, tmp_path):
