@@ -423,7 +423,7 @@ def export_checkpoint(checkpoint: Path, out_dir: Path, overwrite: bool = False, 
         exportable = BUILDERS[recipe](state, checkpoint)
     except RecipeError as err:  # load_model_state: weights that do not fit the model
         raise ExportError(str(err)) from None
-    except (KeyError, TypeError) as err:
+    except (KeyError, TypeError, AttributeError) as err:  # (AttributeError: a config that is no dict, say)
         raise ExportError(f"{checkpoint} lacks what rebuilding its {recipe} model needs ({err})") from None
     except (ValueError, RuntimeError) as err:  # a negative width, say
         raise ExportError(f"{checkpoint} is damaged: its {recipe} model cannot be rebuilt ({err})") from None
@@ -470,8 +470,12 @@ def export_checkpoint(checkpoint: Path, out_dir: Path, overwrite: bool = False, 
                 "torch_version": torch.__version__, "format": format, "files": files, **exportable.info,
                 "check": {"batch": CHECK_BATCH, "tolerance": TOLERANCE, "max_abs_diff": differences}}
         try:
+            text = json.dumps(info, indent=2) + "\n"
+        except (TypeError, ValueError) as err:  # a damaged checkpoint's step or preprocessing: a tensor, say
+            raise ExportError(f"{checkpoint} is damaged: what model.json would say of it is no JSON ({err})") from None
+        try:
             if format != "hf":  # a GPT-2 folder holds Hugging Face's files only
-                (tmp / "model.json").write_text(json.dumps(info, indent=2) + "\n")
+                (tmp / "model.json").write_text(text)
             umask = os.umask(0)
             os.umask(umask)
             for path in tmp.iterdir():  # safetensors writes its files private; the export is ordinary files

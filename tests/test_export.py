@@ -463,6 +463,13 @@ def bad_case(case: str, checkpoints: dict, tmp_path: Path) -> tuple[list, str]:
         del state["config"]["hidden"]
         torch.save(state, bad)
         return [bad, out], "lacks what rebuilding its ddp_mlp model needs ('hidden')"
+    if case == "a tabular config that is no dict":  # was a traceback (AttributeError: no attribute 'get')
+        state = torch.load(checkpoints["tabular_mlp"], weights_only=True)
+        torch.save(state | {"config": None}, bad)
+        return [bad, out], "lacks what rebuilding its tabular_mlp model needs"
+    if case == "a step that is a tensor":  # was a traceback (TypeError) from writing model.json
+        torch.save(torch.load(good, weights_only=True) | {"step": torch.tensor(3)}, bad)
+        return [bad, out], "is damaged: what model.json would say of it is no JSON (Object of type Tensor"
     if case == "a negative width":
         state = torch.load(good, weights_only=True)
         state["config"]["hidden"] = -3
@@ -518,6 +525,7 @@ def bad_case(case: str, checkpoints: dict, tmp_path: Path) -> tuple[list, str]:
 
 BAD_CASES = ["missing checkpoint", "random bytes", "truncated checkpoint", "another program's checkpoint",
              "a bare state_dict", "pickle payload", "weights of another shape", "extras missing",
+             "a tabular config that is no dict", "a step that is a tensor",
              "a negative width", "weights that are not a dict", "a weight that is no tensor",
              "a recipe named in a list", "out dir is a file", "out dir under a file", "checkpoint is a folder",
              "a damaged tokenizer", "a one-token block", "tabular columns in a list",
