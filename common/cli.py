@@ -1,6 +1,4 @@
-"""The options every recipe shares, declared once, and the error handling around a recipe's command.
-
-A common option is one line; a bad value is a usage error (exit 2), a ``RecipeError`` one ``error:`` line (exit 1)."""
+"""The options every recipe shares, one line each (a bad value: a usage error), and a recipe's errors as one line."""
 
 import atexit
 import json
@@ -226,6 +224,7 @@ def run_recipe(main: Callable[..., object], argv: list[str] | None = None) -> No
     except (RecipeError, OSError) as err:  # OSError: a full disk, say, where no piece of the run had more to say
         message = " ".join(str(err).split()) if isinstance(err, RecipeError) else \
             f"{err.strerror or err}{f': {err.filename}' if err.filename else ''} (the checkpoints written are intact)"
+        message = re.sub(r"[\x00-\x1f\x7f-\x9f]", lambda c: ascii(c[0])[1:-1], message)  # an ESC: shown, not obeyed
         quiet or print(f"error: {message}", file=sys.stderr, flush=True)
         tell_torchrun(message)
         sys.exit(1)

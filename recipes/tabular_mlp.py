@@ -126,8 +126,7 @@ def read_table(path: Path, drop: list[str] | None = None, checked: list[str] | N
         # a cell (pyarrow's message), or a header (decoded by Python), in Latin-1, say
         if "invalid UTF8" in str(err) or isinstance(err, UnicodeDecodeError):
             raise cli.RecipeError(f"{path} is not UTF-8 text; re-save it as UTF-8") from None
-        shown = re.sub(r"[\x00-\x08\x0e-\x1f\x7f]", lambda c: ascii(c[0])[1:-1], str(err))  # a row's ESC, not obeyed
-        raise cli.RecipeError(f"{path} is not a readable table file: {shown}") from None
+        raise cli.RecipeError(f"{path} is not a readable table file: {err}") from None
     table = table.rename_columns([str(column).strip() for column in table.column_names])
     if len(set(table.column_names)) < table.num_columns:
         raise cli.RecipeError(f"{path}: the header names a column twice ({', '.join(table.column_names)})")

@@ -411,6 +411,7 @@ def test_a_data_folder_that_is_a_file_is_said_so(run_inprocess, tmp_path):
         ("bad.csv", "a,b,label\n1,2,x\n1,2\n", "is not a readable table file: CSV parse error: Expected 3 columns"),
         # a row's terminal escape, quoted in the error, reached the terminal (it can set the title, or worse)
         ("bad.csv", "a,label\n1,x\n2,y,\x1b]0;title\x07\n", "Expected 2 columns, got 3: 2,y,\\x1b]0;title\\x07"),
+        ("bad.csv", "a\x1b[2J,b\x9b2J,c\n1,2,3\n", "(columns: a\\x1b[2J, b\\x9b2J, c)"),  # a header's too
         ("bad.csv", "a,a,label\n1,2,x\n", "the header names a column twice"),
         ("bad.csv", b"a,label\ncaf\xe9,x\n", "is not UTF-8 text"),
         ("bad.csv.gz", "a,label\n1,x\n", "is not a readable table file"),  # not gzip inside
