@@ -2,8 +2,10 @@
 
 import atexit
 import json
+import multiprocessing.util
 import os
 import re
+import shutil
 import signal
 import sys
 import threading
@@ -57,12 +59,6 @@ def folder(value: str | Path) -> Path:
     return given_path(value)
 
 
-def resume_target(value: str | None) -> str | None:
-    if value is not None and not value.strip():
-        raise typer.BadParameter("give a checkpoint file, or auto")
-    return value
-
-
 Epochs = Annotated[int, typer.Option(min=1, help="Passes over the training set.")]
 Steps = Annotated[int, typer.Option(min=1, help="Optimizer steps to train for.")]
 MaxSteps = Annotated[int | None, typer.Option(min=1, help="Stop after this many optimizer steps.")]
@@ -81,8 +77,9 @@ NumWorkers = Annotated[int, typer.Option(min=0, max=4 * (os.cpu_count() or 1), h
 DataDir = Annotated[Path, typer.Option(parser=folder, metavar="<path>", help="Where data sets are cached on download.")]
 RunDir = Annotated[Path | None, typer.Option(parser=folder, metavar="<path>", help="Where this run writes "
                                              "everything [default: runs/RECIPE/YYYYmmdd-HHMMSS].")]
-Resume = Annotated[str | None, typer.Option(callback=resume_target, help="Continue from this checkpoint file, or "
-                                            "'auto': the newest one in --run-dir, else start fresh.")]
+Resume = Annotated[str | None, typer.Option(callback=lambda v: v if v is None else given_path(v) and v, help="Continue "
+                                            "from this checkpoint file, or 'auto': the newest one in --run-dir, else "
+                                            "start fresh.")]
 CheckpointEvery = Annotated[int | None, typer.Option(min=1, help="Also save checkpoints/last.pt every N steps.")]
 LogEvery = Annotated[int | None, typer.Option(min=1, help="Print a line (and read the losses back) every N steps "
                                               "[default: a tenth of an epoch or evaluation interval, at most 50].")]
@@ -190,6 +187,8 @@ def run_recipe(main: Callable[..., object], argv: list[str] | None = None) -> No
     # A background thread's OSError (TensorBoard's writer, disk full) reaches this thread too, reported below in a line
     excepthook = threading.excepthook
     threading.excepthook = lambda args: None if issubclass(args.exc_type, OSError) else excepthook(args)
+    # A torchrun exit kills the DataLoader workers (below): their sockets go in this process's folder, removed there
+    sockets = multiprocessing.util.get_temp_dir() if "TORCHELASTIC_RUN_ID" in os.environ else None
     try:
         with ExitStack() as cleanup:
             running = RUNNING.set(Command(flags, cleanup, sys.argv[1:] if argv is None else argv))
@@ -245,5 +244,6 @@ def run_recipe(main: Callable[..., object], argv: list[str] | None = None) -> No
         if "TORCHELASTIC_RUN_ID" in os.environ and isinstance(end := sys.exc_info()[1], SystemExit | None):
             for worker in torch.multiprocessing.active_children():  # a DataLoader's, that shutdown would have ended
                 worker.kill()  # (SIGKILL: its SIGTERM is ignored, as the main process alone answers one)
+            shutil.rmtree(sockets, ignore_errors=True)
             time.sleep(5 if quiet and getattr(end, "code", 0) in (1, 2) else 0)  # rank 0 prints, then torchrun ends all
             sys.stdout.flush(), sys.stderr.flush(), os._exit(getattr(end, "code", 0) or 0)  # (each exit: an int)

@@ -147,7 +147,7 @@ def test_an_empty_path_option_is_a_usage_error_not_the_current_folder(recipe, ru
     """`--run-dir "$RUN"` with RUN unset: writing checkpoints into wherever the command ran is refused; so is
     `--csv "$TABLE"`, which read the current folder as the table (exit 1, "is a directory")."""
     monkeypatch.chdir(tmp_path)
-    for option in ("--run-dir", "--data-dir", *PATH_OPTIONS.get(recipe, [])):
+    for option in ("--run-dir", "--data-dir", "--resume", *PATH_OPTIONS.get(recipe, [])):
         if option == "--data-dir" and option not in run_inprocess(recipe, "--help").stdout:
             continue
         result = run_inprocess(recipe, option, "")

@@ -177,6 +177,17 @@ def test_a_failure_on_the_ranks_ends_them_all_with_the_one_line_error(mnist_dir,
     assert f"traceback : checkpoint {tmp_path / 'missing.pt'} does not exist" in result.stdout + result.stderr
 
 
+def test_a_run_ended_under_torchrun_leaves_no_folder_of_its_dataloader_workers(mnist_dir, tmp_path):
+    """torchrun's ranks end in os._exit, killing their DataLoader workers first: each worker's temporary folder
+    (multiprocessing's pymp-*, for passing batches) stayed in /tmp after every run that failed or was stopped."""
+    (tmp_path / "tmp").mkdir()
+    result = run_subprocess([*TORCHRUN, "--nproc_per_node=2", "recipes/ddp_mlp.py", "--data-dir", mnist_dir,
+                             "--num-workers", 2, "--batch-size", 16, "--lr", 1e30, "--run-dir", tmp_path / "run",
+                             *SMALL], timeout=120, env={"TMPDIR": str(tmp_path / "tmp")})
+    assert result.code == 1 and "error: training diverged" in result.stderr, result.stderr
+    assert not list((tmp_path / "tmp").glob("pymp-*"))  # were 4: one per worker
+
+
 def test_a_failure_before_the_process_group_is_printed_by_rank_0_every_time(tmp_path):
     """Met by every rank before the group exists (--backend nccl on a CPU, --device cuda without one): rank 1 exited
     at once, torchrun then ended rank 0 with SIGTERM, often before it had printed: no error line (2 of 4 tries)."""
