@@ -28,7 +28,8 @@ Before anything is kept, one batch runs through the eager model and what was wri
 onnxruntime; transformers' GPT-2; the weights read back); the largest difference must be at most 1e-4, else
 the export fails. Everything is written into a temporary
 folder next to OUT_DIR and renamed at the end: a failed export leaves nothing behind. (Where OUT_DIR is a mount
-point, or its parent is read-only, the folder is made inside it, and its files moved in one by one.)
+point, or its parent is read-only, the folder is made inside it, and its files moved in one by one.) One that
+``kill -9`` left is removed by the next export to OUT_DIR.
 
 Exit status 0 on success, 2 on a usage error, 1 on any other problem; every error is one line
 ``error: ...`` on stderr.
@@ -36,6 +37,7 @@ Exit status 0 on success, 2 on a usage error, 1 on any other problem; every erro
 
 import argparse
 import contextlib
+import glob
 import importlib.util
 import io
 import json
@@ -431,6 +433,7 @@ def export_checkpoint(checkpoint: Path, out_dir: Path, overwrite: bool = False, 
     if unfinite := next((k for k, v in tensors if v.is_floating_point() and not v.isfinite().all()), None):
         raise ExportError(f"{checkpoint} is damaged: its model's {unfinite} holds NaN or inf; nothing was exported")
 
+    remove_abandoned(out_dir.absolute())
     created = make_parents(out_dir)
     try:
         tmp = Path(tempfile_dir(out_dir.absolute()))  # beside it (for ".", in the folder above), or in it
@@ -514,11 +517,36 @@ def remove_empty(folders: list[Path]) -> None:
             folder.rmdir()
 
 
+def remove_abandoned(out_dir: Path) -> None:
+    """Remove the temporary folders of exports to ``out_dir`` that were killed mid-way (SIGKILL, the OOM killer),
+    named for their process (.NAME.PID.xxxxxxxx.tmp) and so known once it is gone. Never an .old folder: that holds
+    an earlier export, set aside while it was being replaced."""
+    name = out_dir.name[:40]
+    for folder in (out_dir.parent, out_dir) if out_dir.is_dir() else (out_dir.parent,):
+        for tmp in folder.glob(f".{glob.escape(name)}.*.tmp"):
+            pid = tmp.name[len(name) + 2:].split(".")[0]
+            if pid.isdecimal() and tmp.is_dir() and not tmp.is_symlink() and not running(int(pid)):
+                shutil.rmtree(tmp, ignore_errors=True)
+
+
+def running(pid: int) -> bool:
+    """Whether process ``pid`` exists (signal 0 sends nothing; a system without it is assumed to run it)."""
+    if os.name != "posix":
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's
+        return True
+    return True
+
+
 def tempfile_dir(out_dir: Path) -> str:
     """A fresh folder on ``out_dir``'s mount, so that putting the export in place is renames: beside it (one rename
     replaces the folder), or in it where it is a mount point of its own or its parent is not writable (a volume
     of a container, say; its files then move in one by one)."""
-    prefix = f".{out_dir.name[:40]}."
+    prefix = f".{out_dir.name[:40]}.{os.getpid()}."  # the process's: a folder whose process is gone is abandoned
     try:
         beside = Path(tempfile.mkdtemp(prefix=prefix, suffix=".tmp", dir=out_dir.parent))
     except OSError:

@@ -723,6 +723,32 @@ def test_sigterm_is_exit_143_in_one_line_and_leaves_no_temporary_folder(checkpoi
     assert list(tmp_path.iterdir()) == []
 
 
+def test_the_folder_of_a_killed_export_is_removed_by_the_next_one(checkpoints, tmp_path):
+    """SIGKILL (the OOM killer's) leaves the temporary folder, which no later export removed: a GPT-2's is hundreds
+    of MB, hidden. It is named for its process, so the next export to that folder removes it once that is gone."""
+    import signal
+    import time
+
+    held = tmp_path / "held"  # the export held inside its temporary folder, as in the SIGTERM test above
+    code = ("import sys, time; from scripts import export; "
+            "export.export = lambda *a, **k: (open(sys.argv[3], 'w').close(), time.sleep(120)); "
+            "sys.exit(export.main(sys.argv[1:3]))")
+    (tmp_path / "exports").mkdir()
+    out = tmp_path / "exports" / "out"
+    proc = subprocess.Popen([sys.executable, "-c", code, str(checkpoints["ddp_mlp"]), str(out), str(held)], cwd=ROOT)
+    deadline = time.monotonic() + 120
+    while not held.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=60)
+    abandoned = list(out.parent.glob(".out.*.tmp"))
+    assert [p.name.split(".")[2] for p in abandoned] == [str(proc.pid)]
+    running = out.parent / f".out.{os.getpid()}.abcdefgh.tmp"  # an export still under way: this process's
+    running.mkdir()
+    assert export.main([str(checkpoints["ddp_mlp"]), str(out)]) == 0
+    assert sorted(p.name for p in out.parent.iterdir()) == sorted([running.name, "out"])
+
+
 def test_a_full_disk_at_model_json_is_one_line_and_leaves_nothing(checkpoints, tmp_path, capsys, monkeypatch):
     """model.json was written outside the export's OSError handling: a traceback (its folder was removed)."""
     import errno
