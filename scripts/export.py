@@ -535,7 +535,7 @@ def running(pid: int) -> bool:
         return True
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
+    except (ProcessLookupError, OverflowError):  # (a number past any process's)
         return False
     except OSError:  # another user's
         return True
