@@ -700,3 +700,31 @@ def test_a_path_an_ascii_terminal_cannot_show_is_printed_escaped(tmp_path):
     target.parent.mkdir()
     result = run_subprocess(["scripts/eject.py", "mixed_precision", target], env={"PYTHONIOENCODING": "ascii"})
     assert result.code == 0 and result.stdout.startswith(f"wrote {tmp_path}/\\xfc/train.py: "), result.stderr
+
+
+def test_the_draft_of_a_killed_eject_is_removed_by_the_next_one(tmp_path):
+    """A kill -9 (the OOM killer's) runs no clean-up: its hidden draft stayed beside the output for good. The next
+    eject to the same output removes it, but never a running eject's draft (locked) nor a file of the user's."""
+    import fcntl
+    import signal
+    import subprocess
+    import time
+
+    process = subprocess.Popen([sys.executable, ROOT / "scripts" / "eject.py", "mixed_precision", "train.py"],
+                               cwd=tmp_path, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120  # the draft is written before the copy's imports are checked (seconds)
+    while not list(tmp_path.glob(".train.py.*.tmp")) and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    process.send_signal(signal.SIGKILL)
+    process.wait(timeout=60)
+    killed = [p.name for p in tmp_path.iterdir()]
+    assert len(killed) == 1 and killed[0].startswith(f".train.py.{process.pid}.") and killed[0].endswith(".tmp")
+    running = tmp_path / f".train.py.{os.getpid()}.{'ab' * 6}.tmp"  # a draft another eject is writing now
+    mine = tmp_path / ".train.py.notes.tmp"
+    running.write_text("draft"), mine.write_text("notes")
+    with open(running) as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        result = run_subprocess([sys.executable, ROOT / "scripts" / "eject.py", "mixed_precision", "train.py"],
+                                cwd=tmp_path)
+    assert result.code == 0, result.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([running.name, mine.name, "train.py"])
