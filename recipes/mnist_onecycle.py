@@ -17,7 +17,6 @@ time (see the README's Performance table).
 
 import contextlib
 import io
-import itertools
 import math
 import sys
 import zlib
@@ -31,7 +30,7 @@ import torch.nn.functional as F
 import typer
 from torch import nn
 from torch.utils.data import TensorDataset
-from torchvision.io import ImageReadMode, decode_image
+from torchvision.transforms.functional import pil_to_tensor
 from torchvision.utils import make_grid
 
 from common import cli
@@ -48,8 +47,6 @@ from common.stop import StopRequest
 
 RECIPE = "mnist_onecycle"
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg")
-# an interlaced PNG's 7 passes: the first column and row, and the steps between the pixels each pass holds
-ADAM7_PASSES = [(0, 0, 8, 8), (4, 0, 8, 8), (0, 4, 4, 8), (2, 0, 4, 4), (0, 2, 2, 4), (1, 0, 2, 2), (0, 1, 1, 2)]
 MAX_PIXELS = 64_000_000  # 8,000 x 8,000: 1.5 GB to decode and shrink; Pillow warns from 89M
 
 
@@ -235,75 +232,34 @@ def to_mnist_format(image: torch.Tensor) -> torch.Tensor:
 def read_digit(path: Path) -> torch.Tensor:
     """An image file -> (1, 28, 28) in MNIST's format; any file that is not a readable image is a RecipeError."""
     import PIL.Image  # torchvision's own dependency; only --predict needs it
+    import PIL.ImageOps
 
     try:
         data = path.read_bytes()  # (Python's open: a file named in another encoding than UTF-8 too)
-        with PIL.Image.open(io.BytesIO(data)) as header:  # its size, from the header: decoding takes ~20 B a pixel
-            if header.width * header.height > MAX_PIXELS:
-                raise cli.RecipeError(f"{path} is {header.width} x {header.height} pixels, over {MAX_PIXELS:,}: "
+        with PIL.Image.open(io.BytesIO(data), formats=["PNG", "JPEG"]) as image:  # the header: its size and kind
+            if image.width * image.height > MAX_PIXELS:  # decoding takes ~20 B a pixel
+                raise cli.RecipeError(f"{path} is {image.width} x {image.height} pixels, over {MAX_PIXELS:,}: "
                                       "scale it down (a digit needs 28 x 28)")
-        # PNG colour types 4 and 6 (IHDR's byte 25) have an alpha channel, and a palette (3) may have one (a tRNS
-        # chunk before the pixels); torchvision makes one up for other palettes and 1-bit PNGs, wrongly
-        png = data.startswith(b"\x89PNG\r\n\x1a\n") and len(data) > 25
-        chunks = data[: data.find(b"IDAT")] if png else b""
-        alpha = png and (data[25] in (4, 6) or data[25] == 3 and b"tRNS" in chunks)
-        if png and png_damaged(data):
-            raise ValueError("a damaged PNG")
-        # (grey, alpha) or (grey,), uint8 (uint16: a 16-bit PNG), turned upright as a phone's EXIF tag says
-        image = decode(data, ImageReadMode.GRAY_ALPHA if alpha else ImageReadMode.GRAY)
-        # a grey or RGB PNG with one see-through colour (a tRNS chunk, as optipng writes them): torchvision ignores it
-        if png and data[25] in (0, 2) and b"tRNS" in chunks:
-            image, alpha = torch.cat([image, see_through(data, chunks, image.dtype)]), True
-    except (RuntimeError, ValueError, OSError, PIL.Image.DecompressionBombError):
-        image = None
-    if image is None or image.shape[0] != 1 + alpha:  # a GIF or WebP decodes, but in colour whatever was asked
-        raise cli.RecipeError(f"{path} is not a readable PNG or JPEG image")
-    return to_mnist_format(flatten_alpha(image) if alpha else image)
+            image.verify()  # a PNG's chunks against their checksums: a damaged file is refused, not half read
+        with PIL.Image.open(io.BytesIO(data)) as image:
+            image = PIL.ImageOps.exif_transpose(image)  # turned upright, as a phone's EXIF tag says
+            grey, alpha = grey_and_alpha(image)
+    except (OSError, ValueError, SyntaxError, PIL.Image.DecompressionBombError):  # (Pillow's "broken PNG")
+        raise cli.RecipeError(f"{path} is not a readable PNG or JPEG image") from None
+    return to_mnist_format(grey if alpha is None else flatten_alpha(torch.cat([grey, alpha])))
 
 
-def png_damaged(data: bytes) -> bool:
-    """Whether a critical chunk of a PNG fails its CRC, or its image data (the IDAT chunks, inflated) is corrupt, ends
-    early or holds a row filter that PNG has not: libpng's error on any of these ends the process (a segfault) in
-    torchvision's decoder, so such a file is refused before it is decoded."""
-    width, height = int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
-    bits = data[24] * {2: 3, 4: 2, 6: 4}.get(data[25], 1)  # per pixel: bit depth x channels
-    rows = []  # the bytes of each row, pass after pass: a filter byte, then the pixels
-    for x, y, dx, dy in ADAM7_PASSES if data[28] == 1 else [(0, 0, 1, 1)]:
-        columns, count = len(range(x, width, dx)), len(range(y, height, dy))
-        rows += [1 + (columns * bits + 7) // 8] * count if columns else []
-    need, pixels, inflate, at = sum(rows), bytearray(), zlib.decompressobj(), 8
-    while at + 12 <= len(data):  # chunks: length, kind, contents, CRC of kind and contents
-        length, kind = int.from_bytes(data[at : at + 4], "big"), data[at + 4 : at + 8]
-        body = data[at + 4 : at + 8 + length]
-        if kind in (b"IHDR", b"PLTE", b"IDAT", b"IEND") and zlib.crc32(body) != int.from_bytes(
-                data[at + 8 + length : at + 12 + length], "big"):
-            return True
-        if kind == b"IDAT" and len(pixels) <= need:  # more than the image needs: libpng only warns
-            try:
-                pixels += inflate.decompress(body[4:], need + 1 - len(pixels))
-            except zlib.error:
-                return True
-        at += 12 + length
-    if len(pixels) < need or len(pixels) == need and not inflate.eof:
-        return True
-    starts = itertools.accumulate(rows[:-1], initial=0)
-    return any(pixels[start] > 4 for start in starts)  # filters 0-4: none, sub, up, average, Paeth
-
-
-def decode(data: bytes, mode: ImageReadMode) -> torch.Tensor:
-    return decode_image(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=mode, apply_exif_orientation=True)
-
-
-def see_through(data: bytes, chunks: bytes, dtype: torch.dtype) -> torch.Tensor:
-    """The alpha channel of a grey (colour type 0) or RGB (2) PNG whose tRNS chunk names one see-through colour."""
-    grey = data[25] == 0
-    start = chunks.index(b"tRNS") + 4
-    key = torch.tensor([int.from_bytes(chunks[i : i + 2], "big") for i in range(start, start + (2 if grey else 6), 2)])
-    if data[24] < 8:  # a 1, 2 or 4-bit grey, which the decoder stretches to 8 bits
-        key *= 255 // (2 ** data[24] - 1)
-    pixels = decode(data, ImageReadMode.GRAY if grey else ImageReadMode.RGB).int()
-    clear = (pixels == key[:, None, None]).all(0, keepdim=True)
-    return torch.where(clear, 0, torch.iinfo(dtype).max).to(dtype)
+def grey_and_alpha(image) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A PIL image -> its grey levels (1, H, W), uint8 or uint16 (a 16-bit PNG), and its alpha channel, or None
+    if it has none: an RGBA or grey-alpha PNG, or a PNG with one see-through colour or palette entry (tRNS)."""
+    if image.mode.startswith("I"):  # a 16-bit grey PNG (converted to "L", its levels would be cut at 255)
+        levels, key = pil_to_tensor(image).to(torch.int32), image.info.get("transparency")
+        alpha = None if key is None else torch.where(levels == key, 0, 65535).to(torch.uint16)
+        return levels.clamp(0, 65535).to(torch.uint16), alpha
+    if not image.has_transparency_data:
+        return pil_to_tensor(image.convert("L")), None
+    grey_alpha = pil_to_tensor(image.convert("RGBA").convert("LA"))  # (through RGBA: a palette's or a key's alpha)
+    return grey_alpha[:1], grey_alpha[1:]
 
 
 def flatten_alpha(image: torch.Tensor) -> torch.Tensor:
