@@ -3,9 +3,13 @@
     python scripts/export.py runs/mnist_onecycle/.../checkpoints/best.pt exported/mnist
     python scripts/export.py runs/tiny_transformer/.../checkpoints/best.pt exported/gpt --format hf
     python scripts/export.py runs/tiny_transformer/.../checkpoints/dcp/step-000600 exported/gpt --format hf
+    python scripts/export.py runs/my_run/.../checkpoints/best.pt exported/mine --recipe my_train.py  # your copy's
 
 CHECKPOINT is a checkpoint file (last.pt, best.pt) or a sharded checkpoint folder (FSDP's ``dcp/step-NNNNNN``, read
-into one whole model with common/sharded.py). ``--format graph`` (the default) writes into OUT_DIR:
+into one whole model with common/sharded.py). Its model is rebuilt from ``recipes/NAME.py``'s classes, or from the
+script given as ``--recipe`` (a copy of a recipe that you changed, or an ejected one).
+
+``--format graph`` (the default) writes into OUT_DIR:
 
 - ``model.pt2``: a ``torch.export`` program (graph and weights) with a dynamic batch dimension, which
   ``torch.export.load`` runs in any process that has torch, without common/ or the recipe;
@@ -65,6 +69,7 @@ from common import hf_gpt2, hf_tokens
 from common.checkpoint import load_model_state
 from common.cli import RecipeError
 from common.data import MNIST_MEAN, MNIST_STD
+from scripts import find_lr
 
 TOLERANCE = 1e-4  # largest difference allowed between eager, torch.export and onnxruntime outputs
 EXAMPLE_BATCH, CHECK_BATCH = 3, 5  # two sizes (neither 0 nor 1, which export would specialise): batch stays dynamic
@@ -88,15 +93,28 @@ class Exportable:
     files: dict[str, str] = field(default_factory=dict)  # more files to write beside the model: name -> text
 
 
-def load_recipe(name: str):
-    """A recipe's module: recipes are scripts, so import it by path (only to rebuild its model class)."""
-    module_name = f"recipe_{name}"
-    if module_name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(module_name, ROOT / "recipes" / f"{name}.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[module_name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[module_name]
+def load_recipe(name: str, script: Path | None = None):
+    """The module of the script that trained a checkpoint of recipe ``name``, to rebuild its model class: ``script``
+    (a copy the user changed, or an ejected one), else this repository's recipes/NAME.py. Recipes are scripts, so
+    it is imported by path."""
+    if script is None:
+        module_name = f"recipe_{name}"
+        if module_name not in sys.modules:
+            spec = importlib.util.spec_from_file_location(module_name, ROOT / "recipes" / f"{name}.py")
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[module_name] = module
+            spec.loader.exec_module(module)
+        return sys.modules[module_name]
+    if script.suffix != ".py":  # (find_lr takes a name too, recipes/NAME.py)
+        raise ExportError(f"--recipe {script}: give the path of the Python script that trained the checkpoint")
+    try:
+        module = find_lr.load_recipe(str(script))
+    except find_lr.FinderError as err:
+        raise ExportError(f"--recipe {script}: {err}") from None
+    if getattr(module, "RECIPE", None) != name:
+        raise ExportError(f"--recipe {script} is no copy of {name}, the recipe that trained the checkpoint (its "
+                          f"RECIPE is {getattr(module, 'RECIPE', None)!r})")
+    return module
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -125,22 +143,21 @@ MNIST_INFO = {
 }
 
 
-def mnist_onecycle(state: dict, path: Path) -> Exportable:
-    model = load_recipe("mnist_onecycle").DigitNet(state["config"]["width"])
+def mnist_onecycle(state: dict, path: Path, recipe) -> Exportable:
+    model = recipe.DigitNet(state["config"]["width"])
     load_model_state(model, state["model"], path)
     example, check = mnist_inputs(0)
     return Exportable(model, example, {"images": {0: BATCH}}, check, MNIST_INFO)
 
 
-def ddp_mlp(state: dict, path: Path) -> Exportable:
-    model = load_recipe("ddp_mlp").MLP(state["config"]["hidden"])
+def ddp_mlp(state: dict, path: Path, recipe) -> Exportable:
+    model = recipe.MLP(state["config"]["hidden"])
     load_model_state(model, state["model"], path)
     example, check = mnist_inputs(0)
     return Exportable(model, example, {"images": {0: BATCH}}, check, MNIST_INFO)
 
 
-def tabular_mlp(state: dict, path: Path) -> Exportable:
-    recipe = load_recipe("tabular_mlp")
+def tabular_mlp(state: dict, path: Path, recipe) -> Exportable:
     spec = state["features"]
     model = recipe.model_from_checkpoint(state, path)  # the numeric embedding's bins are buffers: they travel
     cardinalities = torch.tensor([len(vocabulary) for vocabulary in spec["categorical"].values()], dtype=torch.long)
@@ -179,8 +196,7 @@ def tabular_mlp(state: dict, path: Path) -> Exportable:
                       batch(CHECK_BATCH), info)
 
 
-def tiny_transformer(state: dict, path: Path) -> Exportable:
-    recipe = load_recipe("tiny_transformer")
+def tiny_transformer(state: dict, path: Path, recipe) -> Exportable:
     config = recipe.saved_model_config(state, path)  # a damaged shape or setting is one line
     reference = recipe.GPT(config)
     load_model_state(reference, state["model"], path)
@@ -230,16 +246,15 @@ def mlp_inputs(n_features: int) -> tuple[dict, dict]:
             {"x": torch.randn(CHECK_BATCH, n_features, generator=g)})
 
 
-def mixed_precision(state: dict, path: Path) -> Exportable:
+def mixed_precision(state: dict, path: Path, recipe) -> Exportable:
     config = state["config"]
-    model = load_recipe("mixed_precision").MLP(width=config["width"], depth=config["depth"])
+    model = recipe.MLP(width=config["width"], depth=config["depth"])
     load_model_state(model, state["model"], path)
     example, check = mlp_inputs(784)
     return Exportable(model, example, {"x": {0: BATCH}}, check, synthetic_mlp(784))
 
 
-def compiled_model(state: dict, path: Path) -> Exportable:
-    recipe = load_recipe("compiled_model")
+def compiled_model(state: dict, path: Path, recipe) -> Exportable:
     config = state["config"]
     model = recipe.GatedMLP(config["width"], config["depth"])
     load_model_state(model, state["model"], path)
@@ -400,9 +415,10 @@ FORMATS = {"graph": "model.pt2, model.onnx, model.json", "hf": "a GPT-2 folder f
            "safetensors": "model.safetensors, model.json"}
 
 
-def export_checkpoint(checkpoint: Path, out_dir: Path, overwrite: bool = False, format: str = "graph") -> dict:
-    """Export ``checkpoint`` into ``out_dir`` (written whole or not at all) in ``format`` (see FORMATS); returns
-    model.json's contents (for ``hf``, the same facts, not written)."""
+def export_checkpoint(checkpoint: Path, out_dir: Path, overwrite: bool = False, format: str = "graph",
+                      script: Path | None = None) -> dict:
+    """Export ``checkpoint`` into ``out_dir`` (written whole or not at all) in ``format`` (see FORMATS), its model
+    rebuilt by ``script`` (see load_recipe); returns model.json's contents (for ``hf``, the same facts, not written)."""
     if out_dir.is_symlink():  # the folder it names is replaced; the link stays
         out_dir = Path(os.path.realpath(out_dir))
     if out_dir.exists() and not out_dir.is_dir():
@@ -422,7 +438,7 @@ def export_checkpoint(checkpoint: Path, out_dir: Path, overwrite: bool = False, 
         raise ExportError(f"--format hf writes GPT-2 folders, for tiny_transformer checkpoints; {checkpoint} is "
                           f"{recipe}'s: use --format graph or safetensors")
     try:
-        exportable = BUILDERS[recipe](state, checkpoint)
+        exportable = BUILDERS[recipe](state, checkpoint, load_recipe(recipe, script))
     except RecipeError as err:  # load_model_state: weights that do not fit the model
         raise ExportError(str(err)) from None
     except (KeyError, TypeError, AttributeError) as err:  # (AttributeError: a config that is no dict, say)
@@ -675,9 +691,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="graph: model.pt2 (torch.export), model.onnx and model.json (default); hf: a Hugging Face "
                              "GPT-2 folder (tiny_transformer); safetensors: the state_dict and model.json")
     parser.add_argument("--overwrite", action="store_true", help="replace an earlier export in OUT_DIR")
+    parser.add_argument("--recipe", type=given_path, metavar="SCRIPT.py", help="the script that trained CHECKPOINT, "
+                        "if not this repository's recipes/NAME.py: your changed copy, or an ejected one (the model "
+                        "is rebuilt from its classes)")
     args = parser.parse_args(argv)
     try:
-        info = export_checkpoint(args.checkpoint, args.out_dir, args.overwrite, args.format)
+        info = export_checkpoint(args.checkpoint, args.out_dir, args.overwrite, args.format, args.recipe)
     except ExportError as err:
         print(f"error: {' '.join(str(err).split())}", file=sys.stderr)
         return 1
@@ -686,8 +705,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {'terminated' if terminated else 'interrupted'}; {args.out_dir} left as it was", file=sys.stderr)
         return 143 if terminated else 130
     diff = info["check"]["max_abs_diff"]
-    print(f"{info['recipe']}: eager vs " + ", vs ".join(f"{name} max difference {value:.2e}" for name, value in
-                                                          diff.items())
+    built = args.recipe or Path("recipes") / f"{info['recipe']}.py"  # (a changed copy's is not: --recipe)
+    print(f"{info['recipe']}, the model of {built}: eager vs "
+          + ", vs ".join(f"{name} max difference {value:.2e}" for name, value in diff.items())
           + f" (batch {CHECK_BATCH}, tolerance {TOLERANCE:g})")
     written = FORMATS["hf"] if args.format == "hf" else ", ".join([*info["files"].values(), "model.json"])
     print(f"done: exported {args.checkpoint} to {args.out_dir} ({written})")

@@ -558,8 +558,8 @@ def test_an_export_that_disagrees_fails_and_leaves_nothing(checkpoints, tmp_path
 
     build = export.BUILDERS["ddp_mlp"]
 
-    def diverging(state, path):
-        exportable = build(state, path)
+    def diverging(state, path, recipe):
+        exportable = build(state, path, recipe)
         exportable.model = Diverging(exportable.model)
         return exportable
 
@@ -618,7 +618,8 @@ def test_the_readme_deploy_section_runs_as_written(checkpoints, tmp_path):
             assert proc.returncode == 0, f"{command}\n{proc.stderr[-3000:]}"
             outputs.append(proc.stdout)
     assert (tmp_path / "exported" / "mnist" / "model.pt2").is_file()
-    assert "mnist_onecycle: eager vs torch.export max difference" in outputs[0]  # the script's report
+    assert "mnist_onecycle, the model of recipes/mnist_onecycle.py: eager vs torch.export max difference" in \
+        outputs[0]  # the script's report
     assert outputs[0].strip().splitlines()[-1].startswith("done: exported")
     # each Python block prints four predicted classes: tensor([d, d, d, d]) from torch, [d d d d] from numpy
     for printed in outputs[1:3]:
@@ -765,3 +766,32 @@ def test_a_full_disk_at_model_json_is_one_line_and_leaves_nothing(checkpoints, t
         assert export.main([str(checkpoints["ddp_mlp"]), str(tmp_path / "out"), "--format", format]) == 1
         assert capsys.readouterr().err == f"error: cannot write {tmp_path / 'out'}: No space left on device\n"
         assert list(tmp_path.iterdir()) == []
+
+
+def test_a_changed_copy_s_checkpoint_is_exported_as_its_model_with_recipe(checkpoints, tmp_path, capsys):
+    """The model was rebuilt from recipes/NAME.py whatever script trained the checkpoint: a copy whose GELUs were
+    made Tanh (same weights' shapes) was exported with GELUs, and the agreement check compared that with itself."""
+    copy = tmp_path / "my_mlp.py"
+    text = (ROOT / "recipes" / "mixed_precision.py").read_text()
+    assert text.count("nn.GELU()") == 1
+    copy.write_text(text.replace("nn.GELU()", "nn.Tanh()"))
+    checkpoint, x = checkpoints["mixed_precision"], torch.randn(4, 784, generator=torch.Generator().manual_seed(0))
+    assert export.main([str(checkpoint), str(tmp_path / "out"), "--recipe", str(copy)]) == 0
+    assert f"mixed_precision, the model of {copy}: eager vs" in capsys.readouterr().out
+    exported = torch.export.load(tmp_path / "out" / "model.pt2").module()
+    state = torch.load(checkpoint, weights_only=True)
+    mine = export.load_recipe("mixed_precision", copy).MLP(width=state["config"]["width"],
+                                                           depth=state["config"]["depth"])
+    load_model_state(mine, state["model"], checkpoint)
+    with torch.no_grad():
+        torch.testing.assert_close(exported(x), mine.eval()(x), atol=1e-5, rtol=0)
+        assert (exported(x) - eager_model("mixed_precision", checkpoint)(x)).abs().max() > 1e-2  # not the GELUs'
+    (tmp_path / "notes.txt").write_text("")
+    for script, message in [(ROOT / "recipes" / "ddp_mlp.py", "ddp_mlp.py is no copy of mixed_precision, the recipe "
+                                                               "that trained the checkpoint (its RECIPE is 'ddp_mlp')"),
+                            (tmp_path / "missing.py", "missing.py: no recipe"),
+                            (tmp_path / "notes.txt", "notes.txt: give the path of the Python script that trained")]:
+        assert export.main([str(checkpoint), str(tmp_path / "again"), "--recipe", str(script)]) == 1
+        err = capsys.readouterr().err
+        assert err.startswith("error: --recipe ") and message in err and err.count("\n") == 1, err
+    assert not (tmp_path / "again").exists()
