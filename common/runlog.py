@@ -154,8 +154,8 @@ class RunLog:
 
     @property
     def throughput(self) -> float:
-        """Items per second of training, without the first window (start-up, compiling) when others timed some; 0
-        when no step was timed (each one followed an evaluation, as with one step an epoch)."""
+        """Items per second of training, without the first window (start-up, compiling) when others timed some, else
+        with it (a short run; one whose later steps each followed an evaluation, untimed); 0 when none was timed."""
         items, seconds = self.items, self.seconds
         if self.first_window and items > self.first_window[0]:
             items, seconds = items - self.first_window[0], seconds - self.first_window[1]

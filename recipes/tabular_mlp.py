@@ -1043,7 +1043,7 @@ def train(csv_path: Path | None, target: str, task: str, drop: list[str] | None,
         # a regression in fp32, as --predict runs it: bf16's 8-bit mantissa rounds the outputs, and so the RMSE
         metrics = evaluate(weights, loader, loss_fn, device=device, precision=precision if classification else "fp32",
                            accuracy=classification)
-        if not classification:  # RMSE in the target's own units
+        if not classification:  # RMSE in the target's own units, from the loss: the MSE (another loss, its own pass)
             metrics["rmse"] = math.sqrt(metrics["loss"]) * spec["target_std"]
         elif unseen:  # evaluate left out the rows of a class unseen in training: they count as wrong
             counted = int((loader.dataset.target >= 0).sum())
