@@ -295,6 +295,12 @@ def mean_and_std(values: np.ndarray) -> tuple[float, float]:
     return float((values / scale).mean() * scale), float((values / scale).std() * scale) or 1.0
 
 
+def standardised(values: np.ndarray, mean: float, std: float) -> np.ndarray:
+    """(values - mean) / std, taken as values / std - mean / std: a value and a mean of opposite signs can be each
+    finite and yet their difference past float64's 1.8e308."""
+    return values / std - mean / std
+
+
 def mostly_numbers(column: pa.ChunkedArray, name: str) -> np.ndarray | None:
     """A column of numbers but for a few stray cells (at most STRAY_WORDS of its present ones: "1,200", "12 kg", a
     typo) as numbers, those cells missing, with a warning; None for a column of words (with a warning if the words
@@ -345,7 +351,8 @@ def fit_features(table: pa.Table, target: str, task: str, bins: int = 0, rows: s
             n_values = len(np.unique(present))  # a constant column counts as continuous: nothing to tell apart
             spec["rows_per_value"][name] = len(present) / n_values if n_values > 1 else 1.0
             if bins:  # distinct quantiles, each a value of the column: a 0/1 flag gets one bin, not many
-                edges = np.unique(np.quantile((present - mean) / std, np.linspace(0, 1, bins + 1), method="nearest"))
+                quantiles = np.quantile(standardised(present, mean, std), np.linspace(0, 1, bins + 1), method="nearest")
+                edges = np.unique(quantiles)
                 # plain floats (tolist()): a numpy scalar in a checkpoint is code that safe loading refuses
                 spec["bins"][name] = edges.tolist() if len(edges) > 1 else [float(edges[0]), float(edges[0]) + 1]
         elif name != target:  # index 0: a value never seen in training; index 1: missing
@@ -363,7 +370,7 @@ def encode(spec: dict, table: pa.Table, *, with_target: bool = True):
         raise cli.RecipeError(f"the table lacks column(s) the model was trained on: {', '.join(absent)}")
     numeric = np.zeros((table.num_rows, len(spec["numeric"])), dtype=np.float32)
     for j, (name, (mean, std)) in enumerate(spec["numeric"].items()):
-        values = (numbers(table[name], strict=False) - mean) / std
+        values = standardised(numbers(table[name], strict=False), mean, std)
         if np.isnan(values).all() and numbers(table[name], strict=True) is None:  # words, and not one number
             indices, words = distinct(table[name])
             if pc.is_valid(words).to_numpy(zero_copy_only=False)[indices].sum() > 1:  # (one cell's word: a typo)
@@ -404,7 +411,7 @@ def encode(spec: dict, table: pa.Table, *, with_target: bool = True):
         raise cli.RecipeError(f"target column {spec['target']!r} has {missing.sum():,} missing or non-numeric "
                               f"value(s) (the first in data row {missing.argmax() + 1}); fill them in, or remove "
                               "those rows")
-    return numeric, categorical, ((values - spec["target_mean"]) / spec["target_std"]).astype(np.float32)
+    return numeric, categorical, standardised(values, spec["target_mean"], spec["target_std"]).astype(np.float32)
 
 
 def unseen_as_missing(target: np.ndarray, classification: bool) -> np.ndarray:

@@ -961,6 +961,29 @@ def test_a_regression_target_past_1e154_trains_to_finite_metrics_and_predictions
     assert spec["numeric"]["x"] == pytest.approx((x.mean() * 1e200, x.std() * 1e200), rel=1e-12)
 
 
+@pytest.mark.parametrize("embedding", ["none", "ple"])
+def test_numbers_whose_difference_from_the_mean_is_past_float64_are_standardised(embedding, run_inprocess, tmp_path):
+    """Each finite, but value - mean overflowed where they had opposite signs: a regression's loss was inf at the
+    first step ("training diverged ... try a lower --lr"), a feature's values were clipped to 10,000 standard
+    deviations (they are 1.4 from the mean), and --num-embedding ple's bins were NaN."""
+    big = [(1 if i % 3 else -1) * (1.4 + i / 1000) * 1e308 for i in range(60)]  # mean 0.47e308, std 1.33e308
+    (tmp_path / "big.csv").write_text("f,c,y\n" + "".join(f"{v!r},{'ab'[i % 3 == 0]},{v!r}\n"
+                                                          for i, v in enumerate(big)))
+    for target, task in (("c", "classification"), ("y", "regression")):
+        run_dir = tmp_path / f"run_{target}"
+        result = run_inprocess(RECIPE, "--csv", tmp_path / "big.csv", "--target", target, "--max-steps", 2,
+                               "--num-embedding", embedding, "--run-dir", run_dir)
+        assert result.code == 0, result.stderr
+        assert "standard deviations" not in result.stderr and "overflow" not in result.stderr, result.stderr
+        spec = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)["features"]
+        assert spec["task"] == task and all(np.isfinite(spec["bins"].get("f", [0])))
+    numeric, _, target = tabular.encode(spec, pa.table({"f": [-1.5e308, 1.5e308], "c": ["a", "b"],
+                                                            "y": [-1.5e308, 1.5e308]}))
+    mean, std = spec["numeric"]["f"]
+    assert numeric[:, 0] == pytest.approx([(-1.5e308 / std) - mean / std, 1.5e308 / std - mean / std], rel=1e-6)
+    assert target == pytest.approx([-1.5e308 / std - mean / std, 1.5e308 / std - mean / std], rel=1e-6)
+
+
 def test_adults_test_rows_of_a_class_unseen_in_training_count_as_wrong(run_inprocess, tmp_path, monkeypatch):
     """--target sex, and a test file with a value the training rows lack: the loss was handed a -2 target (an
     IndexError traceback). The test rows of such a class count as wrong, as in val_acc."""
