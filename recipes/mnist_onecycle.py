@@ -199,11 +199,11 @@ def image_files(paths: list[Path]) -> list[Path]:
 def to_mnist_format(image: torch.Tensor) -> torch.Tensor:
     """A (1, H, W) uint8 (or 16-bit) grayscale image of one digit -> (1, 28, 28) floats in [0, 1] framed like MNIST's.
 
-    MNIST digits are white on black (background exactly 0, ink up to 1), their 20x20 bounding box centred in a
-    28x28 frame. A photo or scan of dark ink on paper has a border lighter than its ink, so it is inverted first;
-    then background..ink is stretched to 0..1. A 28x28 image is taken to be framed already (as MNIST's own are,
-    whatever the digit's place); a larger one is cropped to the digit's bounding box, scaled so that its longer
-    side is 20 pixels (keeping its aspect ratio) and centred."""
+    MNIST digits are white on black (background exactly 0, ink up to 1), scaled to fit a 20x20 box and placed in a
+    28x28 frame with their centre of mass at its centre. A photo or scan of dark ink on paper has a border lighter
+    than its ink, so it is inverted first; then background..ink is stretched to 0..1. A 28x28 image is taken to be
+    framed already (as MNIST's own are, whatever the digit's place); a larger one is cropped to the digit's bounding
+    box, scaled so that its longer side is 20 pixels (keeping its aspect ratio) and placed by its centre of mass."""
     x = image.float() / torch.iinfo(image.dtype).max  # 255, or 65,535 for a 16-bit PNG
     border = torch.cat([x[0, 0], x[0, -1], x[0, :, 0], x[0, :, -1]])
     # Which end of the image's range is the paper: dimly lit paper is darker than mid-grey, yet lighter than ink
@@ -223,9 +223,11 @@ def to_mnist_format(image: torch.Tensor) -> torch.Tensor:
     size = (max(1, round(h * scale)), max(1, round(w * scale)))
     digit = F.interpolate(digit[None], size=size, mode="bilinear", antialias=True, align_corners=False)[0]
     digit = digit / digit.max()  # a pen's thin stroke, averaged with the paper beside it, at full brightness again
-    frame = torch.zeros(1, 28, 28)
-    top, left = (28 - size[0]) // 2, (28 - size[1]) // 2
-    frame[:, top : top + size[0], left : left + size[1]] = digit.clamp(0, 1)
+    digit, frame = digit.clamp(0, 1), torch.zeros(1, 28, 28)
+    # as MNIST's: the digit's centre of mass at the frame's (13.5, between its middle pixels), the digit inside it
+    centre = [(digit[0].sum(dim) * torch.arange(n)).sum() / digit.sum() for dim, n in ((1, size[0]), (0, size[1]))]
+    top, left = (min(max(round(13.5 - float(c)), 0), 28 - n) for c, n in zip(centre, size, strict=True))
+    frame[:, top : top + size[0], left : left + size[1]] = digit
     return frame
 
 

@@ -136,7 +136,7 @@ MNIST_INFO = {
     "preprocessing": {"size": [28, 28], "channels": 1, "scale": "pixel / 255", "mean": MNIST_MEAN, "std": MNIST_STD,
                       "normalise": "(pixel / 255 - mean) / std",
                       "polarity": "white digit on a black background (invert dark ink on white paper)",
-                      "centring": "MNIST centres each digit's 20x20 bounding box in the 28x28 frame"},
+                      "centring": "MNIST fits each digit in 20x20 and puts its centre of mass at the 28x28 frame's"},
     "output": {"logits": {"shape": ["batch", 10], "dtype": "float32",
                           "meaning": "scores of the digits 0-9; softmax gives probabilities"}},
     "classes": list(range(10)),

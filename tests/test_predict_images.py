@@ -120,6 +120,36 @@ def test_a_photo_is_inverted_cropped_and_centred_like_mnist():
     assert x.max() == 1.0  # the ink at full brightness
 
 
+def test_images_are_read_without_torchvision_s_deprecated_decoders(tmp_path):
+    """torchvision.io's decode_image is deprecated since torchvision 0.29 (to be removed): a copy of the recipe
+    would have taught it, and broken with a later torchvision. Pillow reads the files instead."""
+    import warnings
+
+    from PIL import Image
+
+    image = one_digit_per_class()[3][1][0].numpy()
+    Image.fromarray(image).save(tmp_path / "digit.png")
+    Image.fromarray(image).save(tmp_path / "digit.jpg", quality=95)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)
+        png, jpeg = mnist.read_digit(tmp_path / "digit.png"), mnist.read_digit(tmp_path / "digit.jpg")
+    assert png.sum() > 0 and (png - jpeg).abs().max() < 0.1
+
+
+def test_a_digit_is_placed_by_its_centre_of_mass_as_mnist_s_are():
+    """An L-shaped stroke: its bounding box was centred, as MNIST does not; MNIST puts the centre of mass there."""
+    photo = torch.zeros((1, 140, 140), dtype=torch.uint8)
+    photo[0, 20:120, 20:40], photo[0, 100:120, 20:120] = 255, 255  # an L: most of its ink low and left
+    x = mnist.to_mnist_format(photo)[0]
+    rows, cols = torch.arange(28, dtype=torch.float32), torch.arange(28, dtype=torch.float32)
+    centre = ((x.sum(1) * rows).sum() / x.sum(), (x.sum(0) * cols).sum() / x.sum())
+    assert abs(centre[0] - 13.5) <= 0.5 and abs(centre[1] - 13.5) <= 0.5, centre
+    inked = torch.nonzero(x > 0.5)
+    (top, left), (bottom, right) = inked.min(0).values.tolist(), inked.max(0).values.tolist()
+    assert bottom - top == right - left == 19  # the whole 20x20 digit, inside the frame
+    assert (top, left) != (4, 4)  # not where its bounding box would be centred (4..23 both ways)
+
+
 def test_a_16_bit_png_gives_the_digit_of_its_8_bit_copy(checkpoint, run_inprocess, tmp_path):
     """16-bit PNGs decode to uint16: divided by 255 as if 8-bit, 8 digits in 10 came out wrong at probability 1."""
     from PIL import Image
