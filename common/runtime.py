@@ -91,7 +91,7 @@ class ChosenPrecision(NamedTuple):
 def resolve_precision(precision: str, device: torch.device, checkpoint: dict | None = None) -> ChosenPrecision:
     """``--precision``, with ``auto`` resolved: bf16 where the device runs bf16 matmuls natively, else fp32 (never
     fp16, which needs loss scaling to be safe); a resumed run keeps its checkpoint's precision unless
-    --precision is given."""
+    --precision fp32, bf16 or fp16 is given (auto keeps it)."""
     started = (checkpoint or {}).get("config", {})
     used = started.get("precision_used", started.get("precision"))  # (a checkpoint from before precision_used)
     if used in PRECISION_DTYPES and (precision == "auto" or not option_given("precision")):

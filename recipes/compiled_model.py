@@ -193,9 +193,9 @@ def train(epochs: int, max_steps: int | None, batch_size: int, lr: float, sample
 
 
 def timing(step_seconds: list[float], compiled: bool = True, warmup: int = 3) -> dict[str, float]:
-    """Steady state: the median step after ``warmup`` steps. The first step is where compilation happens
-    (a backward graph is compiled at the first backward), so its excess over steady state is the cost; an eager run
-    (``compiled`` False) has none."""
+    """Steady state: the median step after ``warmup`` steps. Compilation happens in the first step (a backward
+    graph is compiled at the first backward), so the cost is the ``warmup`` steps' excess over as many steady ones;
+    an eager run (``compiled`` False) has none."""
     if len(step_seconds) <= warmup:  # no steady step to compare with: only the first is known
         return {"first_step_s": step_seconds[0]} if step_seconds else {}
     step_s = statistics.median(step_seconds[warmup:])

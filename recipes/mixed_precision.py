@@ -50,7 +50,7 @@ PRECISIONS = ["fp32", "bf16", "fp16"]
 
 
 class MLP(nn.Module):
-    """Linear -> GELU, ``depth`` times, then a linear head: three 1024x1024 matmuls carry the cost."""
+    """Linear -> GELU, ``depth`` times, then a linear head: its matmuls (784x1024, then 1024x1024) carry the cost."""
 
     def __init__(self, n_in: int = 784, width: int = 1024, depth: int = 3, n_out: int = 10):
         super().__init__()

@@ -63,7 +63,7 @@ PLE_BINS, PERIODIC_FREQUENCIES, PERIODIC_SIGMA, EMBEDDING_WIDTH = 32, 32, 0.5, 8
 REPEATED_FROM, PERIODIC_SIGMA_REPEATED = 10, 100.0
 STRAY_WORDS = 0.01  # a column whose present values are numbers but for this share or less is numeric (mostly_numbers)
 MIN_STEPS = 800  # the default length on a small table (default_epochs)
-LBFGS_STEPS = 100  # --optimizer lbfgs's default length (default_epochs): each step up to 20 passes over the table
+LBFGS_STEPS = 100  # --optimizer lbfgs's default length (default_epochs): each step up to 25 passes over the table
 EMBED_REGRESSION_FROM = 10_000  # --num-embedding auto: training rows from which a regression embeds (auto_embedding)
 # A standardised number is kept within this many standard deviations: no training value is further (at most
 # sqrt(rows - 1) of them), and a model's first layer stays far from float32's overflow at 3.4e38
@@ -726,10 +726,11 @@ def default_batch_size(rows: int) -> int:
 
 
 def default_epochs(steps_per_epoch: int, optimizer_name: str) -> int:
-    """10 epochs, or more on a small table: enough for MIN_STEPS optimizer steps (on 150 rows, 10 epochs are 100
-    steps of 16: too few to train). Chosen on Adult, wine and diabetes (benchmarks/tabular_sweep.py). LBFGS, one
-    full-batch step an epoch: LBFGS_STEPS. Its best validation score came at step 7 on wine, at steps 50, 57, 48 of
-    200 on diabetes (seeds 0-2); MIN_STEPS of them took 6.7 minutes on wine and wrote 12 GB of checkpoints."""
+    """10 epochs, or more on a small table: enough for MIN_STEPS optimizer steps (on 150 rows, 120 of them training
+    rows, 10 epochs are 70 steps of 16: too few to train). Chosen on Adult, wine and diabetes
+    (benchmarks/tabular_sweep.py). LBFGS, one full-batch step an epoch: LBFGS_STEPS. Its best validation score came
+    at step 7 on wine, at steps 50, 57, 48 of 200 on diabetes (seeds 0-2); MIN_STEPS of them took 6.7 minutes on wine
+    and wrote 12 GB of checkpoints."""
     return LBFGS_STEPS if optimizer_name == "lbfgs" else max(10, math.ceil(MIN_STEPS / steps_per_epoch))
 
 

@@ -751,8 +751,8 @@ def main(
     precision = chosen.precision_used
     attention = resolve_attention(attention, device, precision)
     config |= chosen._asdict() | {"attention_used": attention}  # the option as given, the precision used, and why
-    # The same seed on every rank: every rank builds the same initial weights (FSDP shards them as they are,
-    # DDP checks they agree), and draws the same validation batches. Dropout is seeded per rank (seed_dropout).
+    # The same seed on every rank: every rank builds the same initial weights (FSDP shards them as they are;
+    # DDP broadcasts rank 0's anyway), and draws the same validation batches. Dropout is seeded per rank (seed_dropout).
     seed_everything(seed)
 
     # --init-from: a GPT-2 folder in Hugging Face's format gives the model's shape, its weights and its tokens (a
