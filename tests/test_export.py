@@ -705,12 +705,14 @@ def test_sigterm_is_exit_143_in_one_line_and_leaves_no_temporary_folder(checkpoi
     import signal
     import time
 
-    # the export as `python scripts/export.py` runs it, held inside its temporary folder until the signal comes
-    # (a real export could finish before it on a fast or a busy machine)
+    # the script itself, run as `python scripts/export.py` runs it (its __main__ block sets the SIGTERM handler),
+    # held inside its temporary folder until the signal comes: torch.export, which it calls, waits (a real export
+    # could finish before the signal on a fast or a busy machine)
     held = tmp_path / "held"
-    code = ("import signal, sys, time; from scripts import export; signal.signal(signal.SIGTERM, export.terminate); "
-            "export.export = lambda *a, **k: (open(sys.argv[3], 'w').close(), time.sleep(120)); "
-            "sys.exit(export.main(sys.argv[1:3]))")
+    code = ("import runpy, sys, time, torch.export; "
+            "torch.export.export = lambda *a, **k: (open(held, 'w').close(), time.sleep(120)); "
+            "held, sys.argv = sys.argv[3], ['scripts/export.py', *sys.argv[1:3]]; "
+            "runpy.run_path('scripts/export.py', run_name='__main__')")
     command = [sys.executable, "-c", code, str(checkpoints["ddp_mlp"]), str(tmp_path / "out"), str(held)]
     proc = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120

@@ -98,6 +98,15 @@ def test_sigkill_at_random_moments_then_resume_auto_gives_the_same_weights(recip
     assert read_metrics(run_dir)["steps"] == steps
     assert read_metrics(run_dir)["train_loss"] == read_metrics(reference)["train_loss"]
     assert_same_weights(load_weights(reference / "checkpoints" / "last.pt"), load_weights(checkpoint))
+    # best.pt too (mnist's: the EMA's weights, --ema), and the EMA's average itself, restored exactly
+    ours, theirs = (torch.load(run / "checkpoints" / "best.pt", weights_only=True) for run in (run_dir, reference))
+    assert ours["step"] == theirs["step"] and ours["averaged"] == theirs["averaged"] == ("--ema" in args)
+    assert_same_weights(theirs["model"], ours["model"])
+    ours, theirs = (torch.load(run / "checkpoints" / "last.pt", weights_only=True) for run in (run_dir, reference))
+    assert ("ema" in ours) == ("ema" in theirs) == ("--ema" in args)
+    if "--ema" in args:
+        assert ours["ema"]["updates"] == theirs["ema"]["updates"] > 0
+        assert_same_weights(theirs["ema"]["module"], ours["ema"]["module"])
 
 
 def test_a_fresh_start_in_the_folder_of_a_run_killed_before_its_first_save_logs_its_own_curve_alone(

@@ -69,6 +69,25 @@ def one_process(tmp_path_factory, corpus_txt):
     return run_dir
 
 
+def test_a_sharded_run_s_best_pt_holds_its_best_step_s_weights_when_that_is_not_the_last(corpus_txt, tmp_path):
+    """best.pt of an FSDP run is one file made at the end from its best step's folder. In the tests beside this one
+    the best step is the last, so a best.pt made from the last folder passed them unseen."""
+    from conftest import run_subprocess
+
+    # the rate warms up to 0.3 until step 5, past what the model takes: the validation loss rises after step 3
+    overshoot = [*TINY, "--batch-size", 8]
+    overshoot[overshoot.index("--lr") + 1], overshoot[overshoot.index("--warmup-steps") + 1] = 0.3, 5
+    result = run_torchrun(["--nproc_per_node=1", RECIPE, "--text", corpus_txt, *overshoot, "--parallel", "fsdp",
+                           "--run-dir", tmp_path / "fsdp"])
+    assert result.code == 0, result.stderr
+    best = torch.load(tmp_path / "fsdp" / "checkpoints" / "best.pt", weights_only=True)
+    assert best["step"] == read_metrics(tmp_path / "fsdp")["best_step"] == 3
+    # step 3's weights, from one plain process stopped there (the schedule is --steps', so it is the same run)
+    result = run_subprocess([RECIPE, "--text", corpus_txt, *overshoot, "--max-steps", 3, "--run-dir", tmp_path / "one"])
+    assert result.code == 0, result.stderr
+    assert_close_weights(load_weights(tmp_path / "one" / "checkpoints" / "last.pt"), best["model"])
+
+
 @pytest.mark.parametrize("parallel, per_rank", [("ddp", ["--batch-size", 4, "--grad-accum", 2]),
                                                  ("fsdp", ["--batch-size", 8])])
 def test_two_ranks_end_with_the_weights_of_one_process(parallel, per_rank, one_process, corpus_txt, tmp_path):
