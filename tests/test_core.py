@@ -1216,3 +1216,18 @@ def test_a_torchrun_worker_that_ends_on_an_error_takes_its_loader_processes_with
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.parametrize(("saved", "here", "how"), [
+    (2, 1, " in 2 processes in all (torchrun's --nnodes x --nproc_per_node), or start afresh"),
+    (1, 2, " in one process (plain python), or start afresh"),
+    (2, 2, ", or start afresh")])
+def test_a_changed_option_refused_says_how_many_processes_to_resume_in(saved, here, how):
+    """The refusal names the launch the checkpoint needs where the process count differs too: a per-process
+    batch, saved at 2 x 16, read as another option at 1 x 16."""
+    checkpoint = {"config": {"lr": 0.1, "batch_size": 16, "world_size": saved}}
+    with pytest.raises(RecipeError) as refused:
+        ckpt.check_same_run(checkpoint, Path("last.pt"), {"lr": 0.2, "batch_size": 16, "world_size": here})
+    message = str(refused.value)  # (outside a command the options are named by their keys: lr, world size)
+    assert message.startswith("checkpoint last.pt was started with other options (lr 0.1 there, 0.2 here")
+    assert message.endswith(f"): resume with the options it was started with{how} in another --run-dir"), message

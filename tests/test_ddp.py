@@ -165,6 +165,29 @@ def test_sigterm_to_torchrun_saves_every_rank_at_the_same_step_and_resumes(mnist
                         load_weights(run_dir / "checkpoints" / "last.pt"))
 
 
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="signals one worker")
+def test_sigterm_to_one_rank_alone_stops_every_rank_at_the_same_step(mnist_dir, tmp_path):
+    """A scheduler may signal one process (its node's): the ranks agree to stop if any was asked (a MAX of their
+    flags), so the others stop and save with it rather than train on, or wait for it, alone."""
+    run_dir = tmp_path / "run"
+    launcher = subprocess.Popen([str(c) for c in [*TORCHRUN, "--nproc_per_node=2", "recipes/ddp_mlp.py", "--data-dir",
+                                                  mnist_dir, "--epochs", 40, "--batch-size", 16, "--checkpoint-every",
+                                                  1000, "--log-every", 10, *SMALL, "--run-dir", run_dir]],
+                                cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 120
+    while not (run_dir / "checkpoints" / "last.pt").exists() and time.time() < deadline:
+        time.sleep(0.05)
+    assert launcher.poll() is None, "the run ended before it could be stopped"
+    ranks = {pid: Path(f"/proc/{pid}/environ").read_bytes().split(b"\0") for pid in worker_pids(launcher.pid)}
+    rank_1 = next(pid for pid, env in ranks.items() if b"RANK=1" in env)
+    os.kill(rank_1, signal.SIGTERM)  # rank 1 alone; rank 0 saves
+    output = launcher.communicate(timeout=120)[0]
+    stopped_at = int(re.search(r"interrupted at step (\d+); checkpoint saved", output)[1])
+    assert stopped_at < 560 and torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)["step"] == stopped_at
+    assert not (run_dir / "metrics.json").exists()  # no rank trained on to the end (a finished run writes it)
+    assert "torchrun --nproc_per_node=2 recipes/ddp_mlp.py" in output  # how to resume
+
+
 def test_a_failure_on_the_ranks_ends_them_all_with_the_one_line_error(mnist_dir, tmp_path):
     # a rank left waiting for the other would hang until the timeout, which fails the test
     result = torchrun("--nproc_per_node=2", "recipes/ddp_mlp.py", "--data-dir", mnist_dir,
