@@ -242,12 +242,17 @@ def read_digit(path: Path) -> torch.Tensor:
             if image.width * image.height > MAX_PIXELS:  # decoding takes ~20 B a pixel
                 raise cli.RecipeError(f"{path} is {image.width} x {image.height} pixels, over {MAX_PIXELS:,}: "
                                       "scale it down (a digit needs 28 x 28)")
-            image.verify()  # a PNG's chunks against their checksums: a damaged file is refused, not half read
+            image.verify()  # a PNG's chunks against their checksums: a damaged or cut file is refused
         with PIL.Image.open(io.BytesIO(data)) as image:
-            image = PIL.ImageOps.exif_transpose(image)  # turned upright, as a phone's EXIF tag says
-            grey, alpha = grey_and_alpha(image)
-    except (OSError, ValueError, SyntaxError, PIL.Image.DecompressionBombError):  # (Pillow's "broken PNG")
+            # a 2- or 4-bit grey PNG's see-through shade (tRNS), stretched to 8 bits as Pillow stretches its pixels
+            if image.format == "PNG" and image.mode == "L" and data[24] in (2, 4) and "transparency" in image.info:
+                image.info["transparency"] *= 255 // (2 ** data[24] - 1)
+            image = PIL.ImageOps.exif_transpose(image)  # a copy, decoded, and turned as a phone's EXIF tag says
+    except cli.RecipeError:
+        raise
+    except Exception:  # Pillow's errors on a malformed file are of many kinds: OSError, SyntaxError, IndexError...
         raise cli.RecipeError(f"{path} is not a readable PNG or JPEG image") from None
+    grey, alpha = grey_and_alpha(image)
     return to_mnist_format(grey if alpha is None else flatten_alpha(torch.cat([grey, alpha])))
 
 

@@ -311,7 +311,7 @@ def test_a_whole_interlaced_png_is_read_and_one_cut_short_is_refused(width, heig
 
 @pytest.mark.parametrize("case", ["not an image", "empty file", "empty folder", "missing file", "text only folder",
                                   "gif", "too many pixels", "a decompression bomb", "pixels cut short", "a bad CRC",
-                                  "a row filter PNG has not"])
+                                  "a row filter PNG has not", "no image data"])
 def test_bad_images_are_one_line_errors(case, checkpoint, run_inprocess, tmp_path):
     if case == "gif":  # torchvision decodes it, but in colour whatever mode is asked: the model wants one channel
         from PIL import Image
@@ -323,11 +323,15 @@ def test_bad_images_are_one_line_errors(case, checkpoint, run_inprocess, tmp_pat
         (tmp_path / "huge.png").write_bytes(png_header(*size))
         target, text = tmp_path / "huge.png", ("huge.png is 9000 x 9000 pixels, over 64,000,000: scale it down"
                                                if case == "too many pixels" else "is not a readable PNG or JPEG image")
-    elif case in ("pixels cut short", "a bad CRC", "a row filter PNG has not"):
-        # (damage that libpng's error on was a segfault in torchvision's decoder, which the recipe once used)
-        damaged = {"pixels cut short": png_header(28, 28, bytes(29) * 28)[:-20],  # a download cut off
+    elif case in ("pixels cut short", "a bad CRC", "a row filter PNG has not", "no image data"):
+        # (damage that libpng's error on was a segfault in torchvision's decoder, which the recipe once used; a
+        # PNG without an IDAT chunk, an IndexError traceback in Pillow's check)
+        whole = png_header(28, 28, bytes(29) * 28)
+        idat = whole.index(b"IDAT") - 4
+        damaged = {"pixels cut short": whole[:-20],  # a download cut off
                    "a bad CRC": png_header(28, 28, bytes(29) * 28, crc_flip=1),
-                   "a row filter PNG has not": png_header(28, 28, b"\x09" + bytes(29 * 28 - 1))}
+                   "a row filter PNG has not": png_header(28, 28, b"\x09" + bytes(29 * 28 - 1)),
+                   "no image data": whole[:idat] + whole[idat + 12 + int.from_bytes(whole[idat : idat + 4], "big"):]}
         (tmp_path / "damaged.png").write_bytes(damaged[case])
         target, text = tmp_path / "damaged.png", "damaged.png is not a readable PNG or JPEG image"
     elif case == "not an image":
@@ -413,6 +417,24 @@ def test_a_card_with_a_see_through_margin_reads_as_the_card(tmp_path):
         assert plain.sum() > 0
         for name in ("margin-0.png", "margin-255.png", "grey-trns.png", "rgb-trns.png", "grey16-trns.png"):
             torch.testing.assert_close(mnist.read_digit(tmp_path / name), plain, atol=1e-6, rtol=0, msg=name)
+
+
+def test_a_2_and_4_bit_grey_png_s_see_through_shade_is_see_through(tmp_path):
+    """Pillow stretches a 2- or 4-bit grey PNG's pixels to 8 bits but not its tRNS key: no pixel matched it, so a
+    card's see-through margin read as ink (a filled square for a digit)."""
+    import numpy as np
+    from PIL import Image
+
+    levels = np.where(np.indices((40, 40)).sum(0) % 3, 3, 0)  # shades 0 and 3 of a 2-bit grey
+    levels[:6], levels[-6:], levels[:, :6], levels[:, -6:] = 1, 1, 1, 1  # a margin of shade 1, see-through
+    for bits in (2, 4):
+        stretch = 255 // (2**bits - 1)
+        Image.fromarray((levels * stretch).astype(np.uint8)).save(tmp_path / "8.png", transparency=stretch)
+        Image.fromarray((levels * stretch).astype(np.uint8)).save(tmp_path / f"{bits}.png", bits=bits, transparency=1)
+        data = (tmp_path / f"{bits}.png").read_bytes()
+        assert data[24] == bits and data[data.index(b"tRNS") + 4 : data.index(b"tRNS") + 6] == b"\x00\x01"  # raw
+        torch.testing.assert_close(mnist.read_digit(tmp_path / f"{bits}.png"), mnist.read_digit(tmp_path / "8.png"),
+                                   atol=1e-6, rtol=0, msg=f"{bits} bits")
 
 
 def test_an_unreadable_file_is_an_error_line_after_the_others_predictions(checkpoint, run_inprocess, tmp_path):
