@@ -506,33 +506,28 @@ def ejected(path: Path) -> bool:
     return re.search(header, path.read_text(encoding="utf-8", errors="replace"), re.MULTILINE) is not None
 
 
-def hold(draft) -> int | None:
-    """Lock the open ``draft`` for as long as this process lives: the descriptor returned keeps the lock (the
-    kernel drops it at any end, a kill -9's too), so a draft whose lock is free is one nobody will finish."""
-    if os.name != "posix":
-        return None
-    import fcntl
-
-    fcntl.flock(draft, fcntl.LOCK_EX)
-    return os.dup(draft.fileno())
-
-
 def remove_abandoned(target: Path) -> None:
     """Remove the drafts of ejects to ``target`` that were killed mid-way: a kill -9 (the OOM killer's) runs no
-    clean-up. A running eject holds its draft's lock; only a draft whose lock is free goes."""
-    if os.name != "posix":
-        return
-    import fcntl
-
-    drafts = []
-    name = re.compile(rf"\.{re.escape(target.name[:40])}\.\d+\.[0-9a-f]{{12}}\.tmp")  # as main names its draft
+    clean-up. A draft is named for its process (.NAME.PID.xxxxxxxxxxxx.tmp), so one whose process is gone goes."""
+    name = re.compile(rf"\.{re.escape(target.name[:40])}\.(\d+)\.[0-9a-f]{{12}}\.tmp")  # as main names its draft
     with contextlib.suppress(OSError):  # (a folder that may be written but not listed: nothing to sweep then)
-        drafts = list(target.parent.iterdir())
-    for draft in drafts:
-        if name.fullmatch(draft.name) and draft.is_file() and not draft.is_symlink():
-            with contextlib.suppress(OSError), open(draft, "rb") as f:  # (a running eject's: BlockingIOError)
-                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                draft.unlink()
+        for draft in list(target.parent.iterdir()):
+            if (found := name.fullmatch(draft.name)) and draft.is_file() and not draft.is_symlink() and \
+                    not running(int(found[1])):
+                draft.unlink(missing_ok=True)
+
+
+def running(pid: int) -> bool:
+    """Whether process ``pid`` exists (signal 0 sends nothing; a system without it is assumed to run it)."""
+    if os.name != "posix":
+        return True
+    try:
+        os.kill(pid, 0)
+    except (ProcessLookupError, OverflowError):  # (a number past any process's)
+        return False
+    except OSError:  # another user's
+        return True
+    return True
 
 
 class Terminated(KeyboardInterrupt):
@@ -567,7 +562,7 @@ def main(argv: list[str] | None = None) -> int:
     if not recipe.is_file():
         known = ", ".join(sorted(path.stem for path in (ROOT / "recipes").glob("*.py")))
         parser.error(f"no recipe {args.recipe!r}; give one of {known}, or the path of a recipe file")
-    draft = lock = None
+    draft = None
     try:
         if ejected(recipe):  # an earlier copy, edits and all, would be copied again into a muddle
             raise EjectError(f"{recipe} is a copy eject wrote, not a recipe; eject the recipe it came from")
@@ -607,7 +602,6 @@ def main(argv: list[str] | None = None) -> int:
         # named before it is made (mkstemp names it after): a SIGTERM at any moment from here finds it to remove
         draft = target.with_name(f".{target.name[:40]}.{os.getpid()}.{os.urandom(6).hex()}.tmp")
         with open(draft, "x", encoding="utf-8", newline="\n") as f:  # "x": made new, with the usual mode
-            lock = hold(f)
             f.write(ejection.text(output.name))
         if failure := check_imports(draft, output):
             raise EjectError(ejection.import_failure(*failure))
@@ -634,8 +628,6 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if draft is not None:
             draft.unlink(missing_ok=True)
-        if lock is not None:
-            os.close(lock)
     modules = ", ".join(Path(source.label).stem for source, _ in ejection.sections)
     print(f"wrote {output}: {ejection.label} with {len(ejection.taken)} definitions from {CORE}/ ({modules})")
     return 0

@@ -70,6 +70,7 @@ from common.checkpoint import load_model_state
 from common.cli import RecipeError
 from common.data import MNIST_MEAN, MNIST_STD
 from scripts import find_lr
+from scripts.eject import running
 
 TOLERANCE = 1e-4  # largest difference allowed between eager, torch.export and onnxruntime outputs
 EXAMPLE_BATCH, CHECK_BATCH = 3, 5  # two sizes (neither 0 nor 1, which export would specialise): batch stays dynamic
@@ -437,10 +438,11 @@ def export_checkpoint(checkpoint: Path, out_dir: Path, overwrite: bool = False, 
     if format == "hf" and recipe != "tiny_transformer":
         raise ExportError(f"--format hf writes GPT-2 folders, for tiny_transformer checkpoints; {checkpoint} is "
                           f"{recipe}'s: use --format graph or safetensors")
+    module = load_recipe(recipe, script)
     try:
-        exportable = BUILDERS[recipe](state, checkpoint, load_recipe(recipe, script))
-    except RecipeError as err:  # load_model_state: weights that do not fit the model
-        raise ExportError(str(err)) from None
+        exportable = BUILDERS[recipe](state, checkpoint, module)
+    except (RecipeError, getattr(module, "RecipeError", RecipeError)) as err:  # load_model_state: weights that do
+        raise ExportError(str(err)) from None  # not fit the model (an ejected copy has a RecipeError of its own)
     except (KeyError, TypeError, AttributeError) as err:  # (AttributeError: a config that is no dict, say)
         raise ExportError(f"{checkpoint} lacks what rebuilding its {recipe} model needs ({err})") from None
     except (ValueError, RuntimeError) as err:  # a negative width, say
@@ -543,19 +545,6 @@ def remove_abandoned(out_dir: Path) -> None:
             pid = tmp.name[len(name) + 2:].split(".")[0]
             if pid.isdecimal() and tmp.is_dir() and not tmp.is_symlink() and not running(int(pid)):
                 shutil.rmtree(tmp, ignore_errors=True)
-
-
-def running(pid: int) -> bool:
-    """Whether process ``pid`` exists (signal 0 sends nothing; a system without it is assumed to run it)."""
-    if os.name != "posix":
-        return True
-    try:
-        os.kill(pid, 0)
-    except (ProcessLookupError, OverflowError):  # (a number past any process's)
-        return False
-    except OSError:  # another user's
-        return True
-    return True
 
 
 def tempfile_dir(out_dir: Path) -> str:
