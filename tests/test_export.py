@@ -797,3 +797,17 @@ def test_a_changed_copy_s_checkpoint_is_exported_as_its_model_with_recipe(checkp
         err = capsys.readouterr().err
         assert err.startswith("error: --recipe ") and message in err and err.count("\n") == 1, err
     assert not (tmp_path / "again").exists()
+
+
+def test_an_ejected_copy_whose_model_the_checkpoint_does_not_fit_is_a_one_line_error(checkpoints, tmp_path, capsys):
+    """An ejected copy raises its own RecipeError (eject copies the class): export let it through as a traceback."""
+    copy = tmp_path / "my_tabular.py"
+    assert run_subprocess(["scripts/eject.py", "tabular_mlp", copy]).code == 0
+    text = copy.read_text()
+    assert text.count("self.head = Linear(width, out_features)") == 1
+    copy.write_text(text.replace("self.head = Linear(width, out_features)", "self.head = Linear(width, 7)"))
+    checkpoint = checkpoints["tabular_mlp"]
+    assert export.main([str(checkpoint), str(tmp_path / "out"), "--recipe", str(copy)]) == 1
+    err = capsys.readouterr().err
+    assert err == f"error: checkpoint {checkpoint} does not fit this model (wrong shape: head.bias, head.weight)\n"
+    assert not (tmp_path / "out").exists()
