@@ -45,8 +45,7 @@ STEP_DIR = re.compile(r"step-(\d+)")
 
 @contextmanager
 def quiet_single_process():
-    """DCP without its warning that there is no process group (one process reads or writes, as meant here), and
-    without its logged tracebacks for a damaged .metadata: the error raised says it in one line."""
+    """DCP without its no-process-group warning (one process is meant) or its logged tracebacks (one line will do)."""
     previous = logging.root.manager.disable
     logging.disable(max(previous, logging.WARNING))
     try:
@@ -66,9 +65,8 @@ def complete_checkpoints(folder: Path, warn: bool = False) -> list[Path]:
             found.append(path)
         elif warn:  # copied in part, or damaged
             print(f"warning: {path} is incomplete ({why}); not resuming from it", file=sys.stderr)
-    if warn:
-        for tmp in folder.glob(".step-*.tmp"):
-            print(f"warning: {tmp} is a save that never finished; ignored", file=sys.stderr)
+    for tmp in folder.glob(".step-*.tmp") if warn else []:
+        print(f"warning: {tmp} is a save that never finished; ignored", file=sys.stderr)
     return found
 
 
@@ -147,6 +145,10 @@ class ShardedCheckpointer:
         if step == self.last_step:
             return
         state = self.files.training_state(step)  # first: the log's read-back raises here on a non-finite loss
+        final = self.dcp_dir / f"step-{step:06d}"
+        if self.last_good and final.resolve() == self.last_good.resolve():  # resumed at its end only to finish: its
+            self.last_step = step  # shards hold these weights; never taken down to be written again (a kill would
+            return from_rank_0(lambda: save_checkpoint(final / "trainer.pt", state))  # lose the step)
         model_sd, optim_sd = get_state_dict(self.files.model, self.files.optimizer)
         spoiled = torch.tensor([float(any(v.is_floating_point() and not torch.isfinite(local(v)).all()
                                           for v in model_sd.values()))], device=self.files.device)  # nccl: on a GPU
@@ -154,7 +156,6 @@ class ShardedCheckpointer:
             dist.all_reduce(spoiled, op=dist.ReduceOp.MAX)
         if spoiled.item():
             raise diverged(f"the weights hold inf/nan after step {step}", self.last_good)
-        final = self.dcp_dir / f"step-{step:06d}"
         tmp = self.dcp_dir / f".{final.name}.tmp"
         from_rank_0(lambda: clear_unfinished(self.dcp_dir))
         try:
@@ -170,7 +171,7 @@ class ShardedCheckpointer:
         """Rank 0: add trainer.pt, rename the folder (the moment the checkpoint counts), prune the old ones."""
         try:
             save_checkpoint(tmp / "trainer.pt", state)
-            if final.exists():  # the same step again (resumed at the end only to finish)
+            if final.exists():  # an unfinished folder of this step, which a resume from an earlier one skipped
                 shutil.rmtree(final)
             os.replace(tmp, final)
             fsync_dir(self.dcp_dir)
@@ -217,9 +218,8 @@ class ShardedCheckpointer:
 def prune(dcp_dir: Path, best_step: int) -> None:
     """Keep the last ``KEEP`` complete checkpoints and the best one (best.pt is made from it at the end)."""
     best = dcp_dir / f"step-{best_step:06d}"
-    for path in complete_checkpoints(dcp_dir)[:-KEEP]:
-        if path != best:
-            shutil.rmtree(path, ignore_errors=True)
+    for path in set(complete_checkpoints(dcp_dir)[:-KEEP]) - {best}:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def clear_unfinished(dcp_dir: Path) -> None:

@@ -760,6 +760,28 @@ def test_a_sharded_run_killed_after_its_last_save_still_ends_with_its_single_fil
         assert_same_weights(weights, load_weights(run_dir / "checkpoints" / name))
 
 
+def test_a_relaunch_that_only_finishes_never_takes_down_the_step_folder_it_resumed_from(run_inprocess, corpus_txt,
+                                                                                      tmp_path):
+    """Killed after a periodic save, then relaunched with --max-steps at that step: the relaunch saves that step again
+    (its trainer.pt), and must not remove and rewrite the step's shards, as a kill in between would lose the step."""
+    run_dir = tmp_path / "run"
+    args = ["--text", corpus_txt, *TINY, "--parallel", "fsdp", "--batch-size", 8, "--run-dir", run_dir,
+            "--checkpoint-every", 1, "--resume", "auto"]
+    assert run_inprocess("tiny_transformer", *args, "--max-steps", 5).code == 0
+    shutil.rmtree(run_dir / "checkpoints" / "dcp" / "step-000005")  # as a kill after step 4's save left it
+    for name in ("checkpoints/last.pt", "checkpoints/best.pt", "metrics.json"):
+        (run_dir / name).unlink()
+    step_dir = run_dir / "checkpoints" / "dcp" / "step-000004"
+    shards = {path.name: path.stat().st_ino for path in step_dir.iterdir() if path.name != "trainer.pt"}
+    trainer = (step_dir / "trainer.pt").stat().st_ino
+    again = run_inprocess("tiny_transformer", *args, "--max-steps", 4)
+    assert again.code == 0, again.stderr
+    assert "resumed at step 4" in again.stdout
+    assert {path.name: path.stat().st_ino for path in step_dir.iterdir() if path.name != "trainer.pt"} == shards
+    assert (step_dir / "trainer.pt").stat().st_ino != trainer  # saved again, as one atomic file
+    assert torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)["step"] == 4
+
+
 def test_a_sharded_run_stopped_by_sigterm_leaves_the_single_files_of_its_last_step(corpus_txt, tmp_path):
     """last.pt and best.pt are what --sample-only and export.py read: after a stop, those of the step it stopped at,
     not of an earlier launch (nor none at all)."""
