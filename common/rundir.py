@@ -63,14 +63,24 @@ def open_run_dir(recipe: str, run_dir: Path | None, resume: str | None,
     created = []
     if run_dir is None:
         run_dir, created = new_run_dir(Path("runs") / recipe / datetime.now().strftime("%Y%m%d-%H%M%S"))
-    last = held = None
-    foreign = []  # a config.json or metrics.json that no run of this recipe wrote: a model's folder, a project's
-    if run_dir.is_dir():
-        last = last_checkpoint(run_dir)
-        held = last or next(run_dir.rglob("*.pt"), None)  # folds or comparisons: runs in sub-folders
-        held = held or next(run_dir.glob("checkpoints/dcp/step-*/*.distcp"), None)  # shards, incomplete (a copy?)
-        foreign = [name for name in ("config.json", "metrics.json") if recorded_recipe(run_dir / name) not in
-                   (recipe, None)]
+    created = created or [d for d in [run_dir, *run_dir.parents] if not d.exists()]  # runs/, runs/RECIPE/ if new
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=run_dir).close()  # a folder that exists may still be read-only
+    except OSError as err:
+        raise RecipeError(f"cannot write to --run-dir {run_dir}: {why_not_written(run_dir, err)}") from None
+    checkpoints = run_dir / "checkpoints"  # now, not at the first save: a file, or a link to a disk not mounted
+    if checkpoints.is_symlink() and not checkpoints.exists():
+        raise RecipeError(f"cannot write checkpoints in {run_dir}: {why_not_written(checkpoints, OSError())}")
+    if checkpoints.exists() and not checkpoints.is_dir():
+        raise RecipeError(f"cannot write checkpoints in {run_dir}: its checkpoints is a file, not a folder")
+    lock = hold(run_dir)  # first: what the folder holds is read once no other run can write there
+    on_exit(lambda: release(run_dir, lock, created))
+    last = last_checkpoint(run_dir)
+    held = last or next(run_dir.rglob("*.pt"), None)  # folds or comparisons: runs in sub-folders
+    held = held or next(run_dir.glob("checkpoints/dcp/step-*/*.distcp"), None)  # shards, incomplete (a copy?)
+    foreign = [name for name in ("config.json", "metrics.json")  # records no run of this recipe wrote: a model's
+               if recorded_recipe(run_dir / name) not in (recipe, None)]
     if foreign and (held is None or resume is None):  # another recipe's checkpoints: not to be continued either
         raise RecipeError(f"{run_dir} holds a {' and a '.join(foreign)} that no {recipe} run wrote, which this run "
                           "would overwrite: choose another --run-dir")
@@ -97,19 +107,6 @@ def open_run_dir(recipe: str, run_dir: Path | None, resume: str | None,
     if last is None and not holds_runs and recorded_recipe(run_dir / "metrics.json") == recipe:
         raise RecipeError(f"{run_dir} holds a finished run (its metrics.json) but not its checkpoints/last.pt: nothing "
                           "to continue, and a new run there would overwrite its records; choose another --run-dir")
-    created = created or [d for d in [run_dir, *run_dir.parents] if not d.exists()]  # runs/, runs/RECIPE/ if new
-    try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        tempfile.TemporaryFile(dir=run_dir).close()  # a folder that exists may still be read-only
-    except OSError as err:
-        raise RecipeError(f"cannot write to --run-dir {run_dir}: {why_not_written(run_dir, err)}") from None
-    checkpoints = run_dir / "checkpoints"  # now, not at the first save: a file, or a link to a disk not mounted
-    if checkpoints.is_symlink() and not checkpoints.exists():
-        raise RecipeError(f"cannot write checkpoints in {run_dir}: {why_not_written(checkpoints, OSError())}")
-    if checkpoints.exists() and not checkpoints.is_dir():
-        raise RecipeError(f"cannot write checkpoints in {run_dir}: its checkpoints is a file, not a folder")
-    lock = hold(run_dir)
-    on_exit(lambda: release(run_dir, lock, created))
     return RunFolder(run_dir, last if resume == "auto" else Path(resume) if resume else None, held)
 
 
@@ -156,6 +153,9 @@ def hold(run_dir: Path) -> int | None:
     import fcntl
 
     fd = os.open(run_dir, os.O_RDONLY)
+    if any(os.path.samestat(os.fstat(fd), os.fstat(held)) for held in HELD_LOCKS):  # this process's already (an
+        os.close(fd)  # open not yet released: a test's, a notebook's)
+        return None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         HELD_LOCKS.add(fd)

@@ -52,6 +52,23 @@ def test_a_second_launch_on_a_run_directory_in_use_is_refused_naming_the_process
         first.wait()
 
 
+def test_what_a_run_directory_holds_is_read_once_no_other_run_can_write_there(monkeypatch, tmp_path):
+    """A run that was still saving as this one started (a scheduler's relaunch while the old job saves on SIGTERM)
+    must be seen: read before the lock, its checkpoints would be started afresh over and overwritten."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    hold = rundir.hold
+
+    def hold_as_the_other_run_saves(folder: Path) -> int | None:  # its last save lands, then it ends
+        save_checkpoint(folder / "checkpoints" / "last.pt", {"model": {}, "recipe": "mixed_precision", "config": {}})
+        return hold(folder)
+
+    monkeypatch.setattr(rundir, "hold", hold_as_the_other_run_saves)
+    with pytest.raises(RecipeError, match="already holds checkpoints; continue it with --resume auto"):
+        open_run_dir("mixed_precision", run_dir, None)
+    assert open_run_dir("mixed_precision", run_dir, "auto").resume_from == run_dir / "checkpoints" / "last.pt"
+
+
 def test_a_file_system_without_flock_runs_unlocked(run_inprocess, tmp_path, monkeypatch):
     """ENOLCK (NFS without lockd, some FUSE mounts): every run was refused, "No locks available" naming no path, and
     left its new folder empty behind it."""
