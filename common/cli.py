@@ -221,8 +221,9 @@ def run_recipe(main: Callable[..., object], argv: list[str] | None = None) -> No
         if type(status) is int and status:  # typer returns (not raises) an Exit's status, Ctrl-C's 130 among them
             sys.exit(status)
     except (RecipeError, OSError) as err:  # OSError: a full disk, say, where no piece of the run had more to say
-        message = " ".join(str(err).split()) if isinstance(err, RecipeError) else \
-            f"{err.strerror or err}{f': {err.filename}' if err.filename else ''} (the checkpoints written are intact)"
+        name = getattr(err, "filename", None)  # (TensorBoard's writer gives it in bytes)
+        message = " ".join(str(err).split()) if isinstance(err, RecipeError) else f"{err.strerror or err}" \
+            f"{f': {os.fsdecode(name)}' if isinstance(name, str | bytes) else ''} (any checkpoint written is intact)"
         message = re.sub(r"[\x00-\x1f\x7f-\x9f]", lambda c: ascii(c[0])[1:-1], message)  # an ESC: shown, not obeyed
         quiet or print(f"error: {message}", file=sys.stderr, flush=True)
         tell_torchrun(message)

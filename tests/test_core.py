@@ -1008,6 +1008,21 @@ def test_a_collective_whose_peer_died_is_one_line_and_any_other_runtime_error_a_
                                        "resumes from the last checkpoint\n")
 
 
+@pytest.mark.parametrize("filename, shown", [(b"run/events.out.tfevents.1", ": run/events.out.tfevents.1"),
+                                              ("run/config.json", ": run/config.json"), (None, "")])
+def test_an_os_error_no_piece_reported_is_one_line_naming_its_file_as_text(filename, shown, capsys):
+    """TensorBoard's writer names its events file in bytes: the line said "No space left on device: b'run/...'"."""
+    from common.cli import run_recipe
+
+    def main(run_dir: Path = Path("unused")):
+        raise OSError(28, "No space left on device", filename)
+
+    with pytest.raises(SystemExit) as exit_:
+        run_recipe(main, [])
+    assert exit_.value.code == 1
+    assert capsys.readouterr().err == f"error: No space left on device{shown} (any checkpoint written is intact)\n"
+
+
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
 def test_a_step_that_fails_because_the_stop_signal_reached_its_helpers_too_is_an_interruption(signum, capsys):
     """A terminal's Ctrl-C goes to the whole group: to torch.compile's C++ compiler too, whose death failed the
