@@ -31,7 +31,7 @@ class BestScore:
         return {"score": self.score, "step": self.step}
 
     def load_state_dict(self, state: dict) -> None:
-        self.score, self.step = state["score"], state["step"]
+        self.score, self.step = float(state["score"]), int(state["step"])  # (saved as a tensor, say: a float)
 
 
 class Kept(NamedTuple):

@@ -73,8 +73,9 @@ def load_checkpoint(path: Path, recipe: str, entry: str = "model") -> dict:
         raise RecipeError(f"{path} is not a training checkpoint of this project (no {entry!r} entry)")
     if state.get("recipe") != recipe:
         raise RecipeError(f"{path} was written by recipe {state.get('recipe')!r}, not {recipe!r}")
-    counts = state.get("step", 0), state.get("steps_per_epoch") or 0  # (a run of steps, not epochs: None)
-    if not isinstance(state.get("config", {}), dict) or any(type(n) is not int or n < 0 for n in counts):
+    step, epoch = state.get("step", 0), state.get("steps_per_epoch")  # epoch length; None: a run of steps, not epochs
+    if not isinstance(state.get("config", {}), dict) or any(type(n) is not int for n in (step, epoch or 0)) or \
+            step < 0 or epoch is not None and epoch < 1:  # (0 steps an epoch: a run that has always finished)
         raise RecipeError(f"{path} is damaged: its config is not a dict, or its step or epoch length not a count")
     return state
 
@@ -83,8 +84,7 @@ def load_model_state(model: nn.Module, state_dict: dict, source: Path, what: str
     """``load_state_dict`` with an error that lists what did not match, e.g. a checkpoint of another model."""
     if not isinstance(state_dict, dict):
         raise RecipeError(f"{what} {source} is damaged: its weights are a {type(state_dict).__name__}, not a dict")
-    model = unwrap(model)
-    ours = model.state_dict()
+    ours = (model := unwrap(model)).state_dict()
     shapes = {key: getattr(value, "shape", None) for key, value in state_dict.items()}  # a weight no tensor: None
     problems = {"missing": sorted(ours.keys() - shapes.keys()), "unexpected": sorted(map(str, shapes.keys() - ours)),
                 "wrong shape": sorted(k for k in ours.keys() & shapes.keys() if ours[k].shape != shapes[k])}

@@ -96,8 +96,9 @@ def load_backbone(model: DigitNet, path: Path, data_dir: Path, seed: int, val_si
                 given = f"--val-size {theirs[1]}" if theirs[1] is not None else "no --val-size"
                 raise cli.RecipeError(f"--finetune {path} trained on these digits with --seed {theirs[0]} and {given}: "
                                       "pass the same, or its training digits validate this run")
-    state = checkpoint["model"]
-    backbone = {key.removeprefix("features."): value for key, value in state.items() if key.startswith("features.")}
+    state = checkpoint["model"]  # (one that is no dict of weights: load_model_state says so)
+    backbone = {key.removeprefix("features."): value for key, value in state.items()
+                if str(key).startswith("features.")} if isinstance(state, dict) else state
     load_model_state(model.features, backbone, path)
 
 

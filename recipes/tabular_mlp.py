@@ -604,6 +604,8 @@ def model_from_checkpoint(checkpoint: dict, source: Path) -> TabularMLP:
     except KeyError as err:
         raise cli.RecipeError(f"checkpoint {source} lacks {err} in its options or features: another version of "
                               "this recipe wrote it") from None
+    except (TypeError, ValueError, RuntimeError) as err:  # a width that is no count, say
+        raise cli.RecipeError(f"checkpoint {source} is damaged: its model cannot be rebuilt ({err})") from None
     load_model_state(model, checkpoint["model"], source)
     return model
 
@@ -941,10 +943,11 @@ def train(csv_path: Path | None, target: str, task: str, drop: list[str] | None,
     run = open_run_dir(RECIPE, run_dir, resume)  # never over another run's checkpoints; one run at a time in it
     checkpoint = resume_checkpoint(run, RECIPE, config, may_change={"keep_best", "patience", "lr"})
     if checkpoint:  # the rate, given or default, must match ("lr" alone: older runs recorded a default --lr resolved)
-        check_same_run({"config": {"lr": checkpoint["config"].get("lr_used", checkpoint["config"]["lr"])}},
-                       run.resume_from, {"lr": lr})
-    if already_finished(run, checkpoint, max_steps=max_steps,
-                        epochs=epochs or checkpoint and default_epochs(checkpoint["steps_per_epoch"], optimizer_name)):
+        saved = checkpoint["config"]  # (one without an lr is refused as another rate)
+        check_same_run({"config": {"lr": saved.get("lr_used", saved.get("lr"))}}, run.resume_from, {"lr": lr})
+    if already_finished(run, checkpoint, max_steps=max_steps,  # (one of no epoch length: refused at its restore)
+                        epochs=epochs or checkpoint and default_epochs(checkpoint.get("steps_per_epoch") or 1,
+                                                                       optimizer_name)):
         return json.loads((run.path / "metrics.json").read_text())
     seed_everything(seed)
     device = resolve_device(device)

@@ -423,6 +423,15 @@ def test_finetune_from_another_recipe_is_refused(run_inprocess, mnist_dir, table
     assert result.code == 1 and "written by recipe 'tabular_mlp', not 'mnist_onecycle'" in result.stderr
 
 
+def test_finetune_from_a_checkpoint_whose_weights_are_no_dict_is_one_line(run_inprocess, mnist_dir, tmp_path):
+    path = tmp_path / "edited.pt"
+    torch.save({"recipe": RECIPE, "model": torch.zeros(3), "config": {}, "step": 1}, path)  # was an AttributeError
+    result = run_inprocess(RECIPE, "--finetune", path, "--data-dir", mnist_dir, "--run-dir", tmp_path / "run")
+    assert (result.code, result.stderr) == (1, f"error: checkpoint {path} is damaged: its weights are a Tensor, not "
+                                               "a dict\n")
+    assert not (tmp_path / "run").exists()
+
+
 def test_finetune_from_another_width_names_the_width_to_pass(run_inprocess, mnist_dir, tmp_path):
     assert run_inprocess(RECIPE, "--width", 4, "--max-steps", 1, "--batch-size", 32, "--data-dir", mnist_dir,
                          "--run-dir", tmp_path / "narrow").code == 0

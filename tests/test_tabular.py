@@ -897,6 +897,44 @@ def test_a_resume_on_other_rows_of_the_same_count_is_refused(run_inprocess, tmp_
     assert read_metrics(tmp_path / "run")["steps"] == 2 * 7  # 240 training rows: 7 full batches of 32 an epoch
 
 
+@pytest.mark.parametrize(("edit", "message"), [
+    (lambda state: [state["config"].pop(key) for key in ("lr", "lr_used")], "(--lr None there, "),  # a KeyError
+    (lambda state: state.update(steps_per_epoch=0), "is damaged: its config is not a dict, or its step or epoch "
+     "length not a count"),  # a KeyError without the entry; with 0: "already finished: step 3 of 0"
+    (lambda state: state["best"].update(score="n/a"), "lacks part of the training state, or holds it in another "
+     "form (ValueError: could not convert string to float: 'n/a')"),  # a TypeError at the first evaluation
+])
+def test_a_resume_from_a_checkpoint_of_other_settings_or_parts_is_one_line(edit, message, run_inprocess, table_csv,
+                                                                          tmp_path):
+    """Without --epochs: the default is worked out from the checkpoint's epoch length, before anything is checked.
+    Each was a traceback."""
+    args = ["--csv", table_csv, "--target", "label", *RAW, "--batch-size", 32, "--run-dir", tmp_path / "run",
+            "--resume", "auto"]
+    assert run_inprocess(RECIPE, *args, "--max-steps", 3).code == 0
+    last = tmp_path / "run" / "checkpoints" / "last.pt"
+    state = torch.load(last, weights_only=True)
+    edit(state)
+    torch.save(state, last)
+    saved = last.read_bytes()
+    result = run_inprocess(RECIPE, *args)
+    assert result.code == 1 and result.stderr.startswith("error: ") and f"{last} " in result.stderr, result.stderr
+    assert message in result.stderr
+    assert result.stderr.count("\n") == 1 and last.read_bytes() == saved
+
+
+def test_predict_from_a_checkpoint_whose_model_cannot_be_rebuilt_is_one_line(run_inprocess, table_csv, tmp_path):
+    run_dir = tmp_path / "run"
+    assert run_inprocess(RECIPE, "--csv", table_csv, "--target", "label", "--max-steps", 1,
+                         "--run-dir", run_dir).code == 0
+    path = tmp_path / "edited.pt"
+    state = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)
+    torch.save(state | {"config": state["config"] | {"hidden": torch.tensor(256)}}, path)  # was a TypeError traceback
+    result = run_inprocess(RECIPE, "--predict", table_csv, "--resume", path, "--output", tmp_path / "out.csv")
+    assert (result.code, result.stderr) == (1, f"error: checkpoint {path} is damaged: its model cannot be rebuilt "
+                                               "(iteration over a 0-d tensor)\n")
+    assert not (tmp_path / "out.csv").exists()
+
+
 def test_a_header_over_a_megabyte_is_read(tmp_path):
     """pyarrow reads 1 MB blocks by default, and a row must fit in one: this table was called empty."""
     names = [f"feature_{i}_{'x' * 500}" for i in range(2200)]  # a 1.1 MB header
