@@ -135,8 +135,7 @@ def as_config(options: dict) -> dict:
     return {name: str(value) if isinstance(value, Path) else value for name, value in options.items()}
 
 
-class Command(NamedTuple):
-    """The recipe command that runs now (``run_recipe`` sets it, as click keeps its current context)."""
+class Command(NamedTuple):  # the recipe command that runs now (run_recipe sets it, as click keeps its context)
     flags: dict[str, list[str]]  # parameter -> its flags: run_dir -> [--run-dir], a switch -> [--x, --no-x]
     cleanup: ExitStack  # what to release when the command ends, however it ends
     argv: list[str]  # its arguments
@@ -196,8 +195,10 @@ def run_recipe(main: Callable[..., object], argv: list[str] | None = None) -> No
                 status = app(args=argv, standalone_mode=False)
             except (RuntimeError, TypeError) as err:  # the machine's memory (a size past 2**63 too), a peer's end
                 reason = re.sub(r"^\[[^]]*\]\s*", "", str(err).strip().split("\n")[0])
+                lost = dist.is_available() and dist.is_initialized() and (  # a collective whose other end died
+                    isinstance(err, dist.DistNetworkError) or re.search("by peer|Broken pipe", reason))
                 stop = getattr(signal.getsignal(signal.SIGINT), "__self__", None)  # a StopRequest, once one listens
-                if type(stop).__name__ == "StopRequest" and stop.signal:  # (a terminal's Ctrl-C reaches the compiler)
+                if type(stop).__name__ == "StopRequest" and stop.signal and not lost:  # (not torchrun's after a death)
                     quiet or print(f"interrupted: the step failed as the signal reached its helpers too ({reason}); "
                                    "nothing saved since the last checkpoint", flush=True)
                     sys.exit(128 + stop.signal)
@@ -211,8 +212,7 @@ def run_recipe(main: Callable[..., object], argv: list[str] | None = None) -> No
                                       "--batch-size, model or data set") from None
                 if reason.startswith("Symlink loop"):  # Path.resolve's, of a link that points at itself
                     raise RecipeError(reason) from None
-                if not (dist.is_available() and dist.is_initialized()) or not (  # a collective whose other end died
-                        isinstance(err, dist.DistNetworkError) or re.search("by peer|Broken pipe", reason)):
+                if not lost:
                     raise  # a timeout, say: ranks out of step, a bug whose traceback shows where
                 raise RecipeError(f"another process of this run stopped ({reason.split('. ')[0]}): torchrun's report "
                                   "names it; with --max-restarts the group resumes from the last checkpoint") from None
