@@ -366,7 +366,7 @@ def main(
     lr: cli.LearningRate = 3e-3,
     samples: Annotated[int, typer.Option(min=1, help="Size of the synthetic training set.")] = 262144,
     width: Annotated[int, typer.Option(min=1, help="Width of the residual stream.")] = 64,
-    depth: Annotated[int, typer.Option(min=1, help="Gated blocks.")] = 8,
+    depth: Annotated[int, typer.Option(min=1, max=1000, help="Gated blocks.")] = 8,
     compile: cli.Compile = False,
     mode: Annotated[
         Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"],

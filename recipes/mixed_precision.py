@@ -271,7 +271,7 @@ def main(
     lr: cli.LearningRate = 1e-3,
     samples: Annotated[int, typer.Option(min=1, help="Size of the synthetic training set.")] = 32768,
     width: Annotated[int, typer.Option(min=1, help="Width of the hidden layers.")] = 1024,
-    depth: Annotated[int, typer.Option(min=1, help="Hidden layers.")] = 3,
+    depth: Annotated[int, typer.Option(min=1, max=1000, help="Hidden layers.")] = 3,
     compare_precisions: Annotated[
         bool, typer.Option("--compare", help="Train in fp32, bf16 and fp16 and print a comparison table.")
     ] = False,

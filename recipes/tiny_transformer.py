@@ -618,8 +618,8 @@ def main(
              "suits the small, noisy batches of a CPU run; 0.95 (GPT-2/3's) reacts faster, for large batches."),
     ] = 0.99,
     max_grad_norm: Annotated[float, typer.Option(min=0.0, help="Gradient clipping norm (0: off).")] = 1.0,
-    n_layer: Annotated[int | None, typer.Option(min=1, help="Transformer blocks [default: 4; --init-from: the "
-                                                "folder's].")] = None,
+    n_layer: Annotated[int | None, typer.Option(min=1, max=1000, help="Transformer blocks [default: 4; --init-from: "
+                                                "the folder's].")] = None,
     n_head: Annotated[int | None, typer.Option(min=1, help="Attention heads, must divide --n-embd [default: 4; "
                                                "--init-from: the folder's].")] = None,
     n_embd: Annotated[int | None, typer.Option(min=1, help="Width of the residual stream [default: 128; --init-from: "

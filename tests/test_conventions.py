@@ -138,6 +138,16 @@ def test_more_workers_than_4_per_core_is_a_usage_error(recipe, run_inprocess, tm
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize(("recipe", "option"), [("mixed_precision", "--depth"), ("compiled_model", "--depth"),
+                                                ("tabular_mlp", "--depth"), ("tiny_transformer", "--n-layer")])
+def test_a_model_deeper_than_1000_layers_is_a_usage_error(recipe, option, run_inprocess, tmp_path):
+    """--depth 10**30 built layers one by one until the kernel killed the process for its memory (no line at all)."""
+    result = run_inprocess(recipe, option, 1001, "--run-dir", tmp_path / "run")
+    assert result.code == 2, result.stderr
+    assert f"Invalid value for '{option}': Input should be less than or equal to 1000" in result.stderr
+    assert not (tmp_path / "run").exists()
+
+
 PATH_OPTIONS = {"mnist_onecycle": ["--finetune"], "tabular_mlp": ["--csv", "--predict", "--output"],
                 "tiny_transformer": ["--text", "--init-from"]}
 
