@@ -154,7 +154,8 @@ def main(
     val_size: Annotated[int | None, typer.Option(
         min=1, help="Training digits held out to choose best.pt [default: 5,000, or 1/12 of fewer].")] = None,
     backend: Annotated[
-        Literal["auto", "gloo", "nccl"], typer.Option(help="Process-group backend: auto is nccl on CUDA, else gloo.")
+        Literal["auto", "gloo", "nccl"], typer.Option(help="Process-group backend under torchrun: auto is nccl on "
+                                                      "CUDA, else gloo (plain python runs one process, no group).")
     ] = "auto",
     seed: cli.Seed = 0,
     device: cli.Device = "auto",

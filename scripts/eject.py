@@ -548,12 +548,19 @@ class Parser(argparse.ArgumentParser):
         sys.exit(2)
 
 
+def given_path(value: str) -> str:
+    """A path argument; an empty one (an unset shell variable, say) is refused rather than read as '.'."""
+    if not value.strip():
+        raise argparse.ArgumentTypeError("is empty; give a path")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     if hasattr(sys.stdout, "reconfigure"):  # a path an ASCII-only terminal cannot show prints as \xfc, not a traceback
         sys.stdout.reconfigure(errors="backslashreplace")
     parser = Parser(prog="scripts/eject.py", description=__doc__ and __doc__.splitlines()[0])
-    parser.add_argument("recipe", help="a recipe's name (mnist_onecycle) or the path of a recipe file")
-    parser.add_argument("output", help="the script to write, e.g. my_train.py")
+    parser.add_argument("recipe", type=given_path, help="a recipe's name (mnist_onecycle) or the path of a recipe file")
+    parser.add_argument("output", type=given_path, help="the script to write, e.g. my_train.py")
     parser.add_argument("--overwrite", action="store_true", help="replace OUTPUT if it exists (your edits in it too)")
     args = parser.parse_args(argv)
     recipe, output = Path(args.recipe), Path(args.output)

@@ -253,11 +253,18 @@ def write_atomically(path: Path, data: bytes) -> None:
         tmp.unlink(missing_ok=True)
 
 
+def given_path(value: str) -> Path:
+    """A path argument; an empty one (an unset shell variable, say) is refused rather than read as '.'."""
+    if not value.strip():
+        raise argparse.ArgumentTypeError("is empty; give a path")
+    return Path(value)
+
+
 def main(argv: list[str] | None = None) -> int:
     if hasattr(sys.stdout, "reconfigure"):  # a path an ASCII-only terminal cannot show prints as \xfc, not a traceback
         sys.stdout.reconfigure(errors="backslashreplace")
     parser = argparse.ArgumentParser(description=__doc__ and __doc__.splitlines()[0])
-    parser.add_argument("run_dirs", nargs="*", type=Path, metavar="RUN_DIR",
+    parser.add_argument("run_dirs", nargs="*", type=given_path, metavar="RUN_DIR",
                         help="run directories to compare, or folders of them [default: runs]")
     parser.add_argument("--out", type=Path, default=Path("curves.png"), metavar="FILE.png",
                         help="the PNG to write [default: curves.png]")

@@ -262,6 +262,8 @@ cli.run_recipe(main)
         (["{tmp}/built.py", "{tmp}/out.py"], 1, "at built.py:8 (NameError: name 'MNIST_MEAN' is not defined)"),
         (["{tmp}/waits.py", "{tmp}/out.py"], 1, "at waits.py:3 (EOFError: EOF when reading a line)"),
         (["mnist_onecycle", "{tmp}"], 1, "is a folder; give the path of the script to write"),
+        (["mnist_onecycle", ""], 2, "argument output: is empty; give a path"),  # was ". is a folder", named by no one
+        (["", "{tmp}/out.py"], 2, "argument recipe: is empty; give a path"),
         # was a file named new_folder: Path drops the slash
         (["mnist_onecycle", "{tmp}/new_folder/"], 1, "new_folder names a folder (it ends in a slash); give the path"),
         (["{tmp}/latin.py", "{tmp}/out.py"], 1, "latin.py is not a Python file in UTF-8"),  # was a traceback

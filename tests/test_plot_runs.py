@@ -301,6 +301,8 @@ def test_usage_errors_exit_2_naming_the_option(tmp_path):
     assert no_name.code == 2 and "give a file name that ends in .png, such as curves.png, not '.png'" in no_name.stderr
     unknown = plot(run, "--colour", "red")
     assert unknown.code == 2 and "--colour" in unknown.stderr
+    empty = plot(run, "")  # an unset shell variable: it plotted every run under the current folder
+    assert empty.code == 2 and "argument RUN_DIR: is empty; give a path" in empty.stderr
 
 
 def test_ctrl_c_is_exit_130_in_one_line(tmp_path, capsys, monkeypatch):
