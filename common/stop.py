@@ -81,8 +81,10 @@ def resume_command(run_dir: Path) -> str:
         elif not arg.startswith(("--resume=", "--run-dir=")):
             args.append(arg)
     command = shlex.join([sys.argv[0], *args, "--resume", "auto", "--run-dir", str(run_dir)])
-    if "LOCAL_WORLD_SIZE" not in os.environ:
-        return f"python {command}"
+    if "LOCAL_WORLD_SIZE" not in os.environ:  # plain python, or a group launched without torchrun (srun, by hand)
+        processes = os.environ.get("WORLD_SIZE", "1")
+        return f"python {command}" if processes in ("", "1") else \
+            f"{processes} processes, launched as before: python {command}"
     per_node = int(os.environ["LOCAL_WORLD_SIZE"])  # torchrun's options beyond the process counts are not known here
     nodes = int(os.environ["WORLD_SIZE"]) // per_node
     if nodes == 1:

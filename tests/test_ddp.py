@@ -319,6 +319,11 @@ def test_a_stray_rank_variable_is_one_line(recipe, environment, message, run_inp
 
 @pytest.mark.parametrize(("world_size", "shown"), [
     (2, "torchrun --nproc_per_node=2 recipes/ddp_mlp.py --epochs 2 --resume auto --run-dir 'runs/a b'"),
+    # a group launched without torchrun (srun, or RANK and WORLD_SIZE by hand): it said "python ...", one process,
+    # which a checkpoint of two refuses
+    ("2 by hand", "2 processes, launched as before: python recipes/ddp_mlp.py --epochs 2 --resume auto --run-dir "
+                  "'runs/a b'"),
+    ("1 by hand", "python recipes/ddp_mlp.py --epochs 2 --resume auto --run-dir 'runs/a b'"),
     (4, "torchrun --nnodes=2 --nproc_per_node=2 --node-rank=N RDZV recipes/ddp_mlp.py --epochs 2 --resume auto "
         "--run-dir 'runs/a b'\n  (on each node: N its --node-rank, RDZV the --rdzv-* options it was launched with)"),
 ])
@@ -327,7 +332,11 @@ def test_the_resume_command_of_a_run_over_several_nodes_names_them(world_size, s
     from common.stop import resume_command
 
     monkeypatch.setattr("sys.argv", ["recipes/ddp_mlp.py", "--resume", "auto", "--epochs", "2", "--run-dir=x"])
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    if isinstance(world_size, str):
+        monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+        world_size = world_size.split()[0]
+    else:
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     monkeypatch.setenv("WORLD_SIZE", str(world_size))
     assert resume_command(Path("runs/a b")) == shown
 
