@@ -73,9 +73,9 @@ def load_checkpoint(path: Path, recipe: str, entry: str = "model") -> dict:
         raise RecipeError(f"{path} is not a training checkpoint of this project (no {entry!r} entry)")
     if state.get("recipe") != recipe:
         raise RecipeError(f"{path} was written by recipe {state.get('recipe')!r}, not {recipe!r}")
-    step, epoch = state.get("step", 0), state.get("steps_per_epoch")  # epoch length; None: a run of steps, not epochs
-    if not isinstance(state.get("config", {}), dict) or any(type(n) is not int for n in (step, epoch or 0)) or \
-            step < 0 or epoch is not None and epoch < 1:  # (0 steps an epoch: a run that has always finished)
+    step, epoch = state.get("step", 0), state.get("steps_per_epoch")  # None: a run of steps; 0: one always finished
+    if not isinstance(state.get("config", {}), dict) or any(type(n) is not int or n < low for n, low in
+                                                            ((step, 0), (1 if epoch is None else epoch, 1))):
         raise RecipeError(f"{path} is damaged: its config is not a dict, or its step or epoch length not a count")
     return state
 

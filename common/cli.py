@@ -198,7 +198,7 @@ def run_recipe(main: Callable[..., object], argv: list[str] | None = None) -> No
                 lost = dist.is_available() and dist.is_initialized() and (  # a collective whose other end died
                     isinstance(err, dist.DistNetworkError) or re.search("by peer|Broken pipe", reason))
                 stop = getattr(signal.getsignal(signal.SIGINT), "__self__", None)  # a StopRequest, once one listens
-                if type(stop).__name__ == "StopRequest" and stop.signal and not lost:  # (not torchrun's after a death)
+                if type(stop).__name__ == "StopRequest" and stop.signal and (stop.signal == signal.SIGINT or not lost):
                     quiet or print(f"interrupted: the step failed as the signal reached its helpers too ({reason}); "
                                    "nothing saved since the last checkpoint", flush=True)
                     sys.exit(128 + stop.signal)

@@ -82,7 +82,7 @@ def resume_command(run_dir: Path) -> str:
             args.append(arg)
     command = shlex.join([sys.argv[0], *args, "--resume", "auto", "--run-dir", str(run_dir)])
     if "LOCAL_WORLD_SIZE" not in os.environ:  # plain python, or a group launched without torchrun (srun, by hand)
-        processes = os.environ.get("WORLD_SIZE", "1")
+        processes = os.environ.get("WORLD_SIZE", "1") if "RANK" in os.environ else "1"  # (no group without a RANK)
         return f"python {command}" if processes in ("", "1") else \
             f"{processes} processes, launched as before: python {command}"
     per_node = int(os.environ["LOCAL_WORLD_SIZE"])  # torchrun's options beyond the process counts are not known here

@@ -976,7 +976,8 @@ def test_ctrl_c_before_training_exits_130_not_0(raised, code, tmp_path):
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # as it was before the command
 
 
-@pytest.mark.parametrize("failure", ["peer lost", "peer lost, then torchrun's SIGTERM", "bug", "timeout"])
+@pytest.mark.parametrize("failure", ["peer lost", "peer lost, then torchrun's SIGTERM", "peer lost after a Ctrl-C",
+                                     "bug", "timeout"])
 def test_a_collective_whose_peer_died_is_one_line_and_any_other_runtime_error_a_traceback(failure, tmp_path, capsys):
     """Under torchrun, a worker killed (or out of memory) leaves the others failing in their next collective: that is
     one line on the survivors, not their tracebacks. A RuntimeError of any other kind is a bug and keeps its own, a
@@ -993,15 +994,20 @@ def test_a_collective_whose_peer_died_is_one_line_and_any_other_runtime_error_a_
               "bug": RuntimeError("mat1 and mat2 shapes cannot be multiplied"),
               "timeout": dist.DistBackendError("Watchdog caught collective operation timeout: WorkNCCL(SeqNum=9)")}
 
-    raised["peer lost, then torchrun's SIGTERM"] = raised["peer lost"]
+    raised["peer lost, then torchrun's SIGTERM"] = raised["peer lost after a Ctrl-C"] = raised["peer lost"]
 
     def main(run_dir: Path = Path("unused")):
         dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
-        if failure.endswith("SIGTERM"):
+        if failure.endswith(("SIGTERM", "Ctrl-C")):
             StopRequest()  # the recipe's, listening
-            signal.raise_signal(signal.SIGTERM)  # heard: "saving a checkpoint after this step"
+            signal.raise_signal(signal.SIGTERM if failure.endswith("SIGTERM") else signal.SIGINT)  # heard: "saving ..."
         raise raised[failure]
 
+    if failure.endswith("Ctrl-C"):  # a terminal's reaches every rank, and the peer went with it: interrupted
+        with pytest.raises(SystemExit) as exit_:
+            run_recipe(main, [])
+        assert exit_.value.code == 130 and capsys.readouterr().err == ""
+        return
     if not failure.startswith("peer lost"):
         with pytest.raises(RuntimeError) as error:
             run_recipe(main, [])

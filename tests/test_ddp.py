@@ -324,6 +324,7 @@ def test_a_stray_rank_variable_is_one_line(recipe, environment, message, run_inp
     ("2 by hand", "2 processes, launched as before: python recipes/ddp_mlp.py --epochs 2 --resume auto --run-dir "
                   "'runs/a b'"),
     ("1 by hand", "python recipes/ddp_mlp.py --epochs 2 --resume auto --run-dir 'runs/a b'"),
+    ("4 without a RANK", "python recipes/ddp_mlp.py --epochs 2 --resume auto --run-dir 'runs/a b'"),  # no group
     (4, "torchrun --nnodes=2 --nproc_per_node=2 --node-rank=N RDZV recipes/ddp_mlp.py --epochs 2 --resume auto "
         "--run-dir 'runs/a b'\n  (on each node: N its --node-rank, RDZV the --rdzv-* options it was launched with)"),
 ])
@@ -334,6 +335,10 @@ def test_the_resume_command_of_a_run_over_several_nodes_names_them(world_size, s
     monkeypatch.setattr("sys.argv", ["recipes/ddp_mlp.py", "--resume", "auto", "--epochs", "2", "--run-dir=x"])
     if isinstance(world_size, str):
         monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+        if "RANK" in world_size:
+            monkeypatch.delenv("RANK", raising=False)
+        else:
+            monkeypatch.setenv("RANK", "0")
         world_size = world_size.split()[0]
     else:
         monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")

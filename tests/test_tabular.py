@@ -901,6 +901,8 @@ def test_a_resume_on_other_rows_of_the_same_count_is_refused(run_inprocess, tmp_
     (lambda state: [state["config"].pop(key) for key in ("lr", "lr_used")], "(--lr None there, "),  # a KeyError
     (lambda state: state.update(steps_per_epoch=0), "is damaged: its config is not a dict, or its step or epoch "
      "length not a count"),  # a KeyError without the entry; with 0: "already finished: step 3 of 0"
+    (lambda state: state.update(steps_per_epoch=""), "is damaged: its config is not a dict, or its step or epoch "
+     "length not a count"),
     (lambda state: state["best"].update(score="n/a"), "lacks part of the training state, or holds it in another "
      "form (ValueError: could not convert string to float: 'n/a')"),  # a TypeError at the first evaluation
 ])
