@@ -10,8 +10,7 @@
 
 Every rank writes its shards into the ``.tmp`` folder; once all have (DCP writes ``.metadata`` last, on rank 0),
 rank 0 adds ``trainer.pt`` and renames the folder to ``step-N``: atomic, so a crash leaves it absent or complete.
-``get_state_dict`` keys the state by parameter name (DTensor shards under FSDP); ``dcp.load`` reads into the
-loading run's layout (written at 2 ranks, it loads at 1 or 4; without a process group DCP works in one process).
+``get_state_dict`` keys the state by parameter name (DTensor shards); ``dcp.load`` reads into the loader's layout.
 """
 
 import logging
@@ -146,9 +145,8 @@ class ShardedCheckpointer:
             return
         state = self.files.training_state(step)  # first: the log's read-back raises here on a non-finite loss
         final = self.dcp_dir / f"step-{step:06d}"
-        if self.last_good and final.resolve() == self.last_good.resolve():  # resumed at its end only to finish: its
-            self.last_step = step  # shards hold these weights; never taken down to be written again (a kill would
-            return from_rank_0(lambda: save_checkpoint(final / "trainer.pt", state))  # lose the step)
+        if self.last_good and final.resolve() == self.last_good.resolve():  # the step it resumed from (to finish)
+            return from_rank_0(lambda: self.complete(state, final, final))  # again: its shards are these weights
         model_sd, optim_sd = get_state_dict(self.files.model, self.files.optimizer)
         spoiled = torch.tensor([float(any(v.is_floating_point() and not torch.isfinite(local(v)).all()
                                           for v in model_sd.values()))], device=self.files.device)  # nccl: on a GPU
@@ -168,15 +166,17 @@ class ShardedCheckpointer:
         self.last_good, self.last_step = final, step
 
     def complete(self, state: dict, tmp: Path, final: Path) -> None:
-        """Rank 0: add trainer.pt, rename the folder (the moment the checkpoint counts), prune the old ones."""
+        """Rank 0: add trainer.pt, rename the folder (the moment it counts), prune old ones. ``tmp`` ``final``: the
+        step a run resumed from, saved again: its trainer.pt alone (rewritten whole, a kill could lose the step)."""
         try:
             save_checkpoint(tmp / "trainer.pt", state)
-            if final.exists():  # an unfinished folder of this step, which a resume from an earlier one skipped
+            if tmp != final and final.exists():  # an unfinished folder of this step, which a resume skipped
                 shutil.rmtree(final)
-            os.replace(tmp, final)
+            os.replace(tmp, final)  # (the same folder: nothing to do)
             fsync_dir(self.dcp_dir)
         except OSError as err:
-            shutil.rmtree(tmp, ignore_errors=True)
+            if tmp != final:
+                shutil.rmtree(tmp, ignore_errors=True)
             raise not_written(final, err, self.last_step or self.files.last_step) from None
         prune(self.dcp_dir, self.best.step)
 

@@ -761,9 +761,11 @@ def test_a_sharded_run_killed_after_its_last_save_still_ends_with_its_single_fil
 
 
 def test_a_relaunch_that_only_finishes_never_takes_down_the_step_folder_it_resumed_from(run_inprocess, corpus_txt,
-                                                                                      tmp_path):
+                                                                                      tmp_path, monkeypatch):
     """Killed after a periodic save, then relaunched with --max-steps at that step: the relaunch saves that step again
     (its trainer.pt), and must not remove and rewrite the step's shards, as a kill in between would lose the step."""
+    from common import sharded
+
     run_dir = tmp_path / "run"
     args = ["--text", corpus_txt, *TINY, "--parallel", "fsdp", "--batch-size", 8, "--run-dir", run_dir,
             "--checkpoint-every", 1, "--resume", "auto"]
@@ -773,12 +775,26 @@ def test_a_relaunch_that_only_finishes_never_takes_down_the_step_folder_it_resum
         (run_dir / name).unlink()
     step_dir = run_dir / "checkpoints" / "dcp" / "step-000004"
     shards = {path.name: path.stat().st_ino for path in step_dir.iterdir() if path.name != "trainer.pt"}
-    trainer = (step_dir / "trainer.pt").stat().st_ino
+    trainer, trainer_file = (step_dir / "trainer.pt").read_bytes(), (step_dir / "trainer.pt").stat().st_ino
+    save = sharded.save_checkpoint
+
+    def full_disk_in_the_step_folder(path: Path, state: dict) -> None:
+        if path.parent == step_dir:
+            raise OSError(28, "No space left on device", str(path))
+        save(path, state)
+
+    monkeypatch.setattr(sharded, "save_checkpoint", full_disk_in_the_step_folder)
+    failed = run_inprocess("tiny_transformer", *args, "--max-steps", 4)  # it said "No space left on device (any ...)"
+    assert (failed.code, failed.stderr) == (1, f"error: could not write checkpoint {step_dir}: No space left on "
+                                               "device; the previous checkpoint (step 4) is intact\n")
+    assert (step_dir / "trainer.pt").read_bytes() == trainer
+    monkeypatch.setattr(sharded, "save_checkpoint", save)
     again = run_inprocess("tiny_transformer", *args, "--max-steps", 4)
     assert again.code == 0, again.stderr
     assert "resumed at step 4" in again.stdout
+    # the shards as they were (never rewritten), a new trainer.pt (saved again, as one atomic file)
     assert {path.name: path.stat().st_ino for path in step_dir.iterdir() if path.name != "trainer.pt"} == shards
-    assert (step_dir / "trainer.pt").stat().st_ino != trainer  # saved again, as one atomic file
+    assert (step_dir / "trainer.pt").stat().st_ino != trainer_file
     assert torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)["step"] == 4
 
 
