@@ -909,6 +909,8 @@ def main(
         raise typer.BadParameter("--cv resumes every fold with --resume auto", param_hint="--resume")
     if cv is not None and cli.option_given("val_frac"):  # it would do nothing
         raise typer.BadParameter("is for one split; --cv validates on each fold in turn", param_hint="--val-frac")
+    if target is not None and not target.strip():  # an unset shell variable, say: it read as "income" (Adult's)
+        raise typer.BadParameter("is empty: give a column name", param_hint="--target")
     target = target or (None if csv_path else "income")  # Adult's
     if csv_path is not None and target is None:
         raise typer.BadParameter("--csv needs --target COLUMN", param_hint="--target")

@@ -522,6 +522,18 @@ def test_lbfgs_is_refused_where_it_does_not_fit(run_inprocess, table_csv, extra,
     assert result.code == 2 and message in result.stderr
 
 
+@pytest.mark.parametrize(("extra", "message"), [
+    (["--csv", "{table}"], "Invalid value for --target: --csv needs --target COLUMN"),
+    (["--csv", "{table}", "--target", ""], "Invalid value for --target: is empty: give a column name"),  # "needs"
+    (["--target", " "], "Invalid value for --target: is empty: give a column name"),  # was Adult's "income"
+])
+def test_a_missing_or_empty_target_is_a_usage_error_saying_which(extra, message, run_inprocess, table_csv, tmp_path):
+    result = run_inprocess(RECIPE, *[str(table_csv) if arg == "{table}" else arg for arg in extra],
+                           "--run-dir", tmp_path / "run")
+    assert result.code == 2 and message in result.stderr, result.stderr
+    assert not (tmp_path / "run").exists()
+
+
 @pytest.mark.parametrize("missing", ["config", "features"])
 def test_predict_with_a_checkpoint_lacking_its_config_or_features_is_a_one_line_error(missing, run_inprocess,
                                                                                       table_csv, tmp_path):
