@@ -834,6 +834,13 @@ def main(
     checkpoints = ShardedCheckpointer(run, RECIPE, config, best=best, **state) if sharded else \
         Checkpointer(run, RECIPE, config, **state)
     step = checkpoints.restore(checkpoint) if checkpoint else 0
+    if checkpoint and isinstance(ddp, DistributedDataParallel):
+        # DDP buckets the gradients it all-reduces in parameter order, then, after the first backward, in the order
+        # they came. One backward first, its gradients dropped, gives a resumed run the buckets of an unbroken one:
+        # with three ranks or more, other buckets add the ranks' gradients in another order (another rounding).
+        with autocast(device, precision):
+            lm_loss(model(val_batches[0][0].to(device)), val_batches[0][1].to(device)).backward()
+        optimizer.zero_grad(set_to_none=True)
 
     def save(name: str = "last.pt") -> None:
         # FSDP: every rank writes its shards; otherwise rank 0 writes the file while the others wait for it
