@@ -156,7 +156,8 @@ class CausalSelfAttention(nn.Module):
                 mask, causal = (None if T == 1 else self.causal_mask[S - T : S, :S]), False
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
                                                dropout_p=self.dropout if self.training else 0.0)
-        # (B, nh, T, hs) -> (B, T, C). transpose made y non-contiguous, so .view would fail; reshape copies.
+        # (B, nh, T, hs) -> (B, T, C). After a transpose a tensor is usually non-contiguous (the einsum path's
+        # is), where .view fails; reshape copies only then (SDPA's kernels tend to lay y out as (B, T, nh, hs)).
         y = y.transpose(1, 2).reshape(B, T, C)
         return self.resid_dropout(self.proj(y))
 
