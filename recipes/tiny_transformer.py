@@ -641,10 +641,10 @@ def main(
                                                    "greedy).")] = 50,
     prompt: Annotated[str, typer.Option(callback=utf8_text, help="Text the samples continue.")] = "",
     sample_only: Annotated[bool, typer.Option("--sample-only", help="Only generate, from --resume or --init-from; "
-                                              "the training options are not used.")] = False,
-    peak_flops: Annotated[float | None, typer.Option(callback=cli.checked(lambda v: 1 <= v < math.inf, "a finite "
-                                                     "number >= 1"), help="Peak FLOP/s for MFU [default: measured].")
-                          ] = None,
+                                              "training options are refused.")] = False,
+    peak_flops: Annotated[float | None, typer.Option(
+        callback=cli.checked(lambda v: 1 <= v < math.inf, "a finite number >= 1"),
+        help="Peak FLOP/s for MFU [default: a known GPU's datasheet figure, else measured].")] = None,
     seed: cli.Seed = 0,
     device: cli.Device = "auto",
     precision: cli.Precision = "auto",
