@@ -123,11 +123,17 @@ MAY_CHANGE = DERIVED_KEYS | {"max_steps", "run_dir", "resume", "checkpoint_every
 
 def check_same_run(checkpoint: dict, source: Path, config: dict, may_change: set[str] = frozenset()) -> None:
     """Refuse, naming each difference, a resume with other options than the checkpoint's (its optimizer and scheduler
-    state would silently override them); only ``MAY_CHANGE`` and a recipe's ``may_change`` may differ."""
-    saved = checkpoint.get("config", {})
-    changed = [f"{option_name(key)} {saved.get(key)} there, {config.get(key)} here"
-               for key in sorted(saved.keys() | config.keys())
-               if key not in MAY_CHANGE | may_change and saved.get(key) != config.get(key)]
+    state would silently override them), bar ``MAY_CHANGE`` and a recipe's ``may_change``; an option recorded on one
+    side alone means another version of the recipe (an older one, a copy edited since) started the run."""
+    saved, compared = checkpoint.get("config", {}), lambda keys: sorted(keys - MAY_CHANGE - may_change)
+    there, here = saved.keys(), config.keys()  # (an option on one side alone: no value here could match it)
+    changed = [f"{option_name(k)} {saved[k]} there, {config[k]} here" for k in compared(there & here) if saved[k] !=
+               config[k]]
+    versions = [f"it records no {option_name(k)} ({config[k]} here)" for k in compared(here - there)]
+    versions += [f"it has {option_name(k)} {saved[k]}, which this version lacks" for k in compared(there - here)]
+    if versions:
+        raise RecipeError(f"checkpoint {source} was started by another version of this recipe ("
+                          f"{'; '.join(versions + changed)}): use that version, or start afresh in another --run-dir")
     if changed:  # a process count is no option: say how to launch as many
         processes = saved.get("world_size")
         launch = "" if processes == config.get("world_size") else " in one process (plain python)" if processes == 1 \
@@ -177,10 +183,6 @@ class Checkpointer:
         self.parts, self.data, self.data_id = parts or {}, data or {}, data_id  # data_id: the training data's checksum
         self.last_good, self.last_step = run.resume_from, None  # what a failure leaves to resume from
 
-    @property
-    def device(self) -> torch.device:
-        return next(self.model.parameters()).device
-
     def training_state(self, step: int) -> dict:
         """Everything but the model and optimizer tensors."""
         return {"recipe": self.recipe, "config": self.config, "step": step, "steps_per_epoch": self.steps_per_epoch,
@@ -188,7 +190,7 @@ class Checkpointer:
                 **{name: part.state_dict() for name, part in self.parts.items()},
                 "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
                 "scaler": self.scaler.state_dict() if self.scaler is not None and self.scaler.is_enabled() else None,
-                "rng": rng_state(self.loader_generator, self.device), **self.data}
+                "rng": rng_state(self.loader_generator, next(self.model.parameters()).device), **self.data}
 
     @torch.profiler.record_function("checkpoint")  # --profile leaves it out of the step it falls in
     def save(self, step: int, name: str = "last.pt", weights: nn.Module | None = None) -> None:
@@ -200,9 +202,8 @@ class Checkpointer:
         spoiled = [k for k, v in state["model"].items() if v.is_floating_point() and not torch.isfinite(v).all()]
         if spoiled:
             raise diverged(f"the weights hold inf/nan after step {step} ({spoiled[0]})", self.last_good)
-        path = self.folder / name
         try:
-            save_checkpoint(path, state)
+            save_checkpoint(path := self.folder / name, state)
         except OSError as err:
             raise not_written(path, err, self.last_step) from None
         if name == "last.pt":
@@ -219,12 +220,11 @@ class Checkpointer:
 
     def restore_training(self, checkpoint: dict) -> int:
         """What ``training_state`` saved; the step."""
-        source = self.source
         if checkpoint.get("steps_per_epoch") != self.steps_per_epoch:
-            raise RecipeError(f"checkpoint {source} has {checkpoint.get('steps_per_epoch')} steps per epoch, this run "
-                              f"{self.steps_per_epoch}: resume with the data and processes it was started with")
+            raise RecipeError(f"checkpoint {self.source} has {checkpoint.get('steps_per_epoch')} steps per epoch, this "
+                              f"run {self.steps_per_epoch}: resume with the data and processes it was started with")
         if None not in (checkpoint.get("data_id"), self.data_id) and checkpoint["data_id"] != self.data_id:
-            raise RecipeError(f"checkpoint {source} was trained on other data (its training data's checksum "
+            raise RecipeError(f"checkpoint {self.source} was trained on other data (its training data's checksum "
                               f"{checkpoint['data_id']}, this run's {self.data_id}): resume with the data it was "
                               "started with, or start afresh in another --run-dir")
         try:  # a checkpoint of an older version of the recipe may lack a part, or hold it in another form
@@ -237,12 +237,12 @@ class Checkpointer:
                 self.scaler.load_state_dict(checkpoint["scaler"])
             for name, part in self.parts.items():
                 part.load_state_dict(checkpoint[name])
-            restore_rng_state(checkpoint["rng"], self.loader_generator, self.device)
+            restore_rng_state(checkpoint["rng"], self.loader_generator, next(self.model.parameters()).device)
             self.last_step = checkpoint["step"]  # a failed save then names it as the checkpoint left intact
             return self.last_step
         except (KeyError, TypeError, ValueError, AttributeError, RuntimeError) as err:
-            raise RecipeError(f"checkpoint {source} lacks part of the training state, or holds it in another form "
-                              f"({type(err).__name__}: {err}): another version of this recipe wrote it") from None
+            raise RecipeError(f"checkpoint {self.source} lacks part of the training state, or holds it in another "
+                              f"form ({type(err).__name__}: {err}): another version of this recipe wrote it") from None
 
 
 def not_written(path: Path, err: OSError, last_step: int | None) -> RecipeError:

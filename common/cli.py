@@ -115,9 +115,9 @@ def replay(ctx: typer.Context, path: Path | None) -> Path | None:
         raise typer.BadParameter(f"cannot read {path}: {err.strerror or err}") from None
     except (ValueError, TypeError):
         raise typer.BadParameter(f"{path} is not a run's config.json (a JSON object of settings)") from None
-    names = {param.name for param in ctx.command.params}
-    if unknown := sorted(saved.keys() - names - RECORD_KEYS):
-        raise typer.BadParameter(f"{path} has settings this recipe lacks ({', '.join(unknown[:6])}): another recipe's?")
+    if unknown := sorted(saved.keys() - (names := {param.name for param in ctx.command.params}) - RECORD_KEYS):
+        raise typer.BadParameter(f"{path} has settings this recipe lacks ({', '.join(unknown[:6])}): another recipe's, "
+                                 "or this one's before an edit or update? (remove them from it to replay the rest)")
     ctx.default_map = {k: v for k, v in saved.items() if k in names - {"run_dir", "resume", "config_file"}}
     per_process = "global_batch" not in names  # a batch per process, or a global batch kept at any process count
     if per_process and str(saved.get("world_size", 1)) != os.environ.get("WORLD_SIZE", "1") and launched_as_rank_0():

@@ -147,9 +147,9 @@ class ShardedCheckpointer:
         final = self.dcp_dir / f"step-{step:06d}"
         if self.last_good and final.resolve() == self.last_good.resolve():  # the step it resumed from (to finish)
             return from_rank_0(lambda: self.complete(state, final, final))  # again: its shards are these weights
-        model_sd, optim_sd = get_state_dict(self.files.model, self.files.optimizer)
-        spoiled = torch.tensor([float(any(v.is_floating_point() and not torch.isfinite(local(v)).all()
-                                          for v in model_sd.values()))], device=self.files.device)  # nccl: on a GPU
+        model_sd, optim_sd = get_state_dict(self.files.model, self.files.optimizer)  # (the flag: on a GPU for nccl)
+        spoiled = torch.tensor([float(any(v.is_floating_point() and not torch.isfinite(local(v)).all() for v in
+                                          model_sd.values()))], device=next(self.files.model.parameters()).device)
         if dist.is_initialized():  # every rank holds other shards: the answer is the group's
             dist.all_reduce(spoiled, op=dist.ReduceOp.MAX)
         if spoiled.item():

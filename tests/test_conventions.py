@@ -102,11 +102,31 @@ def test_a_run_replayed_from_its_config_trains_to_the_same_numbers(recipe, run_i
     assert more.code == 0 and json.loads((tmp_path / "other" / "config.json").read_text())["seed"] == 4
 
 
+def test_a_run_of_another_version_of_the_recipe_is_refused_as_such_and_left_as_it_was(run_inprocess, request,
+                                                                                     tmp_path):
+    """A checkpoint of an older version (or of a copy before an option was added or removed) was refused as started
+    with "--width None there, 64 here": no value of --width could match it."""
+    args = [*smoke_args("mixed_precision", request), "--run-dir", tmp_path / "run"]
+    assert run_inprocess("mixed_precision", *args).code == 0
+    last = tmp_path / "run" / "checkpoints" / "last.pt"
+    state = torch.load(last, weights_only=True)
+    width = state["config"].pop("width")
+    torch.save(state | {"config": state["config"] | {"memory": True}}, last)  # an option since removed
+    before = last.read_bytes()
+    result = run_inprocess("mixed_precision", *args, "--max-steps", 4, "--resume", "auto")
+    assert (result.code, result.stderr) == (1, f"error: checkpoint {last} was started by another version of this "
+                                            f"recipe (it records no --width ({width} here); it has memory True, which "
+                                            "this version lacks): use that version, or start afresh in another "
+                                            "--run-dir\n")
+    assert last.read_bytes() == before
+
+
 def test_a_config_of_another_recipe_or_no_config_is_a_usage_error(run_inprocess, request, tmp_path):
     first = run_inprocess("mixed_precision", *smoke_args("mixed_precision", request), "--run-dir", tmp_path / "a")
     assert first.code == 0
     other = run_inprocess("tabular_mlp", "--config", tmp_path / "a" / "config.json")
-    assert other.code == 2 and "'--config'" in other.stderr and "another recipe's?" in other.stderr
+    assert other.code == 2 and "'--config'" in other.stderr and "another recipe's, or this one's before an edit or " \
+        "update? (remove them from it to replay the rest)" in other.stderr
     (tmp_path / "bad.json").write_text("{not json")
     (tmp_path / "list.json").write_text("[1, 2]")  # JSON, but not an object of settings
     not_settings = "is not a run's config.json (a JSON object of settings)"

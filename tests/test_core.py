@@ -1259,3 +1259,19 @@ def test_a_changed_option_refused_says_how_many_processes_to_resume_in(saved, he
     message = str(refused.value)  # (outside a command the options are named by their keys: lr, world size)
     assert message.startswith("checkpoint last.pt was started with other options (lr 0.1 there, 0.2 here")
     assert message.endswith(f"): resume with the options it was started with{how} in another --run-dir"), message
+
+
+@pytest.mark.parametrize(("saved", "message"), [
+    ({"lr": 0.1}, "(it records no augment (True here); it records no world size (2 here)): use that version, or "),
+    ({"lr": 0.1, "augment": True, "world_size": 2, "ema_decay": 0.9, "compare_all": False}, "(it has compare all "
+     "False, which this version lacks; it has ema decay 0.9, which this version lacks): use that version, or "),
+    ({"lr": 0.2, "world_size": 1, "ema_decay": 0.9}, "(it records no augment (True here); it has ema decay 0.9, "
+     "which this version lacks; lr 0.2 there, 0.1 here; world size 1 there, 2 here): use that version, or ")])
+def test_an_option_recorded_on_one_side_alone_is_said_to_be_another_version_s(saved, message):
+    """An older version's checkpoint (or one from a copy before an option was added or removed) said "--augment
+    None there, True here" and "resume with the options it was started with in None processes": advice no value of
+    any option could follow."""
+    with pytest.raises(RecipeError) as refused:
+        ckpt.check_same_run({"config": saved}, Path("last.pt"), {"lr": 0.1, "augment": True, "world_size": 2})
+    assert str(refused.value) == f"checkpoint last.pt was started by another version of this recipe {message}" \
+        "start afresh in another --run-dir"
