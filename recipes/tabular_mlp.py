@@ -943,7 +943,8 @@ def train(csv_path: Path | None, target: str, task: str, drop: list[str] | None,
     # --lr left out is the optimizer's own: recorded apart, so a replay with another --optimizer takes that one's
     lr = config["lr_used"] = lr or DEFAULT_LR[optimizer_name]
     run = open_run_dir(RECIPE, run_dir, resume)  # never over another run's checkpoints; one run at a time in it
-    checkpoint = resume_checkpoint(run, RECIPE, config, may_change={"keep_best", "patience", "lr"})
+    checkpoint = resume_checkpoint(run, RECIPE, config, may_change={"keep_best", "patience", "lr", "csv_path"})  # (its
+    # rows are checked by their checksum at the restore: the same file by another path, absolute say, goes on)
     if checkpoint:  # the rate, given or default, must match ("lr" alone: older runs recorded a default --lr resolved)
         saved = checkpoint["config"]  # (one without an lr is refused as another rate)
         check_same_run({"config": {"lr": saved.get("lr_used", saved.get("lr"))}}, run.resume_from, {"lr": lr})

@@ -743,7 +743,7 @@ def main(
     run = from_rank_0(lambda: open_run_dir(RECIPE, run_dir, resume, partial(last_sharded, warn=sharded)))
     checkpoint = resume_checkpoint(run, RECIPE, config, load=load_trainer_state, may_change={
         "eval_batches", "sample_tokens", "temperature", "top_k", "prompt", "peak_flops", "batch_size", "grad_accum",
-        "parallel", "activation_checkpointing", "attention"})
+        "parallel", "activation_checkpointing", "attention", "text"})  # (--text: its tokens' checksum is checked)
     if already_finished(run, checkpoint, steps=steps, max_steps=max_steps):
         if dist.is_initialized():
             leave_process_group()

@@ -881,6 +881,19 @@ def test_adults_test_file_is_scored_with_the_weights_best_pt_holds(run_inprocess
                            load_weights(run_dir / "checkpoints" / "last.pt")["head.weight"])
 
 
+def test_a_resume_names_its_csv_by_any_path_its_rows_are_checked(run_inprocess, tmp_path, monkeypatch):
+    """--csv table.csv and its absolute path, as the first line prints it, are one file: the resume was refused as
+    "started with other options (--csv table.csv there, /tmp/.../table.csv here)"."""
+    table = write_table(tmp_path / "table.csv", n=300, seed=0)
+    args = ["--target", "label", *RAW, "--epochs", 1, "--batch-size", 32, "--run-dir", tmp_path / "run"]
+    monkeypatch.chdir(tmp_path)
+    assert run_inprocess(RECIPE, "--csv", "table.csv", *args, "--max-steps", 3).code == 0
+    resumed = run_inprocess(RECIPE, "--csv", table, *args, "--resume", "auto")
+    assert resumed.code == 0 and "resumed at step 3" in resumed.stdout, resumed.stderr
+    assert read_metrics(tmp_path / "run")["steps"] == 7
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["csv_path"] == str(table)  # as it ran last
+
+
 def test_a_resume_on_other_rows_of_the_same_count_is_refused(run_inprocess, tmp_path):
     """As many rows, so as many steps an epoch: only the checksum of the training data tells them apart."""
     table = write_table(tmp_path / "t.csv", n=300, seed=0)

@@ -433,12 +433,14 @@ def test_a_validation_loss_that_overflows_ends_the_run_as_diverged(run_inprocess
         "error: training diverged: the validation loss is nan at step 1; no checkpoint yet. Try a lower --lr"]
 
 
-def test_resumed_run_ends_with_the_same_weights(run_inprocess, text_file, tmp_path):
+def test_resumed_run_ends_with_the_same_weights(run_inprocess, text_file, tmp_path, monkeypatch):
     # no --peak-flops: the start-up FLOP measurement must not disturb the random streams a resume restores
-    common = ["--text", text_file, *SMALL, "--steps", 10, "--eval-every", 5, "--dropout", 0.1, "--grad-accum", 2]
-    assert run_inprocess(RECIPE, *common, "--run-dir", tmp_path / "full").code == 0
-    assert run_inprocess(RECIPE, *common, "--max-steps", 3, "--run-dir", tmp_path / "cut").code == 0
-    resumed = run_inprocess(RECIPE, *common, "--resume", "auto", "--run-dir", tmp_path / "cut")
+    common = [*SMALL, "--steps", 10, "--eval-every", 5, "--dropout", 0.1, "--grad-accum", 2]
+    assert run_inprocess(RECIPE, "--text", text_file, *common, "--run-dir", tmp_path / "full").code == 0
+    monkeypatch.chdir(text_file.parent)  # started with --text corpus.txt; resumed with its absolute path, as the
+    assert run_inprocess(RECIPE, "--text", text_file.name, *common, "--max-steps", 3,  # first line shows it: the
+                         "--run-dir", tmp_path / "cut").code == 0  # same tokens, so no other option (it was refused)
+    resumed = run_inprocess(RECIPE, "--text", text_file, *common, "--resume", "auto", "--run-dir", tmp_path / "cut")
     assert resumed.code == 0, resumed.stderr
     assert "resumed at step 3" in resumed.stdout
     assert_same_weights(load_weights(tmp_path / "full" / "checkpoints" / "last.pt"),
