@@ -792,6 +792,7 @@ def test_a_relaunch_that_only_finishes_never_takes_down_the_step_folder_it_resum
     step_dir = run_dir / "checkpoints" / "dcp" / "step-000004"
     shards = {path.name: path.stat().st_ino for path in step_dir.iterdir() if path.name != "trainer.pt"}
     trainer, trainer_file = (step_dir / "trainer.pt").read_bytes(), (step_dir / "trainer.pt").stat().st_ino
+    os.link(step_dir / "trainer.pt", tmp_path / "held.pt")  # its inode stays taken: no new file can reuse it
     save = sharded.save_checkpoint
 
     def full_disk_in_the_step_folder(path: Path, state: dict) -> None:
