@@ -55,6 +55,10 @@ RECIPE = "tabular_mlp"
 # A missing value, however spelled: compared stripped and lower-cased. In a numeric column inf and -inf count too.
 MISSING = pa.array(["", "?", "na", "n/a", "#n/a", "<na>", "nan", "-nan", "+nan", "null", "none"])
 NUMBER = r"^[+-]?((\d+\.?\d*|\.\d+)(e[+-]?\d+)?|inf(inity)?)$"  # for values of a numeric column in new rows
+# A number as a spreadsheet shows it to people: thousands groups, a decimal comma, a percent or currency sign. Read as
+# words (1,234 is no number to a program, nor is it to a person whose decimal mark is the comma): said, not guessed
+FOR_PEOPLE = re.compile(r"[+-]?[$€£¥]?\s?[+-]?(\d{1,3}([,.'\s]\d{3})+([.,]\d+)?|\d+,\d+|\d+(\.\d+)?)\s?[%$€£¥]?")
+WRITE_PLAIN = "write them plain (1234.5: a decimal point, no thousands separator, percent or currency sign)"
 MISSING_CLASS, UNSEEN_CLASS = -1, -2  # encode's target for a row without a class, or with one unseen in training
 # --num-embedding: quantile bins per column (ple), frequencies per column and their initial spread (periodic), and
 # the numbers each numeric column becomes
@@ -265,18 +269,23 @@ def target_task(column: pa.ChunkedArray, name: str, task: str, rows: str = "") -
     if len(labels) < 2:
         raise cli.RecipeError(f"target column {name!r} holds {len(labels)} distinct value(s) besides missing "
                               f"ones{rows}: there is nothing to learn")
-    values = numbers(column, strict=True)
+    values, for_people = numbers(column, strict=True), None
     if values is None:  # numbers but for a stray few ("unknown", a typo): a regression, which then names their rows
-        stray, present, example = stray_words(column)  # (decided already, a regression takes any column with a number)
+        stray, present, strays = stray_words(column)  # (decided already, a regression takes any column with a number)
+        example, for_people = strays[0] if strays else None, written_for_people(strays)
         loose = numbers(column, strict=False)  # the words missing
         values = loose if stray <= STRAY_WORDS * present or (task == "regression" and stray < present) else None
         known = loose[~np.isnan(loose)]  # mostly numbers, which auto would read as a regression but for the words:
-        if values is None and task == "auto" and stray < present / 2 and not few_integers(known, len(np.unique(known))):
+        if values is None and task == "auto" and for_people:  # 1,234.5 or 0,5 or 12%: as a spreadsheet formats them
+            print(f"warning: target column {name!r} holds numbers as a spreadsheet shows them (such as {example!r}), "
+                  f"so it is read as {len(labels):,} classes; to predict numbers, {WRITE_PLAIN}", file=sys.stderr)
+        elif values is None and task == "auto" and stray < present / 2 and not few_integers(known, len(set(known))):
             print(f"warning: target column {name!r}: {stray:,} of {present:,} values are not numbers (such as "
                   f"{example!r}), so it is read as {len(labels):,} classes; to predict numbers, fill in or remove "
                   "those rows and give --task regression", file=sys.stderr)
     if task == "regression" and values is None:
-        raise cli.RecipeError(f"--task regression needs a numeric target, but {name!r} holds text")
+        raise cli.RecipeError(f"--task regression needs a numeric target, but {name!r} holds text" + (
+            f" (numbers as a spreadsheet shows them, such as {for_people!r}: {WRITE_PLAIN})" if for_people else ""))
     if task == "auto":
         task = "classification" if values is None or few_integers(values[~np.isnan(values)], len(labels)) \
             else "regression"
@@ -306,11 +315,15 @@ def mostly_numbers(column: pa.ChunkedArray, name: str) -> np.ndarray | None:
     typo) as numbers, those cells missing, with a warning; None for a column of words (with a warning if the words
     are a minority). Without this, one stray cell would make the column a category of its every value, as a new
     row's stray cell is already read as missing."""
-    stray, present, example = stray_words(column)
+    stray, present, strays = stray_words(column)
     if not stray:
         return None
+    example = strays[0]
     if stray > STRAY_WORDS * present:
-        if stray < present / 2:  # numbers still, with a placeholder ("-") in more cells than a typo would be
+        if written_for_people(strays):  # 1,234.5 or 0,5 or 12%: numbers, as a spreadsheet formats them
+            print(f"warning: column {name!r} holds numbers as a spreadsheet shows them (such as {example!r}): read "
+                  f"as a category of its every value; {WRITE_PLAIN} to read numbers", file=sys.stderr)
+        elif stray < present / 2:  # numbers still, with a placeholder ("-") in more cells than a typo would be
             print(f"warning: column {name!r}: {stray:,} of {present:,} values are not numbers (such as {example!r}), "
                   "too many to read as missing: it is read as a category of its every value; clean them to read "
                   "numbers", file=sys.stderr)
@@ -320,13 +333,18 @@ def mostly_numbers(column: pa.ChunkedArray, name: str) -> np.ndarray | None:
     return numbers(column, strict=False)
 
 
-def stray_words(column: pa.ChunkedArray) -> tuple[int, int, str | None]:
-    """How many cells hold a word that is no number, of how many present ones, and the first such word."""
+def stray_words(column: pa.ChunkedArray) -> tuple[int, int, list[str]]:
+    """How many cells hold a word that is no number, of how many present ones, and such words (the first 1000)."""
     indices, words = distinct(column)
     stray_word = pc.invert(pc.fill_null(pc.match_substring_regex(words, NUMBER, ignore_case=True), True))
     stray = int(stray_word.to_numpy(zero_copy_only=False)[indices].sum())
     present = int(pc.is_valid(words).to_numpy(zero_copy_only=False)[indices].sum())
-    return stray, present, words.filter(stray_word)[0].as_py() if stray else None
+    return stray, present, words.filter(stray_word)[:1000].to_pylist()
+
+
+def written_for_people(words: list[str]) -> str | None:
+    """The first of ``words`` if each is a number as a spreadsheet shows it (``FOR_PEOPLE``), else None."""
+    return words[0] if words and all(FOR_PEOPLE.fullmatch(word) for word in words) else None
 
 
 def fit_features(table: pa.Table, target: str, task: str, bins: int = 0, rows: str = "") -> dict:
@@ -683,6 +701,13 @@ def predict(checkpoint_path: Path, table_path: Path, output: Path, device: torch
     if taken := [name for name in output_columns(spec["task"]) if name in table.column_names]:
         raise cli.RecipeError(f"{table_path} already has a column {taken[0]!r}, which the output adds; rename it")
     numeric, categorical = (torch.from_numpy(a) for a in encode(spec, table, with_target=False)[:2])
+    for name in spec["numeric"]:  # a word in a numeric column is read as missing, as in training: say so here too
+        if not pa.types.is_integer(table[name].type) and not pa.types.is_floating(table[name].type):
+            stray, present, strays = stray_words(table[name])
+            if stray:
+                print(f"warning: column {name!r}: {stray:,} of {present:,} values are not numbers (such as "
+                      f"{strays[0]!r}), read as missing: the training mean"
+                      + (f"; {WRITE_PLAIN}" if written_for_people(strays) else ""), file=sys.stderr)
     # in slices: the activations of a million rows at once would not fit in memory
     out = torch.cat([model(x.to(device), c.to(device)).float().cpu()
                      for x, c in zip(numeric.split(65536), categorical.split(65536), strict=True)])

@@ -121,6 +121,52 @@ def test_a_numeric_column_with_a_few_stray_cells_stays_numeric(capsys):
     assert numeric[8, 0] == pytest.approx((12.0 - present.mean()) / present.std())
 
 
+@pytest.mark.parametrize("cell", ["{:,.2f}", "{:.2f}%", "${:.2f}", "EUR", "{:.3f}".replace(".", ",")])
+def test_numbers_as_a_spreadsheet_shows_them_are_said_to_be_read_as_a_category(cell, capsys):
+    """A spreadsheet's 1,234.56, 0,126, 12% or $3 in every cell: numbers to a person, words to a program. The column
+    became a category of its every value without a word."""
+    rng = np.random.default_rng(0)
+    values = rng.normal(1000, 100, 300)
+    x = [f"{v:.2f}".replace(".", ",") if cell.endswith(",3f}") else cell.format(v) if cell != "EUR" else
+         f"{v:.2f} EUR" for v in values]
+    table = text_table(["x", "y"], [[a, b] for a, b in zip(x, "ab" * 150, strict=True)])
+    spec = tabular.fit_features(table, "y", "auto")
+    assert list(spec["categorical"]) == ["x"]
+    said = capsys.readouterr().err
+    if cell == "EUR":  # a unit word: no number as spreadsheets format one, so nothing said (as before)
+        assert said == ""
+    else:
+        assert said == f"warning: column 'x' holds numbers as a spreadsheet shows them (such as {x[0]!r}): read as a " \
+            "category of its every value; write them plain (1234.5: a decimal point, no thousands separator, " \
+            "percent or currency sign) to read numbers\n"
+
+
+def test_a_target_or_new_rows_of_numbers_as_a_spreadsheet_shows_them_are_said(run_inprocess, tmp_path):
+    """A target of decimal commas was read as 154 classes, silently; --task regression said only "holds text". New
+    rows whose numbers have thousands separators were read as missing, silently, and predicted otherwise."""
+    rng = np.random.default_rng(0)
+    rows = [(f"{a:.3f}", f"{b:.2f}") for a, b in zip(rng.normal(0, 1, 200), rng.normal(1000, 100, 200), strict=True)]
+    (tmp_path / "comma.csv").write_text("x,price\n" + "".join(f'{a},"{b.replace(".", ",")}"\n' for a, b in rows))
+    common = ["--csv", tmp_path / "comma.csv", "--target", "price", "--max-steps", 1]
+    auto = run_inprocess(RECIPE, *common, "--run-dir", tmp_path / "auto")
+    assert auto.code == 0 and f"warning: target column 'price' holds numbers as a spreadsheet shows them (such as " \
+        f"'{rows[0][1].replace('.', ',')}'), so it is read as " in auto.stderr, auto.stderr
+    assert "classes; to predict numbers, write them plain (1234.5: a decimal point" in auto.stderr
+    regression = run_inprocess(RECIPE, *common, "--task", "regression", "--run-dir", tmp_path / "regression")
+    assert regression.code == 1 and regression.stderr.startswith("error: --task regression needs a numeric target, "
+                                                                 "but 'price' holds text (numbers as a spreadsheet ")
+    (tmp_path / "plain.csv").write_text("x,price\n" + "".join(f"{a},{b}\n" for a, b in rows))
+    assert run_inprocess(RECIPE, "--csv", tmp_path / "plain.csv", "--target", "x", "--max-steps", 1, "--run-dir",
+                         tmp_path / "plain").code == 0
+    new = tmp_path / "new.csv"
+    new.write_text("price\n" + "".join(f'"{float(b):,.2f}"\n' for _, b in rows[:20]))
+    thousands = sum(float(b) >= 1000 for _, b in rows[:20])
+    predicted = run_inprocess(RECIPE, "--predict", new, "--resume", tmp_path / "plain" / "checkpoints" / "last.pt")
+    assert predicted.code == 0 and predicted.stderr == f"warning: column 'price': {thousands} of 20 values are not " \
+        f"numbers (such as '{next(f'{float(b):,.2f}' for _, b in rows if float(b) >= 1000)}'), read as missing: the " \
+        "training mean; write them plain (1234.5: a decimal point, no thousands separator, percent or currency sign)\n"
+
+
 def test_task_auto_detection():
     rows = [[str(i), str(i % 3)] for i in range(30)]
     assert tabular.fit_features(text_table(["x", "y"], rows), "y", "auto")["task"] == "classification"
