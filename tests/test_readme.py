@@ -181,6 +181,7 @@ def test_the_gpt2_sections_run_as_written_with_a_tiny_stand_in_for_gpt2(tmp_path
 
 def test_the_own_images_snippet_reads_an_image_folder(tmp_path):
     """docs/guide.md's "Your own images" block, run as written in a folder holding my_images/ of two classes."""
+    from PIL import Image, ImageDraw
     from torchvision.io import write_png
 
     code = re.findall(r"```python\n(.*?)```", section("Your own images"), flags=re.S)[0]
@@ -189,6 +190,12 @@ def test_the_own_images_snippet_reads_an_image_folder(tmp_path):
         for i in range(n):
             write_png(torch.randint(0, 255, (3, 40, 30), dtype=torch.uint8), str(tmp_path / "my_images" / name /
                                                                                  f"{i}.png"))
-    result = run_subprocess([sys.executable, "-c", code], cwd=tmp_path)
+    # a black stroke on a see-through canvas, as paint programs save one, and the same stroke on white: it was black
+    drawn = Image.new("RGBA", (40, 40), (0, 0, 0, 0))
+    ImageDraw.Draw(drawn).line([(20, 5), (20, 35)], fill=(0, 0, 0, 255), width=6)
+    drawn.save(tmp_path / "my_images" / "cat" / "0.png")
+    Image.alpha_composite(Image.new("RGBA", (40, 40), "white"), drawn).convert("L").save(tmp_path / "my_images" /
+                                                                                          "cat" / "1.png")
+    result = run_subprocess([sys.executable, "-c", code + "print(torch.equal(images[0], images[1]))"], cwd=tmp_path)
     assert result.code == 0, result.stderr[-2000:]
-    assert result.stdout.strip() == "torch.Size([5, 1, 28, 28]) [3, 2] ['cat', 'dog']"
+    assert result.stdout.strip() == "torch.Size([5, 1, 28, 28]) [3, 2] ['cat', 'dog']\nTrue"
