@@ -104,10 +104,11 @@ def read_table(path: Path, drop: list[str] | None = None, checked: list[str] | N
     delimiter = {".csv": ",", ".tsv": "\t"}.get(Path(name.removesuffix(".gz")).suffix)  # pyarrow gunzips .gz
     if delimiter is None and not name.endswith(".parquet"):
         raise cli.RecipeError(f"{path}: not a table file by its name; give a .csv, .tsv, .csv.gz, .tsv.gz or .parquet")
+    first_line = b""
     try:
         # UTF-16 would read as one garbled column: its byte order mark (inside the gzip stream) says what it is
         with (gzip.open if name.endswith(".gz") else open)(path, "rb") as f:
-            if f.read(2) in (codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE):
+            if (first_line := f.readline(1 << 16))[:2] in (codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE):
                 raise cli.RecipeError(f"{path} is UTF-16 text; re-save it as UTF-8")
         if delimiter is None:
             table = pq.read_table(path)
@@ -130,8 +131,19 @@ def read_table(path: Path, drop: list[str] | None = None, checked: list[str] | N
         # a cell (pyarrow's message), or a header (decoded by Python), in Latin-1, say
         if "invalid UTF8" in str(err) or isinstance(err, UnicodeDecodeError):
             raise cli.RecipeError(f"{path} is not UTF-8 text; re-save it as UTF-8") from None
-        raise cli.RecipeError(f"{path} is not a readable table file: {err}") from None
+        first = first_line.decode("utf-8", "replace").strip()
+        if first.lower().startswith("sep=") and delimiter:  # Excel's first line naming the delimiter
+            raise cli.RecipeError(f"{path}: its first line, {first!r}, names Excel's delimiter: delete it") from None
+        hint = next((f" (is it {name}-separated, as a spreadsheet with a decimal comma saves it? only .tsv files are "
+                     "read with another delimiter than ',')" for sep, name in ((";", "semicolon"), ("\t", "tab"))
+                     if delimiter == "," and sep in first and "," not in first), "")
+        raise cli.RecipeError(f"{path} is not a readable table file: {err}{hint}") from None
     table = table.rename_columns([str(column).strip() for column in table.column_names])
+    if unnamed := [i for i, name in enumerate(table.column_names) if name == "" and delimiter and  # a spreadsheet's
+                   not any(pc.utf8_trim_whitespace(table[i].combine_chunks().dictionary).to_pylist())]:  # empty ones
+        print(f"note: {len(unnamed)} column(s) without a name or a value left out", file=sys.stderr)
+        for i in reversed(unnamed):  # (by position: a first column without a name but with values stays)
+            table = table.remove_column(i)
     if len(set(table.column_names)) < table.num_columns:
         raise cli.RecipeError(f"{path}: the header names a column twice ({', '.join(table.column_names)})")
     if table.num_rows == 0:

@@ -167,6 +167,25 @@ def test_a_target_or_new_rows_of_numbers_as_a_spreadsheet_shows_them_are_said(ru
         "training mean; write them plain (1234.5: a decimal point, no thousands separator, percent or currency sign)\n"
 
 
+def test_a_spreadsheet_s_empty_trailing_columns_are_left_out_with_a_note(run_inprocess, tmp_path):
+    """Columns without a name or a value (a spreadsheet's, at the end of each row) were "the header names a column
+    twice (a, b, label, , )", or one of them a feature of nothing but empty cells; a first column without a name but
+    with values (pandas' row index) is still left out as such, with its own note."""
+    rows = "".join(f"{i},{i % 7},{'xy'[i % 2]},,\n" for i in range(100))
+    (tmp_path / "t.csv").write_text("a,b,label,,\n" + rows)
+    result = run_inprocess(RECIPE, "--csv", tmp_path / "t.csv", "--target", "label", "--max-steps", 1, "--run-dir",
+                           tmp_path / "run")
+    assert result.code == 0 and result.stderr == "note: 2 column(s) without a name or a value left out\n"
+    assert "| 2 numeric (" in result.stdout
+    (tmp_path / "i.csv").write_text(",a,b,label,\n" + "".join(f"{i},{row}" for i, row in enumerate(rows.splitlines(
+        keepends=True))).replace(",,\n", ",\n"))
+    indexed = run_inprocess(RECIPE, "--csv", tmp_path / "i.csv", "--target", "label", "--max-steps", 1, "--run-dir",
+                            tmp_path / "indexed")
+    assert indexed.code == 0 and indexed.stderr == "note: 1 column(s) without a name or a value left out\nnote: the " \
+        "first column, '', left out: a row index, as pandas writes it without a name\n", indexed.stderr
+    assert "| 2 numeric (" in indexed.stdout
+
+
 def test_task_auto_detection():
     rows = [[str(i), str(i % 3)] for i in range(30)]
     assert tabular.fit_features(text_table(["x", "y"], rows), "y", "auto")["task"] == "classification"
@@ -468,6 +487,12 @@ def test_a_data_folder_that_is_a_file_is_said_so(run_inprocess, tmp_path):
                                                 "tab-separated file .tsv"),
         ("semicolons.csv", "a;b;label\n1;2;x\n", "is it semicolon-separated? only .tsv files are read with another "
                                                   "delimiter than ','"),
+        # with decimal commas as well (a spreadsheet's where the comma is the decimal mark): the parse fails first
+        ("european.csv", "a;b;label\n0,5;1,25;x\n", "CSV parse error: Expected 1 columns, got 3: 0,5;1,25;x (is it "
+         "semicolon-separated, as a spreadsheet with a decimal comma saves it? only .tsv files are read with another "
+         "delimiter than ',')"),
+        ("excel.csv", "sep=,\na,b,label\n1,2,x\n", "excel.csv: its first line, 'sep=,', names Excel's delimiter: "
+         "delete it"),  # was "CSV parse error: Expected 2 columns, got 3"
         ("only-label.csv", "label\nx\ny\nx\ny\n", "only-label.csv has no feature columns besides the target "
                                                     "'label': add the columns to predict it from"),
         ("lists.parquet", pa.table({"a": [1.0, 2.0] * 20, "tags": [[1, 2], []] * 20, "label": ["x", "y"] * 20}),
