@@ -38,6 +38,11 @@ def checksum(*tensors: torch.Tensor) -> str:
         crc = zlib.crc32(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy(), crc)
     return f"{crc:08x}"
 
+
+def same_file(path: str | Path | None) -> str | None:
+    """A data file's path as the file it names (absolute, links followed), to compare by file, not by spelling."""
+    return path and str(Path(path).resolve())
+
 class ResumableSampler(Sampler):
     """A training sampler that a resumed run can start part-way through an epoch: ``skip`` (set by
     ``common.loop.batches_left``) leaves out the epoch's first samples. The wrapped order depends on (seed, epoch)

@@ -43,7 +43,7 @@ from torch.utils.data import Dataset
 from common import cli
 from common.best import BestCheckpoints, BestScore, EarlyStopping
 from common.checkpoint import Checkpointer, check_same_run, load_checkpoint, load_model_state, resume_checkpoint
-from common.data import built_batch, checksum, download, make_loader
+from common.data import built_batch, checksum, download, make_loader, same_file
 from common.loop import StepStats, batches_left, epochs_left, evaluate, to_device, train_step
 from common.profile import StepProfiler
 from common.rundir import already_finished, open_run_dir, write_json
@@ -980,11 +980,12 @@ def train(csv_path: Path | None, target: str, task: str, drop: list[str] | None,
     # --lr left out is the optimizer's own: recorded apart, so a replay with another --optimizer takes that one's
     lr = config["lr_used"] = lr or DEFAULT_LR[optimizer_name]
     run = open_run_dir(RECIPE, run_dir, resume)  # never over another run's checkpoints; one run at a time in it
-    checkpoint = resume_checkpoint(run, RECIPE, config, may_change={"keep_best", "patience", "lr", "csv_path"})  # (its
-    # rows are checked by their checksum at the restore: the same file by another path, absolute say, goes on)
+    checkpoint = resume_checkpoint(run, RECIPE, config, may_change={"keep_best", "patience", "lr", "csv_path"})
     if checkpoint:  # the rate, given or default, must match ("lr" alone: older runs recorded a default --lr resolved)
-        saved = checkpoint["config"]  # (one without an lr is refused as another rate)
-        check_same_run({"config": {"lr": saved.get("lr_used", saved.get("lr"))}}, run.resume_from, {"lr": lr})
+        saved = checkpoint["config"]  # (one without an lr is refused as another rate); and the table, as the file it
+        check_same_run({"config": {"lr": saved.get("lr_used", saved.get("lr")),  # is: its absolute path, say, goes on
+                                   "csv_path": same_file(saved.get("csv_path"))}},
+                       run.resume_from, {"lr": lr, "csv_path": same_file(csv_path)})
     if already_finished(run, checkpoint, max_steps=max_steps,  # (one of no epoch length: refused at its restore)
                         epochs=epochs or checkpoint and default_epochs(checkpoint.get("steps_per_epoch") or 1,
                                                                        optimizer_name)):

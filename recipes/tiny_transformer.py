@@ -63,8 +63,8 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from common import cli, hf_gpt2, hf_tokens
 from common.best import BestScore
-from common.checkpoint import Checkpointer, load_model_state, resume_checkpoint
-from common.data import checksum, ignore_stop_signals
+from common.checkpoint import Checkpointer, check_same_run, load_model_state, resume_checkpoint
+from common.data import checksum, ignore_stop_signals, same_file
 from common.loop import StepStats, evaluate
 from common.peak_flops import device_peak_flops
 from common.profile import StepProfiler
@@ -743,7 +743,10 @@ def main(
     run = from_rank_0(lambda: open_run_dir(RECIPE, run_dir, resume, partial(last_sharded, warn=sharded)))
     checkpoint = resume_checkpoint(run, RECIPE, config, load=load_trainer_state, may_change={
         "eval_batches", "sample_tokens", "temperature", "top_k", "prompt", "peak_flops", "batch_size", "grad_accum",
-        "parallel", "activation_checkpointing", "attention", "text"})  # (--text: its tokens' checksum is checked)
+        "parallel", "activation_checkpointing", "attention", "text"})
+    if checkpoint:  # --text as the file it is, however spelled: a relative path resumed by its absolute one goes on
+        check_same_run({"config": {"text": same_file(checkpoint["config"].get("text"))}}, run.resume_from,
+                       {"text": same_file(text)})
     if already_finished(run, checkpoint, steps=steps, max_steps=max_steps):
         if dist.is_initialized():
             leave_process_group()

@@ -5,6 +5,7 @@ import gzip
 import hashlib
 import json
 import math
+import shutil
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -952,13 +953,23 @@ def test_adults_test_file_is_scored_with_the_weights_best_pt_holds(run_inprocess
                            load_weights(run_dir / "checkpoints" / "last.pt")["head.weight"])
 
 
-def test_a_resume_names_its_csv_by_any_path_its_rows_are_checked(run_inprocess, tmp_path, monkeypatch):
+def test_a_resume_names_its_csv_by_any_path_to_the_same_file(run_inprocess, tmp_path, monkeypatch):
     """--csv table.csv and its absolute path, as the first line prints it, are one file: the resume was refused as
-    "started with other options (--csv table.csv there, /tmp/.../table.csv here)"."""
+    "started with other options (--csv table.csv there, /tmp/.../table.csv here)". Another file is refused still,
+    even one of the same rows (a checksum covers the training rows alone: other validation rows would pass it)."""
     table = write_table(tmp_path / "table.csv", n=300, seed=0)
     args = ["--target", "label", *RAW, "--epochs", 1, "--batch-size", 32, "--run-dir", tmp_path / "run"]
     monkeypatch.chdir(tmp_path)
     assert run_inprocess(RECIPE, "--csv", "table.csv", *args, "--max-steps", 3).code == 0
+    (tmp_path / "copy").mkdir()
+    shutil.copy(table, tmp_path / "copy" / "table.csv")
+    last = tmp_path / "run" / "checkpoints" / "last.pt"
+    before = last.read_bytes()
+    other = run_inprocess(RECIPE, "--csv", tmp_path / "copy" / "table.csv", *args, "--resume", "auto")
+    assert (other.code, other.stderr) == (1, f"error: checkpoint {last} was started with other options (--csv {table} "
+                                          f"there, {tmp_path / 'copy' / 'table.csv'} here): resume with the options it "
+                                          "was started with, or start afresh in another --run-dir\n")
+    assert last.read_bytes() == before
     resumed = run_inprocess(RECIPE, "--csv", table, *args, "--resume", "auto")
     assert resumed.code == 0 and "resumed at step 3" in resumed.stdout, resumed.stderr
     assert read_metrics(tmp_path / "run")["steps"] == 7

@@ -439,7 +439,11 @@ def test_resumed_run_ends_with_the_same_weights(run_inprocess, text_file, tmp_pa
     assert run_inprocess(RECIPE, "--text", text_file, *common, "--run-dir", tmp_path / "full").code == 0
     monkeypatch.chdir(text_file.parent)  # started with --text corpus.txt; resumed with its absolute path, as the
     assert run_inprocess(RECIPE, "--text", text_file.name, *common, "--max-steps", 3,  # first line shows it: the
-                         "--run-dir", tmp_path / "cut").code == 0  # same tokens, so no other option (it was refused)
+                         "--run-dir", tmp_path / "cut").code == 0  # same file, so no other option (it was refused)
+    copy = tmp_path / "copy.txt"  # another file is: its tokens' checksum covers the training split alone
+    copy.write_bytes(text_file.read_bytes())
+    other = run_inprocess(RECIPE, "--text", copy, *common, "--resume", "auto", "--run-dir", tmp_path / "cut")
+    assert other.code == 1 and f"was started with other options (--text {text_file} there, {copy} here)" in other.stderr
     resumed = run_inprocess(RECIPE, "--text", text_file, *common, "--resume", "auto", "--run-dir", tmp_path / "cut")
     assert resumed.code == 0, resumed.stderr
     assert "resumed at step 3" in resumed.stdout
