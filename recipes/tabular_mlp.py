@@ -55,9 +55,11 @@ RECIPE = "tabular_mlp"
 # A missing value, however spelled: compared stripped and lower-cased. In a numeric column inf and -inf count too.
 MISSING = pa.array(["", "?", "na", "n/a", "#n/a", "<na>", "nan", "-nan", "+nan", "null", "none"])
 NUMBER = r"^[+-]?((\d+\.?\d*|\.\d+)(e[+-]?\d+)?|inf(inity)?)$"  # for values of a numeric column in new rows
-# A number as a spreadsheet shows it to people: thousands groups, a decimal comma, a percent or currency sign. Read as
-# words (1,234 is no number to a program, nor is it to a person whose decimal mark is the comma): said, not guessed
-FOR_PEOPLE = re.compile(r"[+-]?[$€£¥]?\s?[+-]?(\d{1,3}([,.'\s]\d{3})+([.,]\d+)?|\d+,\d+|\d+(\.\d+)?)\s?[%$€£¥]?")
+# A number as a spreadsheet shows it to people: 1,234.5 or 1.234,5 (1 234,5), a decimal comma, a percent or currency
+# sign. Read as words (1,234 is no number to a program, nor to a person whose decimal mark is the comma): said, not
+# guessed. Groups without a decimal comma (1 234, 10.126.150) stay words unsaid: phone numbers, IDs, addresses
+FOR_PEOPLE = re.compile(r"[+-]?[$€£¥]?\s?[+-]?(\d{1,3}(,\d{3})+(\.\d+)?|\d{1,3}([.\s']\d{3})+,\d+|\d+,\d+|\d+(\.\d+)?)"
+                        r"\s?[%$€£¥]?")
 WRITE_PLAIN = "write them plain (1234.5: a decimal point, no thousands separator, percent or currency sign)"
 MISSING_CLASS, UNSEEN_CLASS = -1, -2  # encode's target for a row without a class, or with one unseen in training
 # --num-embedding: quantile bins per column (ple), frequencies per column and their initial spread (periodic), and
@@ -134,8 +136,9 @@ def read_table(path: Path, drop: list[str] | None = None, checked: list[str] | N
         first = first_line.decode("utf-8", "replace").strip()
         if first.lower().startswith("sep=") and delimiter:  # Excel's first line naming the delimiter
             raise cli.RecipeError(f"{path}: its first line, {first!r}, names Excel's delimiter: delete it") from None
-        hint = next((f" (is it {name}-separated, as a spreadsheet with a decimal comma saves it? only .tsv files are "
-                     "read with another delimiter than ',')" for sep, name in ((";", "semicolon"), ("\t", "tab"))
+        hint = next((hint for sep, hint in ((";", " (is it semicolon-separated, as spreadsheets whose decimal mark is "
+                     "the comma save it? only .tsv files are read with another delimiter than ',')"),
+                     ("\t", " (is it tab-separated? name a tab-separated file .tsv)"))
                      if delimiter == "," and sep in first and "," not in first), "")
         raise cli.RecipeError(f"{path} is not a readable table file: {err}{hint}") from None
     table = table.rename_columns([str(column).strip() for column in table.column_names])
@@ -289,8 +292,9 @@ def target_task(column: pa.ChunkedArray, name: str, task: str, rows: str = "") -
         values = loose if stray <= STRAY_WORDS * present or (task == "regression" and stray < present) else None
         known = loose[~np.isnan(loose)]  # mostly numbers, which auto would read as a regression but for the words:
         if values is None and task == "auto" and for_people:  # 1,234.5 or 0,5 or 12%: as a spreadsheet formats them
-            print(f"warning: target column {name!r} holds numbers as a spreadsheet shows them (such as {example!r}), "
-                  f"so it is read as {len(labels):,} classes; to predict numbers, {WRITE_PLAIN}", file=sys.stderr)
+            print(f"warning: target column {name!r} holds what look like numbers as a spreadsheet shows them (such "
+                  f"as {example!r}), so it is read as {len(labels):,} classes; to predict numbers, {WRITE_PLAIN}",
+                  file=sys.stderr)
         elif values is None and task == "auto" and stray < present / 2 and not few_integers(known, len(set(known))):
             print(f"warning: target column {name!r}: {stray:,} of {present:,} values are not numbers (such as "
                   f"{example!r}), so it is read as {len(labels):,} classes; to predict numbers, fill in or remove "
@@ -333,8 +337,9 @@ def mostly_numbers(column: pa.ChunkedArray, name: str) -> np.ndarray | None:
     example = strays[0]
     if stray > STRAY_WORDS * present:
         if written_for_people(strays):  # 1,234.5 or 0,5 or 12%: numbers, as a spreadsheet formats them
-            print(f"warning: column {name!r} holds numbers as a spreadsheet shows them (such as {example!r}): read "
-                  f"as a category of its every value; {WRITE_PLAIN} to read numbers", file=sys.stderr)
+            print(f"warning: column {name!r} holds what look like numbers as a spreadsheet shows them (such as "
+                  f"{example!r}): read as a category of its every value; if they are numbers, {WRITE_PLAIN}",
+                  file=sys.stderr)
         elif stray < present / 2:  # numbers still, with a placeholder ("-") in more cells than a typo would be
             print(f"warning: column {name!r}: {stray:,} of {present:,} values are not numbers (such as {example!r}), "
                   "too many to read as missing: it is read as a category of its every value; clean them to read "

@@ -122,24 +122,24 @@ def test_a_numeric_column_with_a_few_stray_cells_stays_numeric(capsys):
     assert numeric[8, 0] == pytest.approx((12.0 - present.mean()) / present.std())
 
 
-@pytest.mark.parametrize("cell", ["{:,.2f}", "{:.2f}%", "${:.2f}", "EUR", "{:.3f}".replace(".", ",")])
+@pytest.mark.parametrize("cell", ["{:,.2f}", "{:.2f}%", "${:.2f}", "EUR", "{:.3f}".replace(".", ","), "phone"])
 def test_numbers_as_a_spreadsheet_shows_them_are_said_to_be_read_as_a_category(cell, capsys):
     """A spreadsheet's 1,234.56, 0,126, 12% or $3 in every cell: numbers to a person, words to a program. The column
     became a category of its every value without a word."""
     rng = np.random.default_rng(0)
     values = rng.normal(1000, 100, 300)
-    x = [f"{v:.2f}".replace(".", ",") if cell.endswith(",3f}") else cell.format(v) if cell != "EUR" else
-         f"{v:.2f} EUR" for v in values]
+    x = [f"{v:.2f}".replace(".", ",") if cell.endswith(",3f}") else f"{v:.2f} EUR" if cell == "EUR" else
+         f"+420 {int(v):03d} {int(v * 7) % 1000:03d}" if cell == "phone" else cell.format(v) for v in values]
     table = text_table(["x", "y"], [[a, b] for a, b in zip(x, "ab" * 150, strict=True)])
     spec = tabular.fit_features(table, "y", "auto")
     assert list(spec["categorical"]) == ["x"]
     said = capsys.readouterr().err
-    if cell == "EUR":  # a unit word: no number as spreadsheets format one, so nothing said (as before)
+    if cell in ("EUR", "phone"):  # a unit word, groups without a decimal comma (a phone number): nothing said
         assert said == ""
     else:
-        assert said == f"warning: column 'x' holds numbers as a spreadsheet shows them (such as {x[0]!r}): read as a " \
-            "category of its every value; write them plain (1234.5: a decimal point, no thousands separator, " \
-            "percent or currency sign) to read numbers\n"
+        assert said == f"warning: column 'x' holds what look like numbers as a spreadsheet shows them (such as " \
+            f"{x[0]!r}): read as a category of its every value; if they are numbers, write them plain (1234.5: a " \
+            "decimal point, no thousands separator, percent or currency sign)\n"
 
 
 def test_a_target_or_new_rows_of_numbers_as_a_spreadsheet_shows_them_are_said(run_inprocess, tmp_path):
@@ -150,8 +150,8 @@ def test_a_target_or_new_rows_of_numbers_as_a_spreadsheet_shows_them_are_said(ru
     (tmp_path / "comma.csv").write_text("x,price\n" + "".join(f'{a},"{b.replace(".", ",")}"\n' for a, b in rows))
     common = ["--csv", tmp_path / "comma.csv", "--target", "price", "--max-steps", 1]
     auto = run_inprocess(RECIPE, *common, "--run-dir", tmp_path / "auto")
-    assert auto.code == 0 and f"warning: target column 'price' holds numbers as a spreadsheet shows them (such as " \
-        f"'{rows[0][1].replace('.', ',')}'), so it is read as " in auto.stderr, auto.stderr
+    assert auto.code == 0 and "warning: target column 'price' holds what look like numbers as a spreadsheet shows " \
+        f"them (such as '{rows[0][1].replace('.', ',')}'), so it is read as " in auto.stderr, auto.stderr
     assert "classes; to predict numbers, write them plain (1234.5: a decimal point" in auto.stderr
     regression = run_inprocess(RECIPE, *common, "--task", "regression", "--run-dir", tmp_path / "regression")
     assert regression.code == 1 and regression.stderr.startswith("error: --task regression needs a numeric target, "
@@ -490,8 +490,10 @@ def test_a_data_folder_that_is_a_file_is_said_so(run_inprocess, tmp_path):
                                                   "delimiter than ','"),
         # with decimal commas as well (a spreadsheet's where the comma is the decimal mark): the parse fails first
         ("european.csv", "a;b;label\n0,5;1,25;x\n", "CSV parse error: Expected 1 columns, got 3: 0,5;1,25;x (is it "
-         "semicolon-separated, as a spreadsheet with a decimal comma saves it? only .tsv files are read with another "
-         "delimiter than ',')"),
+         "semicolon-separated, as spreadsheets whose decimal mark is the comma save it? only .tsv files are read with "
+         "another delimiter than ',')"),
+        ("tabbed.csv", "name\tb\tlabel\nSmith, J\t2\tx\n", "Expected 1 columns, got 2: Smith, J 2 x (is it "
+         "tab-separated? name a tab-separated file .tsv)"),
         ("excel.csv", "sep=,\na,b,label\n1,2,x\n", "excel.csv: its first line, 'sep=,', names Excel's delimiter: "
          "delete it"),  # was "CSV parse error: Expected 2 columns, got 3"
         ("only-label.csv", "label\nx\ny\nx\ny\n", "only-label.csv has no feature columns besides the target "
