@@ -55,11 +55,12 @@ RECIPE = "tabular_mlp"
 # A missing value, however spelled: compared stripped and lower-cased. In a numeric column inf and -inf count too.
 MISSING = pa.array(["", "?", "na", "n/a", "#n/a", "<na>", "nan", "-nan", "+nan", "null", "none"])
 NUMBER = r"^[+-]?((\d+\.?\d*|\.\d+)(e[+-]?\d+)?|inf(inity)?)$"  # for values of a numeric column in new rows
-# A number as a spreadsheet shows it to people: 1,234.5 or 1.234,5 (1 234,5), a decimal comma, a percent or currency
-# sign. Read as words (1,234 is no number to a program, nor to a person whose decimal mark is the comma): said, not
-# guessed. Groups without a decimal comma (1 234, 10.126.150) stay words unsaid: phone numbers, IDs, addresses
-FOR_PEOPLE = re.compile(r"[+-]?[$€£¥]?\s?[+-]?(\d{1,3}(,\d{3})+(\.\d+)?|\d{1,3}([.\s']\d{3})+,\d+|\d+,\d+|\d+(\.\d+)?)"
-                        r"\s?[%$€£¥]?")
+# A number as a spreadsheet shows it to people: 1,234.5 (1,23,456.7 in India, 1'234.5 in Switzerland), 1.234,5 or
+# 1 234,5, a decimal comma, a percent or currency sign, an accountant's (12.5). Read as words (1,234 is no number to a
+# program, nor to a person whose decimal mark is the comma): said, not guessed. Groups of dots or spaces without a
+# decimal comma (1 234, 10.126.150) stay words unsaid: phone numbers, IDs, addresses
+FOR_PEOPLE = re.compile(r"\(?[+-]?[$€£¥]?\s?[+-]?(\d{1,3}(,\d{2,3})*,\d{3}(\.\d+)?|\d{1,3}(['’]\d{3})+(\.\d+)?|"
+                        r"\d{1,3}([.\s'’]\d{3})+,\d+|\d+,\d+|\d+(\.\d+)?)\s?[%$€£¥]?\)?")
 WRITE_PLAIN = "write them plain (1234.5: a decimal point, no thousands separator, percent or currency sign)"
 MISSING_CLASS, UNSEEN_CLASS = -1, -2  # encode's target for a row without a class, or with one unseen in training
 # --num-embedding: quantile bins per column (ple), frequencies per column and their initial spread (periodic), and
@@ -982,6 +983,7 @@ def train(csv_path: Path | None, target: str, task: str, drop: list[str] | None,
           log_every: int | None, profile: int | None, keep_best: int, patience: int | None) -> dict:
     """One training run: on a seeded split of --val-frac, or with ``fold`` (of ``cv``) held out. Its metrics."""
     config = cli.as_config(locals())  # every option as resolved: config.json, and what a resume must match
+    config["csv_path"] = same_file(csv_path)  # the file, absolute: a resume from another folder compares that one
     # --lr left out is the optimizer's own: recorded apart, so a replay with another --optimizer takes that one's
     lr = config["lr_used"] = lr or DEFAULT_LR[optimizer_name]
     run = open_run_dir(RECIPE, run_dir, resume)  # never over another run's checkpoints; one run at a time in it

@@ -735,6 +735,7 @@ def main(
     options.update(batch_size=batch_size, global_batch=global_batch,
                    checkpoint_format="sharded (--parallel fsdp)" if sharded else "single file")
     config = cli.as_config(options)  # every option as resolved: config.json, and what a resume must match
+    config["text"] = same_file(text)  # the file, absolute: a resume from another folder compares that one
     last_checkpoint = last_sharded if sharded else last_file  # the last good checkpoint, which a divergence names
     # Rank 0 names, checks and locks the run directory (every rank must use that one) and finds the checkpoint;
     # every rank then reads the same checkpoint. Only rank 0 writes files, but under FSDP every rank its shards.

@@ -5,6 +5,7 @@ import gzip
 import hashlib
 import json
 import math
+import re
 import shutil
 import urllib.error
 import urllib.request
@@ -122,14 +123,18 @@ def test_a_numeric_column_with_a_few_stray_cells_stays_numeric(capsys):
     assert numeric[8, 0] == pytest.approx((12.0 - present.mean()) / present.std())
 
 
-@pytest.mark.parametrize("cell", ["{:,.2f}", "{:.2f}%", "${:.2f}", "EUR", "{:.3f}".replace(".", ","), "phone"])
+@pytest.mark.parametrize("cell", ["{:,.2f}", "{:.2f}%", "${:.2f}", "decimal comma", "Swiss", "Indian", "accounting",
+                                  "EUR", "phone"])
 def test_numbers_as_a_spreadsheet_shows_them_are_said_to_be_read_as_a_category(cell, capsys):
-    """A spreadsheet's 1,234.56, 0,126, 12% or $3 in every cell: numbers to a person, words to a program. The column
-    became a category of its every value without a word."""
+    """A spreadsheet's 1,234.56, 0,126, 12%, $3, 1'234.56, 1,23,456.78 or (1,234.56) in every cell: numbers to a
+    person, words to a program. The column became a category of its every value without a word."""
     rng = np.random.default_rng(0)
-    values = rng.normal(1000, 100, 300)
-    x = [f"{v:.2f}".replace(".", ",") if cell.endswith(",3f}") else f"{v:.2f} EUR" if cell == "EUR" else
-         f"+420 {int(v):03d} {int(v * 7) % 1000:03d}" if cell == "phone" else cell.format(v) for v in values]
+    values = rng.normal(1000, 100, 300) * (200 if cell == "Indian" else 1)  # (lakhs: 2,00,000.00)
+    spell = {"decimal comma": lambda v: f"{v:.3f}".replace(".", ","), "Swiss": lambda v: f"{v:,.2f}".replace(",", "'"),
+             "Indian": lambda v: re.sub(r"(\d)(?=(\d\d)*\d\d\d\.)", r"\1,", f"{v:.2f}"),
+             "accounting": lambda v: f"({v:,.2f})" if v < 1000 else f"{v:,.2f}", "EUR": lambda v: f"{v:.2f} EUR",
+             "phone": lambda v: f"+420 {int(v):03d} {int(v * 7) % 1000:03d}"}.get(cell, cell.format)
+    x = [spell(v) for v in values]
     table = text_table(["x", "y"], [[a, b] for a, b in zip(x, "ab" * 150, strict=True)])
     spec = tabular.fit_features(table, "y", "auto")
     assert list(spec["categorical"]) == ["x"]
@@ -967,7 +972,8 @@ def test_a_resume_names_its_csv_by_any_path_to_the_same_file(run_inprocess, tmp_
     shutil.copy(table, tmp_path / "copy" / "table.csv")
     last = tmp_path / "run" / "checkpoints" / "last.pt"
     before = last.read_bytes()
-    other = run_inprocess(RECIPE, "--csv", tmp_path / "copy" / "table.csv", *args, "--resume", "auto")
+    monkeypatch.chdir(tmp_path / "copy")  # the same name typed in another folder is another file
+    other = run_inprocess(RECIPE, "--csv", "table.csv", *args, "--resume", "auto")
     assert (other.code, other.stderr) == (1, f"error: checkpoint {last} was started with other options (--csv {table} "
                                           f"there, {tmp_path / 'copy' / 'table.csv'} here): resume with the options it "
                                           "was started with, or start afresh in another --run-dir\n")
