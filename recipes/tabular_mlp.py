@@ -992,7 +992,7 @@ def train(csv_path: Path | None, target: str, task: str, drop: list[str] | None,
         saved = checkpoint["config"]  # (one without an lr is refused as another rate); and the table, as the file it
         check_same_run({"config": {"lr": saved.get("lr_used", saved.get("lr")),  # is: its absolute path, say, goes on
                                    "csv_path": same_file(saved.get("csv_path"))}},
-                       run.resume_from, {"lr": lr, "csv_path": same_file(csv_path)})
+                       run.resume_from, {"lr": lr, "csv_path": config["csv_path"]})
     if already_finished(run, checkpoint, max_steps=max_steps,  # (one of no epoch length: refused at its restore)
                         epochs=epochs or checkpoint and default_epochs(checkpoint.get("steps_per_epoch") or 1,
                                                                        optimizer_name)):

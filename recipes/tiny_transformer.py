@@ -747,7 +747,7 @@ def main(
         "parallel", "activation_checkpointing", "attention", "text"})
     if checkpoint:  # --text as the file it is, however spelled: a relative path resumed by its absolute one goes on
         check_same_run({"config": {"text": same_file(checkpoint["config"].get("text"))}}, run.resume_from,
-                       {"text": same_file(text)})
+                       {"text": config["text"]})
     if already_finished(run, checkpoint, steps=steps, max_steps=max_steps):
         if dist.is_initialized():
             leave_process_group()
